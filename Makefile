@@ -1,0 +1,42 @@
+# megadlms — convenience targets. Everything installs itself; nothing needs a GPU.
+#   make install   venv (if none is active) + pinned CPU torch (if torch is missing) + package
+#   make test      the whole test suite (the README's test command)
+#   make demo      install + preprocess the KJV corpus + train a small DLM on 2 CPU ranks + sample
+#   make cuda-check  compile every CUDA source with nvcc (no GPU needed)
+
+TORCH_SPEC ?= torch==2.13.0
+ifdef VIRTUAL_ENV
+PY := $(VIRTUAL_ENV)/bin/python
+else
+PY := $(CURDIR)/.venv/bin/python
+endif
+export MAX_JOBS ?= 2
+export CFLAGS ?= -g0
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench cuda-check clean
+
+$(PY):
+	python3 -m venv $(CURDIR)/.venv
+
+install: $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -m pip install -q setuptools wheel ninja
+	$(PY) -m pip install --no-build-isolation -e ".[test,demo]"
+	@$(PY) -c "import megadlm_ext as e; i = e.backend_info(); assert i['compiled'], i; print('megadlm_ext:', i)"
+
+test: install
+	$(PY) -m pytest tests $(PYTEST_ARGS)
+
+demo: install
+	PY=$(PY) bash examples/demo.sh
+
+bench: install
+	$(PY) benchmarks/bench_ext.py
+
+cuda-check:
+	cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release
+	cmake --build build/cmake -j $(MAX_JOBS)
+
+clean:
+	rm -rf build megadlm_ext/_C*.so *.egg-info python/*.egg-info

@@ -1,0 +1,93 @@
+"""megadlm_ext: fused multi-tensor ops (C++ CPU kernels, CUDA kernels) and NCCL glue.
+
+Every op has two routes: the compiled one (``megadlm_ext._C``) and a plain-PyTorch
+reference (:mod:`megadlm_ext.reference`) with the same contract and checks.
+``force_reference()`` / ``MEGADLM_EXT_FORCE_REFERENCE=1`` pick the reference
+(tests compare the two). If the compiled module is missing the reference route is
+used and a warning is logged once; ``backend_info()["compiled"]`` says which.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+import torch  # noqa: F401  (loads libtorch before _C)
+
+from . import reference as _ref
+
+__version__ = "0.1.0"
+_log = logging.getLogger("megadlm_ext")
+
+try:
+    from . import _C  # type: ignore[attr-defined]
+    _IMPORT_ERROR = None
+except ImportError as exc:  # not built: reference route only
+    _C = None
+    _IMPORT_ERROR = exc
+
+_force_reference = os.environ.get("MEGADLM_EXT_FORCE_REFERENCE", "0") == "1"
+_warned = False
+
+
+def _impl():
+    global _warned
+    if _C is None or _force_reference:
+        if _C is None and not _warned:
+            _log.warning("megadlm_ext._C is not built (%s); using the slower PyTorch reference route",
+                         _IMPORT_ERROR)
+            _warned = True
+        return _ref
+    return _C
+
+
+@contextlib.contextmanager
+def force_reference(enabled: bool = True):
+    """Run ops through the plain-PyTorch reference route inside this block."""
+    global _force_reference
+    prev, _force_reference = _force_reference, enabled
+    try:
+        yield
+    finally:
+        _force_reference = prev
+
+
+def backend_info() -> dict:
+    """{"version", "compiled", "cuda", "nccl"}: what this build of the extension provides."""
+    if _C is None:
+        return {"version": __version__, "compiled": False, "cuda": False, "nccl": False,
+                "error": str(_IMPORT_ERROR)}
+    info = dict(_C.backend_info())
+    info["version"] = __version__
+    return info
+
+
+def flatten(tensors, out=None, *, offsets=None, scale=1.0, dtype=None):
+    """Copy ``tensors`` (cast, times ``scale``) into one flat buffer at ``offsets``; return it."""
+    return _impl().flatten(tensors, out, offsets=offsets, scale=scale, dtype=dtype)
+
+
+def unflatten(flat, tensors, *, offsets=None, scale=1.0) -> None:
+    """``tensors[i][:] = scale * flat[offsets[i]:offsets[i]+numel]`` (cast), in place."""
+    return _impl().unflatten(flat, tensors, offsets=offsets, scale=scale)
+
+
+def accumulate_into(flat, tensors, *, offsets=None, scale=1.0) -> None:
+    """``flat[offsets[i]:...] += scale * tensors[i]`` with fp32 arithmetic, in place."""
+    return _impl().accumulate_into(flat, tensors, offsets=offsets, scale=scale)
+
+
+def scale_(tensors, factor) -> None:
+    """Multiply every tensor by ``factor`` in place."""
+    return _impl().scale_(tensors, factor)
+
+
+def l2_norm(tensors):
+    """Global L2 norm over all tensors, accumulated in fp32; a 0-d fp32 tensor."""
+    return _impl().l2_norm(tensors)
+
+
+def has_nonfinite(tensors) -> bool:
+    """True if any element of any tensor is NaN or +-Inf."""
+    return bool(_impl().has_nonfinite(tensors))

@@ -1,0 +1,180 @@
+"""Plain-PyTorch reference route of every megadlm_ext op.
+
+Same contract and the same input checks as the compiled route (csrc/bindings.cpp);
+tests force both routes and compare them. Numerics: values are cast to fp32,
+scaled, combined in fp32 and rounded once into the destination dtype, which is
+what the fused kernels do.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _span(t: torch.Tensor):
+    """Byte range [start, end) of a tensor's storage that it touches."""
+    if t.numel() == 0:
+        return None
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
+
+
+def _overlaps(a, b) -> bool:
+    return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
+
+
+def check_list(name: str, tensors, *, device=None) -> list:
+    """Validate a tensor-list argument; return it as a list."""
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        raise ValueError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name}[{i}] is a {type(t).__name__}, not a tensor")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}[{i}] has dtype {t.dtype}; supported: float32, bfloat16, float16")
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{name}[{i}] is not contiguous (strides {tuple(t.stride())}); "
+                "pass t.contiguous() (in-place ops need the original contiguous storage)"
+            )
+        if device is not None and t.device != device:
+            raise ValueError(f"{name}[{i}] is on {t.device} but the flat buffer is on {device}")
+    return tensors
+
+
+def check_flat(name: str, flat) -> None:
+    if not isinstance(flat, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(flat).__name__}")
+    if flat.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"{name} has dtype {flat.dtype}; supported: float32, bfloat16, float16")
+    if flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(flat.shape)}")
+
+
+def resolve_offsets(tensors, offsets, flat_numel: Optional[int], flat_name: str = "flat") -> list:
+    """Element offsets of each tensor in the flat buffer (packed when None); range-checked."""
+    if offsets is None:
+        out, pos = [], 0
+        for t in tensors:
+            out.append(pos)
+            pos += t.numel()
+    else:
+        out = [int(o) for o in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
+        if len(out) != len(tensors):
+            raise ValueError(f"offsets has {len(out)} entries but there are {len(tensors)} tensors")
+    spans = []
+    for i, (o, t) in enumerate(zip(out, tensors)):
+        if o < 0:
+            raise ValueError(f"offsets[{i}] = {o} is negative")
+        if flat_numel is not None and o + t.numel() > flat_numel:
+            raise ValueError(
+                f"tensors[{i}] ({t.numel()} elements at offset {o}) runs past the end of "
+                f"{flat_name} ({flat_numel} elements)"
+            )
+        if t.numel():
+            spans.append((o, o + t.numel(), i))
+    spans.sort()
+    for (a0, a1, ia), (b0, b1, ib) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"tensors[{ia}] and tensors[{ib}] overlap in {flat_name} (offsets {a0} and {b0})")
+    return out
+
+
+def check_no_alias(flat_name: str, flat, tensors) -> None:
+    fs = _span(flat)
+    for i, t in enumerate(tensors):
+        if _overlaps(fs, _span(t)):
+            raise ValueError(f"tensors[{i}] aliases {flat_name}: in-place ops need separate memory")
+
+
+def check_distinct(tensors) -> None:
+    spans = sorted((s[0], s[1], i) for i, s in ((i, _span(t)) for i, t in enumerate(tensors)) if s)
+    for (a0, a1, ia), (b0, b1, ib) in zip(spans, spans[1:]):
+        if b0 < a1:
+            raise ValueError(f"tensors[{ia}] and tensors[{ib}] share memory: in-place ops need distinct tensors")
+
+
+def flatten(tensors, out=None, *, offsets=None, scale=1.0, dtype=None) -> torch.Tensor:
+    tensors = check_list("tensors", tensors, device=None if out is None else out.device)
+    if out is not None:
+        check_flat("out", out)
+        if dtype is not None and dtype != out.dtype:
+            raise ValueError(f"dtype={dtype} disagrees with out.dtype={out.dtype}")
+    if tensors and out is None:
+        dev = tensors[0].device
+        for i, t in enumerate(tensors):
+            if t.device != dev:
+                raise ValueError(f"tensors[{i}] is on {t.device} but tensors[0] is on {dev}")
+    offs = resolve_offsets(tensors, offsets, None if out is None else out.numel(), "out")
+    if out is None:
+        if dtype is None:
+            dts = {t.dtype for t in tensors}
+            dtype = dts.pop() if len(dts) == 1 else torch.float32
+        n = max((o + t.numel() for o, t in zip(offs, tensors)), default=0)
+        dev = tensors[0].device if tensors else torch.device("cpu")
+        out = (torch.zeros if offsets is not None else torch.empty)(n, dtype=dtype, device=dev)
+    else:
+        check_no_alias("out", out, tensors)
+    for o, t in zip(offs, tensors):
+        if t.numel():
+            v = t.reshape(-1).float()
+            if scale != 1.0:
+                v = v * scale
+            out[o:o + t.numel()].copy_(v)
+    return out
+
+
+def unflatten(flat, tensors, *, offsets=None, scale=1.0) -> None:
+    check_flat("flat", flat)
+    tensors = check_list("tensors", tensors, device=flat.device)
+    offs = resolve_offsets(tensors, offsets, flat.numel())
+    check_no_alias("flat", flat, tensors)
+    check_distinct(tensors)
+    for o, t in zip(offs, tensors):
+        if t.numel():
+            v = flat[o:o + t.numel()].float()
+            if scale != 1.0:
+                v = v * scale
+            t.view(-1).copy_(v)
+
+
+def accumulate_into(flat, tensors, *, offsets=None, scale=1.0) -> None:
+    check_flat("flat", flat)
+    tensors = check_list("tensors", tensors, device=flat.device)
+    offs = resolve_offsets(tensors, offsets, flat.numel())
+    check_no_alias("flat", flat, tensors)
+    for o, t in zip(offs, tensors):
+        if t.numel():
+            dst = flat[o:o + t.numel()]
+            v = t.reshape(-1).float()
+            if scale != 1.0:
+                v = v * scale
+            dst.copy_(dst.float() + v)
+
+
+def scale_(tensors, factor) -> None:
+    tensors = check_list("tensors", tensors)
+    check_distinct(tensors)
+    for t in tensors:
+        if t.numel():
+            t.copy_(t.float() * float(factor))
+
+
+def l2_norm(tensors) -> torch.Tensor:
+    tensors = check_list("tensors", tensors)
+    dev = tensors[0].device if tensors else torch.device("cpu")
+    acc = torch.zeros((), dtype=torch.float32, device=dev)
+    for t in tensors:
+        if t.numel():
+            acc += t.float().pow(2).sum()
+    return acc.sqrt()
+
+
+def has_nonfinite(tensors) -> bool:
+    tensors = check_list("tensors", tensors)
+    return any(t.numel() and not bool(torch.isfinite(t).all()) for t in tensors)

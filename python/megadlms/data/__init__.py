@@ -1,0 +1,1 @@
+"""megadlms.data (being written)."""

@@ -1,0 +1,1 @@
+"""megadlms.diffusion (being written)."""

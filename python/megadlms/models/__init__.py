@@ -1,0 +1,1 @@
+"""megadlms.models (being written)."""

@@ -1,0 +1,1 @@
+"""megadlms.training (being written)."""

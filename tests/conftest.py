@@ -1,0 +1,17 @@
+"""Shared pytest setup: the `gpu` marker skips without CUDA; tests never need a network."""
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)

@@ -1,0 +1,67 @@
+"""Run a function on N gloo ranks (CPU) and collect each rank's return value.
+
+    results = run_distributed(fn, world_size=2, args=(...))   # results[rank]
+
+``fn(rank, world_size, *args)`` runs after ``init_process_group("gloo")``; whatever it
+returns must be picklable (tensors are fine). An exception on any rank is re-raised
+here with that rank's traceback. Each call uses a fresh free port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        out = fn(rank, world_size, *args)
+        queue.put((rank, True, out))
+    except BaseException:  # report, do not hang the parent
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0):
+    """Spawn ``world_size`` gloo ranks running ``fn``; return [result of rank 0, 1, ...]."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results, errors = [None] * world_size, []
+    try:
+        for _ in range(world_size):
+            rank, ok, payload = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = payload
+            else:
+                errors.append(f"rank {rank} failed:\n{payload}")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 1)
+            if p.is_alive():
+                p.terminate()
+    if errors:
+        raise RuntimeError("\n".join(errors))
+    return results
