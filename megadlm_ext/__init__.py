@@ -60,6 +60,9 @@ def backend_info() -> dict:
                 "error": str(_IMPORT_ERROR)}
     info = dict(_C.backend_info())
     info["version"] = __version__
+    if info["cuda"]:  # libnccl matters only next to CUDA kernels; False on CPU builds
+        from . import nccl
+        info["nccl"] = nccl.available()
     return info
 
 

@@ -32,6 +32,7 @@ def check_list(name: str, tensors, *, device=None) -> list:
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise ValueError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     tensors = list(tensors)
+    first = tensors[0].device if tensors and isinstance(tensors[0], torch.Tensor) else None
     for i, t in enumerate(tensors):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name}[{i}] is a {type(t).__name__}, not a tensor")
@@ -44,6 +45,11 @@ def check_list(name: str, tensors, *, device=None) -> list:
             )
         if device is not None and t.device != device:
             raise ValueError(f"{name}[{i}] is on {t.device} but the flat buffer is on {device}")
+        if device is None and t.device != first:
+            raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {first}")
+        if t.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name}[{i}] is on {t.device}; megadlm_ext runs on cpu tensors "
+                             "(and cuda tensors in CUDA builds)")
     return tensors
 
 

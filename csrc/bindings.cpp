@@ -1,0 +1,222 @@
+// pybind11 module megadlm_ext._C: the host API of every op. Each op validates its
+// arguments (tensor_list.h: ValueError naming the argument and index), fills a segment
+// table in a thread-local arena, releases the GIL and runs the CPU launcher or, for
+// CUDA tensors in CUDA builds, the CUDA glue on torch's current stream.
+#include <torch/csrc/Dtype.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <cmath>
+
+#include "megadlm/kernels.h"
+#include "tensor_list.h"
+
+#ifdef MEGADLM_WITH_CUDA
+#include "glue/glue.h"
+#endif
+
+namespace py = pybind11;
+
+namespace megadlm {
+namespace {
+
+const at::Tensor& as_tensor(PyObject* o, const char* name) {
+  if (!THPVariable_Check(o)) value_error(std::string(name) + " must be a tensor, got " + Py_TYPE(o)->tp_name);
+  return THPVariable_Unpack(o);
+}
+
+enum class Dir { ListToFlat, FlatToList, InPlace, ReadOnly };
+
+// Fill the arena's segment table from the parsed items; returns the element total.
+int64_t build_segments(const std::vector<Item>& items, const std::vector<int64_t>* offsets,
+                       char* flat, int32_t flat_dtype, Dir dir, std::vector<Segment>& segs) {
+  segs.clear();
+  int64_t total = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    if (!it.numel) continue;
+    char* f = flat ? flat + (*offsets)[i] * dtype_size(flat_dtype) : nullptr;
+    Segment s{};
+    s.start = total;
+    switch (dir) {
+      case Dir::ListToFlat: s.src = it.ptr; s.dst = f; s.src_dtype = it.dtype; s.dst_dtype = flat_dtype; break;
+      case Dir::FlatToList: s.src = f; s.dst = it.ptr; s.src_dtype = flat_dtype; s.dst_dtype = it.dtype; break;
+      case Dir::InPlace: s.src = it.ptr; s.dst = it.ptr; s.src_dtype = s.dst_dtype = it.dtype; break;
+      case Dir::ReadOnly: s.src = it.ptr; s.dst = nullptr; s.src_dtype = s.dst_dtype = it.dtype; break;
+    }
+    segs.push_back(s);
+    total += it.numel;
+  }
+  return total;
+}
+
+// Run an elementwise op (no result) on `device`.
+void run_elementwise(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total,
+                     float scale) {
+  if (total == 0) return;
+  py::gil_scoped_release nogil;
+  if (device.is_cpu()) {
+    cpu::run(op, segs.data(), int64_t(segs.size()), total, scale);
+    return;
+  }
+#ifdef MEGADLM_WITH_CUDA
+  glue::cuda_run(op, device, segs, total, scale);
+#else
+  throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
+#endif
+}
+
+at::Tensor flatten(py::handle tensors, py::handle out_obj, py::handle offsets_obj, double scale,
+                   py::handle dtype_obj) {
+  Arena& a = arena();
+  const bool has_out = !out_obj.is_none();
+  c10::optional<at::ScalarType> dtype;
+  if (!dtype_obj.is_none()) {
+    if (!THPDtype_Check(dtype_obj.ptr())) value_error("dtype must be a torch.dtype or None");
+    dtype = reinterpret_cast<THPDtype*>(dtype_obj.ptr())->scalar_type;
+    dtype_code(*dtype, "dtype argument");
+  }
+  at::Tensor out;
+  c10::optional<c10::Device> dev;
+  if (has_out) {
+    out = as_tensor(out_obj.ptr(), "out");
+    check_flat("out", out);
+    if (dtype && *dtype != out.scalar_type())
+      value_error(std::string("dtype=") + c10::toString(*dtype) + " disagrees with out.dtype=" +
+                  c10::toString(out.scalar_type()));
+    dev = out.device();
+  }
+  const c10::Device device = parse_list("tensors", tensors.ptr(), a.items, dev, "out");
+  const int64_t need = parse_offsets(offsets_obj.ptr(), a.items, has_out ? out.numel() : -1, "out", a.offsets);
+  if (has_out) {
+    check_no_alias("out", out, a.items);
+  } else {
+    if (!dtype) {
+      dtype = at::kFloat;  // mixed (or no) dtypes: fp32
+      if (!a.items.empty()) {
+        bool same = true;
+        for (const Item& it : a.items) same = same && it.dtype == a.items[0].dtype;
+        if (same) dtype = scalar_type_of(a.items[0].dtype);
+      }
+    }
+    auto opts = at::TensorOptions().dtype(*dtype).device(device);
+    // Gaps between offset ranges are zeros, never uninitialised memory.
+    out = offsets_obj.is_none() ? at::empty({need}, opts) : at::zeros({need}, opts);
+  }
+  const int32_t fd = dtype_code(out.scalar_type(), "out");
+  const int64_t total = build_segments(a.items, &a.offsets, static_cast<char*>(out.numel() ? out.data_ptr() : nullptr),
+                                       fd, Dir::ListToFlat, a.segs);
+  run_elementwise(kCopy, device, a.segs, total, float(scale));
+  return out;
+}
+
+void to_list(OpKind op, py::handle flat_obj, py::handle tensors, py::handle offsets_obj, double scale) {
+  Arena& a = arena();
+  const at::Tensor& flat = as_tensor(flat_obj.ptr(), "flat");
+  check_flat("flat", flat);
+  const c10::Device device = parse_list("tensors", tensors.ptr(), a.items, flat.device(), "flat");
+  parse_offsets(offsets_obj.ptr(), a.items, flat.numel(), "flat", a.offsets);
+  check_no_alias("flat", flat, a.items);
+  if (op == kCopy) check_distinct("tensors", a.items);  // unflatten writes into the list
+  const int32_t fd = dtype_code(flat.scalar_type(), "flat");
+  char* fp = static_cast<char*>(flat.numel() ? flat.data_ptr() : nullptr);
+  const int64_t total = build_segments(a.items, &a.offsets, fp, fd,
+                                       op == kCopy ? Dir::FlatToList : Dir::ListToFlat, a.segs);
+  run_elementwise(op, device, a.segs, total, float(scale));
+}
+
+void unflatten(py::handle flat, py::handle tensors, py::handle offsets, double scale) {
+  to_list(kCopy, flat, tensors, offsets, scale);
+}
+
+void accumulate_into(py::handle flat, py::handle tensors, py::handle offsets, double scale) {
+  to_list(kAccumulate, flat, tensors, offsets, scale);
+}
+
+void scale_(py::handle tensors, double factor) {
+  Arena& a = arena();
+  const c10::Device device = parse_list("tensors", tensors.ptr(), a.items, c10::nullopt, "");
+  check_distinct("tensors", a.items);
+  const int64_t total = build_segments(a.items, nullptr, nullptr, kF32, Dir::InPlace, a.segs);
+  run_elementwise(kScale, device, a.segs, total, float(factor));
+}
+
+// Shared front of the two reductions.
+c10::Device reduce_setup(py::handle tensors, int64_t& total) {
+  Arena& a = arena();
+  const c10::Device device = parse_list("tensors", tensors.ptr(), a.items, c10::nullopt, "");
+  total = build_segments(a.items, nullptr, nullptr, kF32, Dir::ReadOnly, a.segs);
+  return device;
+}
+
+at::Tensor l2_norm(py::handle tensors) {
+  int64_t total = 0;
+  const c10::Device device = reduce_setup(tensors, total);
+  const auto& segs = arena().segs;
+#ifdef MEGADLM_WITH_CUDA
+  if (device.is_cuda()) {
+    py::gil_scoped_release nogil;
+    return glue::cuda_run(kSumSquares, device, segs, total, 1.0f);
+  }
+#endif
+  if (!device.is_cpu()) throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
+  double sum = 0.0;
+  {
+    py::gil_scoped_release nogil;
+    sum = cpu::run(kSumSquares, segs.data(), int64_t(segs.size()), total, 1.0f).sum_squares;
+  }
+  return at::scalar_tensor(float(std::sqrt(sum)), at::TensorOptions().dtype(at::kFloat));
+}
+
+bool has_nonfinite(py::handle tensors) {
+  int64_t total = 0;
+  const c10::Device device = reduce_setup(tensors, total);
+  const auto& segs = arena().segs;
+#ifdef MEGADLM_WITH_CUDA
+  if (device.is_cuda()) {
+    at::Tensor flag;
+    {
+      py::gil_scoped_release nogil;
+      flag = glue::cuda_run(kNonFinite, device, segs, total, 1.0f);
+    }
+    return flag.item<int32_t>() != 0;  // device -> host sync: the caller asked for a bool
+  }
+#endif
+  if (!device.is_cpu()) throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
+  py::gil_scoped_release nogil;
+  return cpu::run(kNonFinite, segs.data(), int64_t(segs.size()), total, 1.0f).nonfinite;
+}
+
+py::dict backend_info() {
+  py::dict d;
+  d["compiled"] = true;
+#ifdef MEGADLM_WITH_CUDA
+  d["cuda"] = true;
+#else
+  d["cuda"] = false;
+#endif
+  d["nccl"] = false;  // megadlm_ext/__init__.py fills this in from megadlm_ext.nccl
+  d["cpu_isa"] = cpu::isa();
+  return d;
+}
+
+}  // namespace
+}  // namespace megadlm
+
+void megadlm_register_nccl(py::module_& m);  // csrc/nccl/nccl_bindings.cpp
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace megadlm;
+  m.doc() = "megadlm_ext compiled ops (see megadlm_ext/__init__.py for the documented API)";
+  m.def("backend_info", &backend_info);
+  m.def("flatten", &flatten, py::arg("tensors"), py::arg("out") = py::none(), py::kw_only(),
+        py::arg("offsets") = py::none(), py::arg("scale") = 1.0, py::arg("dtype") = py::none());
+  m.def("unflatten", &unflatten, py::arg("flat"), py::arg("tensors"), py::kw_only(),
+        py::arg("offsets") = py::none(), py::arg("scale") = 1.0);
+  m.def("accumulate_into", &accumulate_into, py::arg("flat"), py::arg("tensors"), py::kw_only(),
+        py::arg("offsets") = py::none(), py::arg("scale") = 1.0);
+  m.def("scale_", &scale_, py::arg("tensors"), py::arg("factor"));
+  m.def("l2_norm", &l2_norm, py::arg("tensors"));
+  m.def("has_nonfinite", &has_nonfinite, py::arg("tensors"));
+  megadlm_register_nccl(m);
+}

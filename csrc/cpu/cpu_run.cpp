@@ -1,0 +1,77 @@
+// CPU launcher: splits the global element range of a segment table into fixed blocks,
+// spreads the blocks over the OpenMP team (the same libgomp as torch, so
+// torch.set_num_threads applies) and picks the AVX2 or generic kernel build once.
+#include <omp.h>
+
+#include <atomic>
+#include <vector>
+
+#include "megadlm/kernels.h"
+
+namespace megadlm {
+namespace cpu {
+
+CpuResult process_range_generic(OpKind, const Segment*, int64_t, int64_t, int64_t, int64_t, float);
+#if defined(__x86_64__) || defined(__i386__)
+CpuResult process_range_avx2(OpKind, const Segment*, int64_t, int64_t, int64_t, int64_t, float);
+#endif
+
+namespace {
+// 64k elements (256 KiB of fp32) per block: large enough that the per-block segment
+// lookup is noise, small enough that 2 threads get balanced work on a few MB.
+constexpr int64_t kBlock = int64_t(1) << 16;
+
+using RangeFn = CpuResult (*)(OpKind, const Segment*, int64_t, int64_t, int64_t, int64_t, float);
+
+RangeFn pick() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
+    return process_range_avx2;
+#endif
+  return process_range_generic;
+}
+const RangeFn kRange = pick();
+}  // namespace
+
+const char* isa() { return kRange == process_range_generic ? "generic" : "avx2+f16c"; }
+
+CpuResult run(OpKind op, const Segment* segs, int64_t nseg, int64_t total, float scale) {
+  if (nseg == 0 || total == 0) return CpuResult{};
+  const int64_t nblocks = (total + kBlock - 1) / kBlock;
+  if (nblocks == 1 || omp_get_max_threads() == 1 || omp_in_parallel())
+    return kRange(op, segs, nseg, total, 0, total, scale);
+
+  if (op == kCopy || op == kAccumulate || op == kScale) {
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nblocks; ++b)
+      kRange(op, segs, nseg, total, b * kBlock, std::min(total, (b + 1) * kBlock), scale);
+    return CpuResult{};
+  }
+  if (op == kNonFinite) {
+    std::atomic<bool> found{false};
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < nblocks; ++b) {
+      if (found.load(std::memory_order_relaxed)) continue;  // early out, no sync needed
+      if (kRange(op, segs, nseg, total, b * kBlock, std::min(total, (b + 1) * kBlock), scale).nonfinite)
+        found.store(true, std::memory_order_relaxed);
+    }
+    CpuResult r;
+    r.nonfinite = found.load();
+    return r;
+  }
+  // kSumSquares: one partial per block, summed in block order so the result is the same
+  // for any thread count. The partials live in a reused thread-local arena.
+  thread_local std::vector<double> partials;
+  if (int64_t(partials.size()) < nblocks) partials.resize(size_t(nblocks));
+  double* part = partials.data();
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < nblocks; ++b)
+    part[b] = kRange(op, segs, nseg, total, b * kBlock, std::min(total, (b + 1) * kBlock), scale).sum_squares;
+  CpuResult r;
+  for (int64_t b = 0; b < nblocks; ++b) r.sum_squares += part[b];
+  return r;
+}
+
+}  // namespace cpu
+}  // namespace megadlm

@@ -1,0 +1,25 @@
+// Torch-facing CUDA glue (compiled only in CUDA builds, -DMEGADLM_WITH_CUDA): turns a
+// segment table into a device table and calls the raw-pointer launchers of
+// csrc/cuda on torch's current stream; hosts the NCCL communicator class.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "megadlm/kernels.h"
+
+namespace megadlm {
+namespace glue {
+
+// Run `op` over the table on `device`'s current stream. Elementwise ops return an
+// undefined tensor; kSumSquares returns the 0-d fp32 norm (sqrt applied) and
+// kNonFinite a 0-d int32 flag, both on the device (no host sync here).
+at::Tensor cuda_run(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total,
+                    float scale);
+
+// Adds class NcclCommunicator(unique_id: bytes, rank, world_size, device) to `m`.
+void register_nccl_communicator(pybind11::module_& m);
+
+}  // namespace glue
+}  // namespace megadlm

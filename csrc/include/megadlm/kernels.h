@@ -1,0 +1,43 @@
+// megadlm/kernels.h -- launcher API between the bindings (torch-facing) and the kernels
+// (torch-free: raw pointers, and a cudaStream_t passed as void* so this header needs no
+// CUDA headers either).
+#pragma once
+
+#include <cstdint>
+
+#include "megadlm/multi_tensor.h"
+
+namespace megadlm {
+
+// Result of one CPU pass: the fp32-accumulated sum of squares (combined across blocks
+// in double, in a fixed order, so the result does not depend on the thread count) or
+// whether a non-finite element was seen.
+struct CpuResult {
+  double sum_squares = 0.0;
+  bool nonfinite = false;
+};
+
+namespace cpu {
+// Run `op` over all `total` elements of the segment table on the calling thread's
+// OpenMP team (torch's intra-op threads: torch.set_num_threads applies). Blocks of the
+// global element range are spread over threads; no allocation after the first call
+// of a given size (the per-block partials live in a reused thread-local arena).
+CpuResult run(OpKind op, const Segment* segs, int64_t nseg, int64_t total, float scale);
+
+// Which vector path `run` uses on this machine: "avx2+f16c" or "generic".
+const char* isa();
+}  // namespace cpu
+
+namespace cuda {
+// Bytes of device workspace `run` needs for `op` (partials of the reductions + flag).
+int64_t workspace_bytes(OpKind op);
+
+// Launch `op` on `stream` (a cudaStream_t). `d_segs` is the segment table already in
+// device memory. For kSumSquares, `d_out` receives the fp32 sqrt(sum of squares) (one
+// float); for kNonFinite it receives an int32 flag (0/1). One launch for the element
+// kernel whatever the number of tensors, plus one tiny finishing launch for reductions.
+void run(OpKind op, const Segment* d_segs, int64_t nseg, int64_t total, float scale,
+         void* d_workspace, void* d_out, void* stream);
+}  // namespace cuda
+
+}  // namespace megadlm
