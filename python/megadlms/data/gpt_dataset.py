@@ -1,0 +1,255 @@
+"""GPT-style sample construction over an IndexedDataset, as Megatron-core's GPTDataset.
+
+Three indices define the samples (megatron/core/datasets/gpt_dataset.py):
+
+- document index: the split's document ids repeated for ``num_epochs`` epochs and shuffled
+  with ``numpy.random.RandomState(seed)`` (the final epoch shuffled separately when it is
+  used for less than 80 % of its samples, so a short last epoch is not biased);
+- sample index ``[n+1, 2]``: (position in the document index, token offset) where sample
+  ``j`` starts. Laying the documents end to end in document-index order, sample ``j`` is
+  the ``seq_length + 1`` tokens starting at token ``j * seq_length`` (consecutive samples
+  share one token, so every token is once a label); a trailing partial sample is dropped;
+- shuffle index: a permutation of the samples (same RNG, after the document index).
+
+Given the same documents, seed, sequence length and sample count the three arrays equal
+Megatron's. They are cached as .npy files under ``data_cache_path`` (written atomically,
+keyed by an md5 of a description of everything they depend on) and reused.
+
+An item is a dict of torch tensors: ``text`` int64[s+1]; ``tokens`` = text[:-1] and
+``labels`` = text[1:] (int64[s]); ``loss_mask`` float32[s] (0 where tokens == eod when
+``eod_mask_loss``, as Megatron); ``position_ids`` int64[s] (0..s-1); ``sample_idx`` int64
+scalar, the index the item was asked for (the global sample index the diffusion noise is
+seeded with; a DataLoader's default collate stacks it to int64[b]).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from typing import Dict, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .indexed_dataset import IndexedDataset
+
+logger = logging.getLogger(__name__)
+
+_FINAL_EPOCH_THRESHOLD = 0.80  # Megatron's: separate the final epoch if used < 80 %
+
+
+def _build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
+                          separate_final_epoch: bool) -> np.ndarray:
+    if not separate_final_epoch or num_epochs == 1:
+        doc_idx = np.tile(np.asarray(documents), num_epochs).astype(np.int32)
+        rng.shuffle(doc_idx)
+        return doc_idx
+    first = _build_document_index(documents, num_epochs - 1, rng, False)
+    last = _build_document_index(documents, 1, rng, False)
+    return np.concatenate((first, last))
+
+
+def _build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,
+                        num_samples: int) -> np.ndarray:
+    """Vectorised form of Megatron's helpers.build_sample_idx (drop_last_partial_sequence)."""
+    doc_lengths = np.asarray(sizes, dtype=np.int64)[document_index]
+    ends = np.cumsum(doc_lengths)  # exclusive end token of each document-index entry
+    starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    # The document holding token p: the first entry whose end exceeds p (skips empty docs).
+    pos = np.searchsorted(ends, starts, side="right")
+    offsets = starts - (ends[pos] - doc_lengths[pos])
+    # Megatron always records (0, 0) for the first sample, even if document 0 is empty.
+    pos[0], offsets[0] = 0, 0
+    dtype = np.int32 if max(len(document_index), int(doc_lengths.max(initial=0))) < 2**31 - 1 else np.int64
+    return np.stack([pos, offsets], axis=1).astype(dtype)
+
+
+def _build_shuffle_index(num_samples: int, total_size: int,
+                         rng: np.random.RandomState) -> np.ndarray:
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(0, num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate((first, last))
+
+
+def _atomic_save(path: str, array: np.ndarray) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}.npy"
+    np.save(tmp, array, allow_pickle=False)
+    os.replace(tmp, path)  # concurrent builders (several ranks) write identical bytes
+
+
+def _make_item(text: np.ndarray, idx: int, eod: Optional[int], eod_mask_loss: bool) -> Dict[str, torch.Tensor]:
+    text_t = torch.from_numpy(np.ascontiguousarray(text, dtype=np.int64))
+    tokens, labels = text_t[:-1].clone(), text_t[1:].clone()
+    loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
+    if eod_mask_loss:
+        loss_mask[tokens == eod] = 0.0
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(tokens.numel(), dtype=torch.int64),
+        "text": text_t,
+        "sample_idx": torch.tensor(int(idx), dtype=torch.int64),
+    }
+
+
+class GPTDataset(torch.utils.data.Dataset):
+    """Samples of ``seq_length + 1`` tokens over the documents ``document_ids`` of ``indexed``.
+
+    Args:
+        indexed: the IndexedDataset (one sequence per document, as megadlms-preprocess writes).
+        document_ids: the documents of this split (e.g. ``np.arange(lo, hi)``).
+        num_samples: samples wanted; epochs are added until they are covered (None: 1 epoch).
+        seq_length: tokens per sample fed to the model (--seq-length).
+        seed: --seed; the shuffles use ``numpy.random.RandomState(seed)``.
+        eod: the tokenizer's end-of-document id (None if it has none); eod_mask_loss: zero
+            the loss mask where the input token is eod.
+        split_name: "train" / "valid" / "test" (part of the cache key).
+        data_cache_path: directory for the index caches (None: build in memory only).
+    """
+
+    def __init__(self, indexed: IndexedDataset, document_ids: np.ndarray,
+                 num_samples: Optional[int], *, seq_length: int, seed: int, eod: Optional[int],
+                 eod_mask_loss: bool = False, split_name: str = "train",
+                 data_cache_path: Optional[str] = None):
+        if seq_length < 1:
+            raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
+        n_seq, n_doc = len(indexed.sequence_lengths), len(indexed.document_indices) - 1
+        if n_seq != n_doc:
+            raise ValueError(
+                f"{indexed.path_prefix}: {n_doc} documents made of {n_seq} sequences (sentence-split "
+                "data); GPT samples need one sequence per document: re-run preprocessing without "
+                "--split-sentences")
+        self.indexed = indexed
+        self.document_ids = np.asarray(document_ids, dtype=np.int64)
+        if eod_mask_loss and eod is None:
+            raise ValueError("--eod-mask-loss needs a tokenizer with an end-of-document token")
+        self.seq_length, self.seed, self.eod = int(seq_length), int(seed), eod
+        self.eod_mask_loss, self.split_name = bool(eod_mask_loss), split_name
+        self.num_samples = num_samples
+        self.tokens_per_epoch = int(np.sum(indexed.sequence_lengths[self.document_ids], dtype=np.int64))
+        if self.tokens_per_epoch < seq_length + 1:
+            raise ValueError(
+                f"{indexed.path_prefix} ({split_name} split): {self.tokens_per_epoch} tokens in "
+                f"{len(self.document_ids)} documents, fewer than one sample of --seq-length "
+                f"{seq_length} + 1; use more data, a smaller --seq-length, or another --split")
+        idx_stat = os.stat(indexed.path_prefix + ".idx")
+        # Everything the indices depend on; a rewritten .idx (new size/mtime) is a new key.
+        self.description = json.dumps({
+            "class": "GPTDataset", "path_prefix": os.path.abspath(indexed.path_prefix),
+            "index_file": [idx_stat.st_size, idx_stat.st_mtime_ns], "split": split_name,
+            "documents": hashlib.md5(self.document_ids.tobytes()).hexdigest(),
+            "num_samples": num_samples, "seq_length": self.seq_length, "seed": self.seed,
+        }, sort_keys=True)
+        self.cache_hit = False
+        self.document_index, self.sample_index, self.shuffle_index = self._load_or_build(data_cache_path)
+
+    def _num_epochs(self) -> int:
+        if self.num_samples is None:
+            return 1
+        needed = self.num_samples * self.seq_length + 1
+        return max(1, -(-needed // self.tokens_per_epoch))
+
+    def _build(self) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+        s, tpe = self.seq_length, self.tokens_per_epoch
+        num_epochs = self._num_epochs()
+        separate_final_epoch = False
+        if num_epochs > 1:
+            sans_final = ((num_epochs - 1) * tpe - 1) // s
+            from_final = self.num_samples - sans_final
+            per_epoch = (tpe - 1) // s
+            separate_final_epoch = from_final < int(_FINAL_EPOCH_THRESHOLD * per_epoch)
+        rng = np.random.RandomState(self.seed)
+        document_index = _build_document_index(self.document_ids, num_epochs, rng, separate_final_epoch)
+        total = (num_epochs * tpe - 1) // s
+        sample_index = _build_sample_index(self.indexed.sequence_lengths, document_index, s, total)
+        n = sample_index.shape[0] - 1
+        shuffle_index = _build_shuffle_index(sans_final if separate_final_epoch else n, n, rng)
+        return document_index, sample_index, shuffle_index
+
+    def _load_or_build(self, cache_dir: Optional[str]):
+        if cache_dir is None:
+            return self._build()
+        key = hashlib.md5(self.description.encode("utf-8")).hexdigest()
+        base = os.path.join(cache_dir, f"{key}-GPTDataset-{self.split_name}")
+        names = ("document_index", "sample_index", "shuffle_index")
+        paths = [f"{base}-{n}.npy" for n in names]
+        if all(os.path.isfile(p) for p in paths + [f"{base}-description.txt"]):
+            self.cache_hit = True
+            return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
+        arrays = self._build()
+        try:
+            os.makedirs(cache_dir, exist_ok=True)
+            for p, a in zip(paths, arrays):
+                _atomic_save(p, a)
+            tmp = f"{base}-description.txt.tmp.{os.getpid()}"
+            with open(tmp, "w") as f:  # written last: its presence marks a complete cache
+                f.write(self.description)
+            os.replace(tmp, f"{base}-description.txt")
+        except OSError as exc:
+            raise RuntimeError(f"--data-cache-path {cache_dir}: cannot write the dataset index "
+                               f"cache ({exc}); pass a writable directory") from exc
+        return arrays
+
+    def __len__(self) -> int:
+        return self.sample_index.shape[0] - 1
+
+    def sample_text(self, idx: int) -> np.ndarray:
+        """The ``seq_length + 1`` token ids of sample ``idx`` (after the shuffle)."""
+        j = int(self.shuffle_index[idx])
+        (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
+        d0, o0, d1, o1 = int(d0), int(o0), int(d1), int(o1)
+        doc = lambda i: int(self.document_index[i])  # noqa: E731
+        if d0 == d1:
+            return np.asarray(self.indexed.get(doc(d0), o0, o1 - o0 + 1), dtype=np.int64)
+        parts = [self.indexed.get(doc(d0), o0)]
+        parts += [self.indexed.get(doc(i)) for i in range(d0 + 1, d1)]
+        parts.append(self.indexed.get(doc(d1), 0, o1 + 1))
+        return np.concatenate(parts).astype(np.int64)
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        if not 0 <= idx < len(self):
+            raise IndexError(f"GPTDataset ({self.split_name}): sample {idx} out of range [0, {len(self)})")
+        return _make_item(self.sample_text(idx), idx, self.eod, self.eod_mask_loss)
+
+
+class MockGPTDataset(torch.utils.data.Dataset):
+    """--mock-data: ``num_samples`` deterministic random samples in GPTDataset's item format.
+
+    Sample ``i`` draws ``seq_length + 1`` ids uniformly from the vocabulary minus the mask
+    token, with ``numpy.random.default_rng([seed, stream, i])`` (stream: 0 train, 1 valid,
+    2 test): a function of (seed, stream, i) only.
+    """
+
+    def __init__(self, num_samples: int, *, seq_length: int, seed: int, vocab_size: int,
+                 eod: Optional[int], mask: Optional[int] = None, eod_mask_loss: bool = False,
+                 stream: int = 0):
+        if num_samples < 0 or seq_length < 1 or vocab_size < 2:
+            raise ValueError(f"MockGPTDataset: need num_samples >= 0, seq_length >= 1, vocab_size >= 2 "
+                             f"(got {num_samples}, {seq_length}, {vocab_size})")
+        self.num_samples, self.seq_length, self.seed = int(num_samples), int(seq_length), int(seed)
+        if eod_mask_loss and eod is None:
+            raise ValueError("--eod-mask-loss needs a tokenizer with an end-of-document token")
+        self.vocab_size, self.eod, self.mask = int(vocab_size), eod, mask
+        self.eod_mask_loss, self.stream = bool(eod_mask_loss), int(stream)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
+        if not 0 <= idx < self.num_samples:
+            raise IndexError(f"MockGPTDataset: sample {idx} out of range [0, {self.num_samples})")
+        rng = np.random.default_rng([self.seed, self.stream, int(idx)])
+        if self.mask is None:
+            text = rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)
+        else:  # draw from V-1 ids and step over the mask id
+            text = rng.integers(0, self.vocab_size - 1, self.seq_length + 1, dtype=np.int64)
+            text[text >= self.mask] += 1
+        return _make_item(text, idx, self.eod, self.eod_mask_loss)
