@@ -1,1 +1,57 @@
-"""megadlms.diffusion (being written)."""
+"""megadlms.diffusion: the masked-diffusion objective, its validation NELBO and the sampler.
+
+Forward process (LLaDA, Nie et al. 2025, eq. 3 and their "guidelines" pretraining code;
+MDLM, Sahoo et al. 2024, linear schedule alpha_t = 1 - t). For a clean sequence x0 of
+length S and one t ~ U(0, 1) per sequence:
+
+    p = (1 - eps) * t + eps                     # --difflm-mask-eps, default 1e-3 (LLaDA)
+    x_t[j] = [MASK] with probability p, else x0[j], independently per position j
+
+Loss (--model-running-mode difflm-noshift), the ELBO's Monte Carlo estimate:
+
+    loss = sum_{j masked, loss_mask[j]=1} -log p_theta(x0[j] | x_t) / p  /  N_loss
+
+where N_loss is the number of loss tokens of the whole optimizer step (all micro-batches
+and data-parallel ranks), so E_t,mask[loss] = mean token CE for a model that ignores the
+context (E[1{masked}/p] = 1): the 1/p weight makes the estimator unbiased.
+--difflm-p-mask realised reproduces MegaDLMs (with --difflm-mask-eps 0): a row with no
+masked loss token gets one forced (its loss position with the smallest mask uniform) and
+p is the row's realised masked fraction of its loss positions. "difflm-noshift": the
+model sees x_t at the positions of x0 (no next-token shift); the clean sequence is the
+dataset's ``labels`` (= text[1:], aligned with loss_mask), S tokens long (MegaDLMs feeds
+text[1:S], S-1 tokens).
+
+Variable length (--difflm-varilen-prob, default 0.01, as MegaDLMs): with that
+probability a step's batch is cropped to a length uniform in [2, S], the same on every
+rank and micro-batch of the step.
+
+Noise (``noise.py``): every uniform is SplitMix64 hashed from (seed, stream, global sample
+index, draw, position), computed with int64 torch ops (identical on CPU and GPU). So the
+noise of a sample never depends on the rank, micro-batch size or data-parallel size, and
+a run's loss curve is the same on 1, 2 or 3 ranks with or without gradient accumulation up
+to float reduction order. (MegaDLMs draws from a per-rank torch.Generator instead.)
+
+Vanilla mode (--model-running-mode vanilla): causal model, next-token CE on the shifted
+``labels``, same normalisation.
+
+Validation (``validation_nelbo``): K Monte Carlo copies per sequence with stratified
+t_k = (k + u_k) / K, sampled-p weights, no crop, noise from (seed, sample index, k): a
+deterministic per-token NELBO and the perplexity bound exp(NELBO).
+
+Sampling (``generate``): LLaDA's semi-autoregressive low-confidence remasking sampler with
+optional Gumbel temperature (float64) and classifier-free guidance.
+"""
+
+from .config import MODEL_RUNNING_MODES, P_MASK_MODES, DiffusionConfig
+from .evaluation import validation_nelbo, validation_times
+from .loss import ar_loss, check_model_for_mode, compute_loss, diffusion_loss
+from .noise import counter_uniform, forward_process, varilen_length
+from .sampler import add_gumbel_noise, generate, get_num_transfer_tokens
+
+__all__ = [
+    "DiffusionConfig", "MODEL_RUNNING_MODES", "P_MASK_MODES",
+    "forward_process", "varilen_length", "counter_uniform",
+    "diffusion_loss", "ar_loss", "compute_loss", "check_model_for_mode",
+    "validation_nelbo", "validation_times",
+    "generate", "get_num_transfer_tokens", "add_gumbel_noise",
+]

@@ -1,0 +1,130 @@
+"""Counter-based noise: every random number of the objective is a pure function of
+(seed, stream tag, global sample index, draw, position).
+
+The generator is SplitMix64 (Steele, Lea & Flood 2014) applied as a hash chain, written
+with torch int64 ops so it is vectorised and bit-identical on CPU and GPU:
+
+    h = mix(seed); h = mix(h ^ tag); for key in keys: h = mix(h ^ key)
+    u = (h >>> 11) * 2**-53                      # uniform in [0, 1), float64
+
+where mix(x) is SplitMix64's finaliser of x + 0x9E3779B97F4A7C15 and >>> is a logical
+shift. Int64 products wrap modulo 2**64 exactly as the uint64 reference does.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from .config import DiffusionConfig
+
+
+def _signed(c: int) -> int:
+    """uint64 constant -> the int64 with the same bits."""
+    return c - (1 << 64) if c >= (1 << 63) else c
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+
+# Stream tags keep the independent draws of one sample apart.
+TAG_TIME = 1          # t of a sample
+TAG_MASK = 2          # per-position mask uniforms
+TAG_VARILEN = 3       # per-iteration crop decision and length
+TAG_VALID_TIME = 4    # stratified t of validation draws
+
+
+def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    z = x + _GOLDEN
+    z = (z ^ _srl(z, 30)) * _M1
+    z = (z ^ _srl(z, 27)) * _M2
+    return z ^ _srl(z, 31)
+
+
+def counter_uniform(seed: int, tag: int, *keys: torch.Tensor,
+                    device: Optional[torch.device] = None) -> torch.Tensor:
+    """Uniforms in [0, 1) (float64), one per element of the broadcast of ``keys``.
+
+    keys: int64 tensors (or Python ints) that broadcast together; the result depends on
+    (seed, tag, keys) only, never on the device, the batch it sits in, or call order.
+    """
+    if device is None:
+        device = next((k.device for k in keys if isinstance(k, torch.Tensor)), torch.device("cpu"))
+    h = _mix(torch.tensor(_signed(seed % (1 << 64)), dtype=torch.int64, device=device))
+    h = _mix(h ^ tag)
+    for key in keys:
+        if not isinstance(key, torch.Tensor):
+            key = torch.tensor(key, dtype=torch.int64, device=device)
+        h = _mix(h ^ key.to(device=device, dtype=torch.int64))
+    return _srl(h, 11).to(torch.float64) * (2.0 ** -53)
+
+
+def varilen_length(seed: int, iteration: int, seq_length: int, prob: float) -> Optional[int]:
+    """Crop length for the whole batch of ``iteration`` or None (no crop).
+
+    With probability ``prob`` returns a length uniform in [2, seq_length]; a function of
+    (seed, iteration) only, so every rank and micro-batch of a step agrees without talking.
+    """
+    if prob <= 0.0 or seq_length < 2:
+        return None
+    u = counter_uniform(seed, TAG_VARILEN, torch.tensor([iteration]), torch.tensor([0, 1]))
+    if u[0].item() >= prob:
+        return None
+    return 2 + min(int(u[1].item() * (seq_length - 1)), seq_length - 2)
+
+
+def forward_process(tokens: torch.Tensor, sample_idx: torch.Tensor, config: DiffusionConfig,
+                    loss_mask: Optional[torch.Tensor] = None, *, t: Optional[torch.Tensor] = None,
+                    draw: int = 0, p_mask_mode: Optional[str] = None,
+                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mask ``tokens`` [b, S] (int64) with the masked-diffusion forward process.
+
+    Row i draws t_i ~ U(0, 1) from (seed, sample_idx[i]) (or takes ``t[i]``), sets
+    p_i = (1 - eps) t_i + eps and masks position j iff u(seed, sample_idx[i], draw, j) < p_i.
+    ``p_mask_mode`` overrides ``config.p_mask``:
+
+    * "sampled": p_mask = p_i (LLaDA, MDLM).
+    * "realised" (MegaDLMs): a row with no masked loss token gets its loss position with
+      the smallest uniform masked (the first one to flip as t grows: uniform over the loss
+      positions), and p_mask = (# masked loss positions) / (# loss positions) of the row.
+
+    Returns (noisy int64 [b,S], masked bool [b,S], p_mask float32 [b,S]).
+    """
+    if tokens.dim() != 2:
+        raise ValueError(f"tokens must be [batch, seq], got shape {tuple(tokens.shape)}")
+    b, S = tokens.shape
+    device = tokens.device
+    sample_idx = torch.as_tensor(sample_idx, dtype=torch.int64, device=device).reshape(-1)
+    if sample_idx.numel() != b:
+        raise ValueError(f"sample_idx has {sample_idx.numel()} entries for a batch of {b} rows")
+    mode = p_mask_mode or config.p_mask
+    if t is None:
+        t = counter_uniform(config.seed, TAG_TIME, sample_idx, draw)
+    t = torch.as_tensor(t, dtype=torch.float64, device=device).reshape(b)
+    p_b = (1.0 - config.mask_eps) * t + config.mask_eps
+    positions = torch.arange(S, dtype=torch.int64, device=device)
+    u_bS = counter_uniform(config.seed, TAG_MASK, sample_idx[:, None], draw, positions[None, :])
+    masked = u_bS < p_b[:, None]
+    if mode == "sampled":
+        p_mask = p_b.to(torch.float32)[:, None].expand(b, S)
+    elif mode == "realised":
+        is_loss = torch.ones_like(masked) if loss_mask is None else loss_mask > 0
+        none_masked = ((masked & is_loss).sum(dim=1) == 0) & is_loss.any(dim=1)
+        first = torch.where(is_loss, u_bS, torch.full_like(u_bS, 2.0)).argmin(dim=1)
+        force = torch.zeros_like(masked)
+        force[torch.arange(b, device=device), first] = none_masked
+        masked = masked | force
+        num_loss = is_loss.sum(dim=1).clamp(min=1).to(torch.float32)
+        frac = (masked & is_loss).sum(dim=1).to(torch.float32) / num_loss
+        p_mask = torch.where(frac > 0, frac, torch.ones_like(frac))[:, None].expand(b, S)
+    else:
+        raise ValueError(f"p_mask mode must be 'sampled' or 'realised', got {mode!r}")
+    noisy = torch.where(masked, torch.full_like(tokens, config.mask_token_id), tokens)
+    return noisy, masked, p_mask.contiguous()

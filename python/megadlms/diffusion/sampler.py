@@ -1,0 +1,135 @@
+"""LLaDA-style sampling: fill [MASK] positions over ``steps`` denoising steps, block by block.
+
+Algorithm (Nie et al. 2025, "Large Language Diffusion Models", Alg. 4/5; their generate.py):
+the answer region (gen_length masks after the prompt) is split into blocks of
+block_length, filled left to right (semi-autoregressive). A block gets steps/num_blocks
+steps; at each step the model predicts every position, a token x0 is drawn per position
+(argmax of logits, with Gumbel noise in float64 when temperature > 0), and the k
+most-confident masked positions of the current block are committed, where k spreads the
+block's masks evenly over its steps (the linear schedule). Confidence is the model's
+probability of x0 ("low_confidence" remasking keeps the least confident masked) or a
+uniform draw ("random"). Classifier-free guidance mixes logits with those of a copy
+whose prompt is masked: l = l_u + (w + 1)(l_c - l_u).
+
+One deliberate difference from LLaDA's reference: the [MASK] logit is set to -inf before
+drawing, so a committed position can never hold [MASK] again (LLaDA's trained model
+never predicts it; a small model might, which would leave holes).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+REMASKING = ("low_confidence", "random")
+
+
+def get_num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """Tokens to commit per step: masks of each row spread evenly, remainder first.
+
+    block_mask bool [b, L] -> int64 [b, steps], each row summing to its mask count.
+    """
+    num = block_mask.sum(dim=1, keepdim=True)
+    base, rem = num // steps, num % steps
+    step_ids = torch.arange(steps, device=block_mask.device)[None, :]
+    return base + (step_ids < rem).to(torch.int64)
+
+
+def add_gumbel_noise(logits: torch.Tensor, temperature: float,
+                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """Scores whose argmax samples softmax(logits / temperature): exp(l) / (-log u)^T in
+    float64 (low-precision Gumbel-max hurts generation quality, arXiv:2409.02908)."""
+    if temperature == 0:
+        return logits
+    logits = logits.to(torch.float64)
+    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    return logits.exp() / (-torch.log(u)) ** temperature
+
+
+@torch.no_grad()
+def generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_token_id: int,
+             gen_length: int = 128, steps: int = 128, block_length: int = 128,
+             temperature: float = 0.0, remasking: str = "low_confidence", cfg_scale: float = 0.0,
+             generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
+             ) -> torch.Tensor:
+    """Complete ``prompt`` int64 [b, P] with ``gen_length`` tokens -> int64 [b, P + gen_length].
+
+    ``model(x) -> logits [b, S, V]`` must be a bidirectional mask predictor. Randomness
+    (temperature > 0 or random remasking) comes from ``generator`` or a generator seeded with
+    ``seed`` (default 0), so a call is reproducible. The model is run in eval mode and its
+    training flag restored afterwards.
+    """
+    if prompt.dim() != 2:
+        raise ValueError(f"prompt must be int64 [batch, length], got shape {tuple(prompt.shape)}")
+    if gen_length <= 0 or block_length <= 0 or steps <= 0:
+        raise ValueError(f"gen_length ({gen_length}), block_length ({block_length}) and steps "
+                         f"({steps}) must be positive")
+    if gen_length % block_length:
+        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length "
+                         f"({block_length})")
+    num_blocks = gen_length // block_length
+    if steps % num_blocks:
+        raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks "
+                         f"gen_length/block_length = {num_blocks}")
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+    if temperature < 0 or cfg_scale < 0:
+        raise ValueError(f"temperature ({temperature}) and cfg_scale ({cfg_scale}) must be >= 0")
+    base = model
+    while isinstance(getattr(base, "module", None), torch.nn.Module):  # unwrap DDP/FSDP wrappers
+        base = base.module
+    vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
+    if vocab_size is not None and not 0 <= mask_token_id < vocab_size:
+        raise ValueError(f"mask_token_id {mask_token_id} (--mask-token) is outside the model's "
+                         f"vocabulary of {vocab_size}")
+    device = prompt.device
+    if generator is None:
+        generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
+    if prompt.dtype != torch.int64:
+        raise ValueError(f"prompt must hold int64 token ids, got {prompt.dtype}")
+    b, P = prompt.shape
+    x = torch.full((b, P + gen_length), mask_token_id, dtype=torch.int64, device=device)
+    x[:, :P] = prompt
+    prompt_index = x != mask_token_id
+    steps_per_block = steps // num_blocks
+    was_training = model.training
+    model.eval()
+    try:
+        for block in range(num_blocks):
+            start, end = P + block * block_length, P + (block + 1) * block_length
+            num_transfer = get_num_transfer_tokens(x[:, start:end] == mask_token_id, steps_per_block)
+            for step in range(steps_per_block):
+                mask_index = x == mask_token_id
+                if cfg_scale > 0:
+                    uncond = x.clone()
+                    uncond[prompt_index] = mask_token_id
+                    cond_logits, uncond_logits = model(torch.cat([x, uncond])).chunk(2)
+                    logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
+                else:
+                    logits = model(x)
+                if not 0 <= mask_token_id < logits.shape[-1]:
+                    raise ValueError(f"mask_token_id {mask_token_id} (--mask-token) is outside "
+                                     f"the model's vocabulary of {logits.shape[-1]}")
+                logits = logits.clone()
+                logits[..., mask_token_id] = float("-inf")
+                x0 = add_gumbel_noise(logits, temperature, generator).argmax(dim=-1)
+                if remasking == "low_confidence":
+                    probs = F.softmax(logits.to(torch.float64), dim=-1)
+                    conf = probs.gather(-1, x0[..., None]).squeeze(-1)
+                else:
+                    conf = torch.rand(x0.shape, dtype=torch.float64, device=device,
+                                      generator=generator)
+                conf[:, end:] = float("-inf")  # later blocks wait their turn
+                x0 = torch.where(mask_index, x0, x)
+                conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
+                transfer = torch.zeros_like(mask_index)
+                k_per_row = num_transfer[:, step].tolist()
+                for j, k in enumerate(k_per_row):
+                    if k > 0:
+                        transfer[j, torch.topk(conf[j], k).indices] = True
+                x = torch.where(transfer, x0, x)
+    finally:
+        model.train(was_training)
+    return x
