@@ -66,7 +66,7 @@ def _extension():
     if with_cuda:
         sources += _rel("csrc/cuda/*.cu") + _rel("csrc/glue/*.cpp")
         archs = os.environ.get("MEGADLM_CUDA_ARCHS", "80;90").split(";")
-        nvcc = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo"]
+        nvcc = ["-O3", "-std=c++17", "-lineinfo"]
         for a in archs:
             nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
         kwargs["define_macros"] = [("MEGADLM_WITH_CUDA", "1")]
