@@ -1,7 +1,362 @@
-"""Placeholder: being written (issue 5)."""
+"""TorchFullyShardedDataParallel: PyTorch FSDP2 (``fully_shard``) behind our DDP interface.
+
+FSDP2 shards every parameter on dim 0 across the data-parallel ranks (each parameter
+becomes a ``DTensor`` with ``Shard(0)`` placement), all-gathers a *unit* of parameters
+just before the unit's forward/backward and reduce-scatters its gradients right after
+its backward. Parameters, gradients and optimizer state therefore cost ~1/dp per rank.
+
+This wrapper only decides three things and keeps the interface the training loop uses
+for our DDP (DESIGN.md "Public contract"):
+
+1. Which submodules are sharding units (``fsdp_unit_modules``; default: every
+   ``TransformerLayer``, ``LanguageModelEmbedding``, ``RotaryEmbedding`` that holds
+   parameters, and the root's ``output_layer``), matched by class name so this layer
+   needs no import from ``megadlms.models``. The root is sharded last and owns the rest
+   (e.g. the final layernorm).
+2. The mixed-precision policy (:func:`mixed_precision_policy`): fp32 by default; for
+   ``--bf16`` parameters are all-gathered and computed in bf16 while the sharded fp32
+   parameters stay the optimizer's main copy and gradients are reduced in fp32.
+3. Averaging: FSDP2 reduces with ``ReduceOp.AVG`` for fp32/bf16 gradients. Older gloo
+   builds summed instead of averaging (pytorch issue 162338). We probe the process
+   group once at wrap time; only when it sums do we switch FSDP2 to SUM + post-divide.
+   With torch 2.13 the probe finds gloo averages correctly (tests check the value).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterable, Optional, Sequence, Union
+
 import torch
+import torch.distributed as dist
+
+import megadlm_ext as ext
+
+from .config import DistributedDataParallelConfig
+
+_log = logging.getLogger(__name__)
+
+FSDP2_MIN_TORCH = (2, 4)
+DEFAULT_FSDP_UNIT_CLASSNAMES = ("TransformerLayer", "LanguageModelEmbedding", "RotaryEmbedding")
+"""Class names sharded as their own FSDP unit by default (plus the root's ``output_layer``)."""
+
+
+def torch_supports_fsdp2(version: Optional[str] = None) -> bool:
+    """True when ``version`` (default: the installed torch) is >= 2.4, the first with FSDP2."""
+    v = torch.torch_version.TorchVersion(version if version is not None else torch.__version__)
+    return v >= FSDP2_MIN_TORCH
+
+
+def require_fsdp2_torch(version: Optional[str] = None) -> None:
+    """Raise RuntimeError naming the installed version when FSDP2 is unavailable."""
+    if not torch_supports_fsdp2(version):
+        have = version if version is not None else torch.__version__
+        raise RuntimeError(
+            f"FSDP2 requires PyTorch >= 2.4 (found {have}): upgrade torch or drop "
+            "--use-torch-fsdp2 to use DistributedDataParallel")
+
+
+def mixed_precision_policy(bf16: bool, grad_reduce_in_fp32: bool = True):
+    """The FSDP2 ``MixedPrecisionPolicy`` for ``--bf16`` (None means plain fp32 training).
+
+    bf16: parameters are all-gathered as bf16 and the forward/backward run in bf16; the
+    sharded fp32 parameters remain the optimizer's main copy. Gradients are reduced in
+    fp32 (``reduce_dtype``) unless ``grad_reduce_in_fp32`` is False.
+    """
+    if not bf16:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                reduce_dtype=torch.float32 if grad_reduce_in_fp32 else torch.bfloat16)
+
+
+UnitSpec = Union[str, type]
+
+
+def _has_params(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _is_tied(root: torch.nn.Module) -> bool:
+    """Embedding and output layer share one weight (Megatron: output_layer has no weight)."""
+    if getattr(root, "share_embeddings_and_output_weights", False):
+        return True
+    out = getattr(root, "output_layer", None)
+    return isinstance(out, torch.nn.Module) and not _has_params(out)
+
+
+def select_fsdp_units(root: torch.nn.Module,
+                      fsdp_unit_modules: Optional[Sequence[UnitSpec]] = None) -> list:
+    """The submodules to ``fully_shard`` before the root, deepest first.
+
+    ``fsdp_unit_modules``: classes or class names; None means the defaults above plus the
+    root's ``output_layer``. Modules without parameters are skipped (nothing to shard).
+    A parameter shared by two candidate units (or a tied embedding/output weight, which
+    the output layer reads outside the embedding unit) cannot live in one unit, so those
+    units are left to the root; a message says so once.
+    """
+    default = fsdp_unit_modules is None
+    specs = DEFAULT_FSDP_UNIT_CLASSNAMES if default else tuple(fsdp_unit_modules)
+    for s in specs:
+        if not isinstance(s, (str, type)):
+            raise ValueError(f"fsdp_unit_modules entries must be classes or class names, got {s!r}")
+
+    def matches(m):
+        return any((isinstance(s, str) and type(m).__name__ == s) or
+                   (isinstance(s, type) and isinstance(m, s)) for s in specs)
+
+    units = [(name, m) for name, m in root.named_modules() if name and matches(m) and _has_params(m)]
+    out = getattr(root, "output_layer", None)
+    if default and isinstance(out, torch.nn.Module) and _has_params(out) \
+            and all(m is not out for _, m in units):
+        units.append(("output_layer", out))
+
+    # Drop units whose parameters also belong to a disjoint unit (tied weights). A unit
+    # nested in another owns its parameters legitimately (it is sharded first), so only the
+    # innermost owners of each parameter count.
+    owners: dict = {}
+    for name, m in units:
+        for p in m.parameters():
+            owners.setdefault(id(p), set()).add(name)
+    shared = set()
+    for names in owners.values():
+        innermost = {n for n in names if not any(o.startswith(n + ".") for o in names)}
+        if len(innermost) > 1:
+            shared |= innermost
+    if _is_tied(root):
+        shared |= {name for name, m in units if type(m).__name__ == "LanguageModelEmbedding"}
+    if shared:
+        _log.warning("FSDP2: leaving %s to the root unit because they hold weights used "
+                     "elsewhere (tied embeddings?); --untie-embeddings-and-output-weights "
+                     "gives each its own unit", sorted(shared))
+    units = [(n, m) for n, m in units if n not in shared]
+    units.sort(key=lambda nm: nm[0].count("."), reverse=True)  # children before parents
+    return [m for _, m in units]
+
+
+def _param_attrs(module: torch.nn.Module) -> dict:
+    """Custom Python attributes of every parameter (e.g. ``shared``, ``allreduce``) by name."""
+    return {name: dict(vars(p)) for name, p in module.named_parameters(remove_duplicate=False)
+            if vars(p)}
+
+
+def _restore_param_attrs(module: torch.nn.Module, attrs: dict) -> None:
+    # fully_shard replaces each nn.Parameter by a new DTensor parameter; copy our flags over.
+    for name, p in module.named_parameters(remove_duplicate=False):
+        for key, value in attrs.get(name, {}).items():
+            if not hasattr(p, key):
+                setattr(p, key, value)
+
+
+def _backend_sums_instead_of_averaging(group) -> bool:
+    """Probe whether ReduceOp.AVG reduce-scatter really averages on this group.
+
+    gloo in some torch releases silently summed (pytorch issue 162338); one 4-byte-per-rank
+    collective at wrap time tells us. Non-gloo backends average natively.
+    """
+    n = dist.get_world_size(group)
+    if n == 1 or dist.get_backend(group) != "gloo":
+        return False
+    out = torch.empty(1)
+    # the single-tensor form FSDP2 itself uses (renamed reduce_scatter_single in newer torch)
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    try:
+        reduce_scatter(out, torch.ones(n), op=dist.ReduceOp.AVG, group=group)
+    except (RuntimeError, ValueError):  # AVG not supported at all: FSDP2 must use SUM
+        return True
+    return not torch.allclose(out, torch.ones(1))
 
 
 class TorchFullyShardedDataParallel(torch.nn.Module):
-    def __init__(self, *a, **k):
-        raise NotImplementedError("TorchFullyShardedDataParallel: work in progress")
+    """FSDP2 data parallelism with the same interface as our DistributedDataParallel.
+
+    Args:
+        module: the model (fp32 parameters, on the device the group's backend uses).
+        ddp_config: the shared DDP config. FSDP2 shards optimizer state itself, so
+            ``use_distributed_optimizer``/``overlap_param_gather`` and ``comm_backend=
+            "nccl_ext"`` are rejected; ``bucket_size`` does not apply (a unit's gradients are
+            reduced in one collective) and is ignored with a log line; ``check_for_nan_in_grad``
+            is honoured in :meth:`finish_grad_sync`; ``grad_reduce_in_fp32`` picks the reduce
+            dtype when ``mixed_precision`` is not given.
+        process_group: data-parallel group (default: WORLD); the 1-D device mesh comes from it.
+        mixed_precision: a ``MixedPrecisionPolicy`` or None (fp32). See
+            :func:`mixed_precision_policy`.
+        fsdp_unit_modules: classes or class names to shard as units (see :func:`select_fsdp_units`).
+        reshard_after_forward: FSDP2's knob: free gathered parameters after forward (saves
+            memory, re-gathers in backward).
+        sync_module_states: broadcast rank 0's parameters and buffers before sharding so the
+            sharded model equals the model rank 0 built (what our DDP's broadcast does).
+    """
+
+    def __init__(self, module: torch.nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None,
+                 *, process_group=None, mixed_precision=None,
+                 fsdp_unit_modules: Optional[Iterable[UnitSpec]] = None,
+                 reshard_after_forward: bool = True, sync_module_states: bool = True) -> None:
+        require_fsdp2_torch()
+        super().__init__()
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("TorchFullyShardedDataParallel needs torch.distributed initialised "
+                               "(launch with torchrun; the trainer calls init_process_group)")
+        cfg = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
+        if cfg.use_distributed_optimizer or cfg.overlap_param_gather:
+            raise ValueError("FSDP2 already shards parameters, gradients and optimizer state: "
+                             "drop --use-distributed-optimizer/--overlap-param-gather with "
+                             "--use-torch-fsdp2")
+        if cfg.comm_backend != "torch":
+            raise ValueError(f"FSDP2 communicates through torch.distributed only: use "
+                             f"--comm-backend torch (got {cfg.comm_backend!r}) with --use-torch-fsdp2")
+        if cfg.bucket_size is not None:
+            _log.info("FSDP2: --ddp-bucket-size is ignored (each unit reduces in one collective)")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+            raise ValueError("mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy "
+                             f"or None, got {type(mixed_precision).__name__}")
+        if mixed_precision is None and cfg.grad_reduce_in_fp32:
+            mixed_precision = MixedPrecisionPolicy(reduce_dtype=torch.float32)
+        self.ddp_config = cfg
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.mixed_precision = mixed_precision
+
+        device = self._module_device(module)
+        backend = dist.get_backend(self.process_group)
+        if device.type == "cpu" and backend == "nccl":
+            raise RuntimeError("FSDP2 with the nccl backend needs the model on CUDA: move it with "
+                               ".cuda() before wrapping, or use --distributed-backend gloo on CPU")
+        self.mesh = DeviceMesh.from_group(self.process_group, device.type)
+
+        if sync_module_states and dist.get_world_size(self.process_group) > 1:
+            self._broadcast_from_rank0(module)
+
+        attrs = _param_attrs(module)
+        kw = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        if mixed_precision is not None:
+            kw["mp_policy"] = mixed_precision
+        self.fsdp_units = select_fsdp_units(module, None if fsdp_unit_modules is None
+                                            else list(fsdp_unit_modules))
+        for unit in self.fsdp_units:
+            fully_shard(unit, **kw)
+        fully_shard(module, **kw)
+        _restore_param_attrs(module, attrs)
+        self.module = module
+
+        # pytorch#162338: if this group sums under ReduceOp.AVG, make FSDP2 sum + divide.
+        self._grad_post_scale = 1.0
+        self.avg_corrected = _backend_sums_instead_of_averaging(self.process_group)
+        if self.avg_corrected:
+            if hasattr(module, "set_force_sum_reduction_for_comms"):
+                module.set_force_sum_reduction_for_comms(True)
+                for unit in self.fsdp_units:
+                    unit.set_force_sum_reduction_for_comms(True)
+            else:  # older FSDP2 without the switch: divide the summed shards ourselves
+                self._grad_post_scale = 1.0 / dist.get_world_size(self.process_group)
+            _log.warning("FSDP2: %s backend sums under ReduceOp.AVG (pytorch#162338); "
+                         "correcting so gradients are averaged", backend)
+
+    # ------------------------------------------------------------------ helpers
+    @staticmethod
+    def _module_device(module: torch.nn.Module) -> torch.device:
+        devices = {t.device for t in list(module.parameters()) + list(module.buffers())}
+        if len(devices) > 1:
+            raise ValueError(f"FSDP2: the module's tensors span devices {sorted(map(str, devices))}; "
+                             "move the whole model to one device before wrapping")
+        return devices.pop() if devices else torch.device("cpu")
+
+    def _broadcast_from_rank0(self, module: torch.nn.Module) -> None:
+        src = dist.get_global_rank(self.process_group, 0)
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(t.data, src=src, group=self.process_group)
+
+    def _params_with_grad(self) -> list:
+        return [p for p in self.module.parameters() if p.grad is not None]
+
+    @staticmethod
+    def _local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    # ------------------------------------------------------------------ interface
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (unsharded) without reduce-scatter; the first
+        backward after the block reduces the accumulated sum."""
+        self.module.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_gradient_sync(True)
+
+    def start_grad_sync(self) -> None:
+        """No-op: FSDP2 launches each unit's reduce-scatter from its post-backward hook."""
+
+    def finish_grad_sync(self) -> None:
+        """Make the reduced (averaged) gradient shards final.
+
+        FSDP2's root post-backward callback already waited for the reduce-scatters, so
+        ``param.grad`` holds each rank's shard of the averaged gradient. Here: the
+        issue-162338 correction when the backend summed and FSDP2 cannot be told to
+        divide, and the NaN/Inf check when ``check_for_nan_in_grad`` is set.
+        """
+        params = self._params_with_grad()
+        local = [self._local(p.grad) for p in params]
+        if self._grad_post_scale != 1.0:
+            ext.scale_(local, self._grad_post_scale)
+        if self.ddp_config.check_for_nan_in_grad and local and ext.has_nonfinite(local):
+            names = [n for n, p in self.module.named_parameters()
+                     if p.grad is not None and ext.has_nonfinite([self._local(p.grad)])]
+            rank = dist.get_rank(self.process_group)
+            raise RuntimeError(f"rank {rank}: NaN/Inf in reduced FSDP2 gradient shard of {names}")
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every local gradient shard by ``scaling_factor`` (in place)."""
+        local = [self._local(p.grad) for p in self._params_with_grad()]
+        if local:
+            ext.scale_(local, float(scaling_factor))
+
+    def zero_grad_buffer(self) -> None:
+        """Drop the gradients (set to None); the next backward writes fresh shards."""
+        for p in self.module.parameters():
+            p.grad = None
+
+    def broadcast_params(self) -> None:
+        """No-op: after sharding each parameter element lives on exactly one rank, so there
+        are no replicas to make equal; rank 0's initial values were broadcast before sharding
+        (``sync_module_states``)."""
+
+    def state_dict(self, *args, **kwargs):
+        """The unwrapped module's keys; values are DTensors (shards + global shape)."""
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        """Load DTensor values as they are, or full tensors (identical on every rank, e.g. from
+        a ``--ckpt-format torch`` file) by keeping this rank's dim-0 shard of each."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        current = self.module.state_dict()
+        converted = {}
+        for key, value in state_dict.items():
+            target = current.get(key)
+            if isinstance(target, DTensor) and isinstance(value, torch.Tensor) \
+                    and not isinstance(value, DTensor):
+                if tuple(value.shape) != tuple(target.shape):
+                    raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)}, "
+                                     f"the model expects {tuple(target.shape)}")
+                value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
+                                          target.placements, src_data_rank=None)
+            converted[key] = value
+        return self.module.load_state_dict(converted, strict=strict, **kwargs)
+
+    def local_model_state_bytes(self) -> dict:
+        """Bytes this rank holds for parameter shards and gradient shards (for memory reports)."""
+        params = list(self.module.parameters())
+        return {
+            "params": sum(self._local(p).numel() * self._local(p).element_size() for p in params),
+            "grads": sum(self._local(p.grad).numel() * self._local(p.grad).element_size()
+                         for p in params if p.grad is not None),
+        }

@@ -6,21 +6,32 @@ from __future__ import annotations
 import torch
 
 ALL_MODULE_WRAPPER_CLASSNAMES = ("DistributedDataParallel", "TorchFullyShardedDataParallel", "Float16Module")
+"""Class names of the wrappers that hold the real model in ``.module`` (ours; torch's DDP
+shares the first name and the same ``.module`` layout, so it peels too)."""
 
 
 def unwrap_model(model, module_instances=None):
-    """Peel every wrapper in ``ALL_MODULE_WRAPPER_CLASSNAMES`` (any nesting); lists map elementwise."""
+    """Peel every wrapper (any nesting, e.g. DDP(Float16Module(model))) and return the model.
+
+    ``module_instances``: wrapper classes or class names to peel instead of
+    ``ALL_MODULE_WRAPPER_CLASSNAMES`` (Megatron passes classes). Lists/tuples map elementwise.
+    """
     if isinstance(model, (list, tuple)):
         return type(model)(unwrap_model(m, module_instances) for m in model)
-    names = ALL_MODULE_WRAPPER_CLASSNAMES if module_instances is None else module_instances
+    specs = ALL_MODULE_WRAPPER_CLASSNAMES if module_instances is None else tuple(module_instances)
+    names = {s if isinstance(s, str) else s.__name__ for s in specs}
     while type(model).__name__ in names:
-        model = model.module
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            raise ValueError(f"unwrap_model: {type(model).__name__} has no .module to unwrap")
+        model = inner
     return model
 
 
 class Float16Module(torch.nn.Module):
     """Holds ``module`` in bf16/fp16 (params cast once), casts floating inputs to it and
-    fp32 outputs back, as Megatron's Float16Module does. The optimizer keeps fp32 copies."""
+    floating outputs back to fp32, as Megatron's Float16Module does. The optimizer keeps
+    fp32 main copies. Used under our DDP; FSDP2 uses a MixedPrecisionPolicy instead."""
 
     def __init__(self, module: torch.nn.Module, *, dtype: torch.dtype) -> None:
         super().__init__()
@@ -29,14 +40,21 @@ class Float16Module(torch.nn.Module):
         self.module = module.to(dtype)
         self.dtype = dtype
 
+    def _cast_in(self, x):
+        return x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
     def forward(self, *args, **kwargs):
-        cast = lambda x: x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-        out = self.module(*(cast(a) for a in args), **{k: cast(v) for k, v in kwargs.items()})
+        out = self.module(*(self._cast_in(a) for a in args),
+                          **{k: self._cast_in(v) for k, v in kwargs.items()})
         if isinstance(out, torch.Tensor) and out.is_floating_point():
-            out = out.float()
+            return out.float()
+        if isinstance(out, (tuple, list)):  # e.g. (logits, aux): cast each floating tensor
+            return type(out)(o.float() if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                             for o in out)
         return out
 
     def state_dict(self, *args, **kwargs):
+        """The wrapped module's keys (no ``module.`` prefix)."""
         return self.module.state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
