@@ -3,12 +3,14 @@
     results = run_distributed(fn, world_size=2, args=(...))   # results[rank]
 
 ``fn(rank, world_size, *args)`` runs after ``init_process_group("gloo")``; whatever it
-returns must be picklable (tensors are fine). An exception on any rank is re-raised
-here with that rank's traceback. Each call uses a fresh free port.
+returns must be picklable (tensors are fine: results travel as ``torch.save`` bytes, so no
+shared-memory handle outlives the worker). An exception on any rank is re-raised here with
+that rank's traceback. Each call uses a fresh free port.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import traceback
@@ -31,7 +33,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         out = fn(rank, world_size, *args)
-        queue.put((rank, True, out))
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        queue.put((rank, True, buf.getvalue()))
     except BaseException:  # report, do not hang the parent
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -53,7 +57,7 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0):
         for _ in range(world_size):
             rank, ok, payload = queue.get(timeout=timeout)
             if ok:
-                results[rank] = payload
+                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
             else:
                 errors.append(f"rank {rank} failed:\n{payload}")
                 break

@@ -1,7 +1,289 @@
-"""Placeholder: being written (issue 4)."""
+"""Megatron-style DistributedDataParallel: contiguous grad buckets reduced while backward runs.
+
+Flow of one step (see DESIGN.md, "The way a gradient travels"):
+
+1. Wrap time: trainable parameters go into one :class:`ParamAndGradBuffer` per
+   (param dtype, grad dtype); ``param.main_grad`` views the buffer. Frozen parameters
+   are left out; a parameter registered twice (tied weights) appears once.
+2. Backward: a post-accumulate-grad hook marks each parameter ready. When the last
+   parameter of a bucket is ready, its gradients are folded into the buffer:
+   * grad dtype != param dtype (bf16/fp16 params, ``grad_reduce_in_fp32``): one
+     ``megadlm_ext.accumulate_into`` call per bucket casts, scales by 1/dp and adds all
+     the bucket's ``param.grad`` into the buffer, then frees them;
+   * same dtype: ``param.grad`` IS the ``main_grad`` view (set at wrap time and by
+     ``zero_grad_buffer``), so autograd already accumulated in place (zero copy, as
+     torch DDP's ``gradient_as_bucket_view``); the bucket is scaled by 1/dp with one
+     ``megadlm_ext.scale_`` call just before its collective. (Freeing per-parameter
+     grads mid-backward instead made glibc return the memory to the OS and page-fault
+     it back every step: +45% step time on CPU.) A grad that is not the view (e.g. set
+     to None by ``torch.optim``'s ``zero_grad``) is folded by ``accumulate_into``.
+   With ``overlap_grad_reduce`` the bucket's collective (all-reduce; reduce-scatter with
+   the distributed optimizer) is then launched asynchronously, strictly in bucket order
+   on every rank (a bucket that is ready early waits for its predecessors).
+3. ``finish_grad_sync()`` folds what is left (buckets that never became complete, e.g.
+   with an unused parameter, whose missing gradients count as zeros — Megatron asserts
+   instead), launches every remaining collective in order and waits. Then
+   ``param.main_grad`` holds the reduced gradient; so does ``param.grad`` (the same
+   view) in plain DDP when the dtypes match, so any torch.optim works.
+
+Inside ``no_sync()`` buckets are folded but never communicated; the next synced
+backward adds to the same buffer, so accumulation over micro-batches is exact.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Dict, List, Optional
+
 import torch
+import torch.distributed as dist
+
+import megadlm_ext as ext
+
+from .comm import build_communicator, resolve_group
+from .config import DistributedDataParallelConfig
+from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from .wrappers import unwrap_model
 
 
 class DistributedDataParallel(torch.nn.Module):
-    def __init__(self, *a, **k):
-        raise NotImplementedError("DistributedDataParallel: work in progress")
+    """Data-parallel wrapper with Megatron-core's grad buffers, buckets and overlap.
+
+    Args:
+        module: the model (any ``nn.Module``; a ``Float16Module`` for bf16/fp16 training).
+        ddp_config: bucketing/overlap/precision knobs; defaults to ``DistributedDataParallelConfig()``.
+        process_group: data-parallel group; WORLD when None (one process if none is initialised).
+    """
+
+    def __init__(self, module: torch.nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None,
+                 *, process_group=None) -> None:
+        super().__init__()
+        self.module = module
+        cfg = dataclasses.replace(ddp_config) if ddp_config is not None else DistributedDataParallelConfig()
+        self.process_group = resolve_group(process_group)
+        self.comm = build_communicator(cfg.comm_backend, self.process_group)
+        self.dp_size, self.dp_rank = self.comm.world_size, self.comm.rank
+        if cfg.bucket_size is None and cfg.overlap_grad_reduce:
+            cfg.bucket_size = max(40_000_000, 1_000_000 * self.dp_size)
+        self.ddp_config = cfg
+        # ReduceOp.AVG when asked for and available; otherwise pre-divide (same average).
+        self._avg_in_collective = cfg.average_in_collective and self.comm.supports_avg
+        self._fold_scale = 1.0 if self._avg_in_collective else 1.0 / self.dp_size
+
+        names: Dict[torch.nn.Parameter, str] = {}
+        for name, p in module.named_parameters():   # deduplicated: tied weights once
+            if p.requires_grad:
+                names[p] = name
+        groups: Dict[tuple, List[torch.nn.Parameter]] = {}
+        for p in names:
+            gdtype = torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype
+            groups.setdefault((p.dtype, gdtype), []).append(p)
+        self.buffers_: List[ParamAndGradBuffer] = []
+        self.buckets: List[Bucket] = []
+        for (_, gdtype), params in groups.items():
+            buf = ParamAndGradBuffer(params, [names[p] for p in params], grad_dtype=gdtype,
+                                     bucket_size=cfg.bucket_size, dp_size=self.dp_size,
+                                     use_distributed_optimizer=cfg.use_distributed_optimizer,
+                                     first_bucket_index=len(self.buckets))
+            self.buffers_.append(buf)
+            self.buckets.extend(buf.buckets)
+        self.param_names = names
+        self._bucket_of = {p: b for b in self.buckets for p in b.params}
+        self._sync_enabled = True
+        self._next_launch = 0
+        self._attach_grad_views()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in names]
+        if cfg.use_distributed_optimizer and cfg.overlap_param_gather:
+            self._install_param_gather_hooks()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _attach_grad_views(self) -> None:
+        """param.grad = main_grad view where the dtypes match (autograd accumulates in place)."""
+        for bucket in self.buckets:
+            for p in bucket.params:
+                p.grad = p.main_grad if bucket.grad_view else None
+
+    # ------------------------------------------------------------------ grad sync
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        bucket = self._bucket_of[param]
+        if bucket.launched:
+            raise RuntimeError(
+                f"parameter {self.param_names[param]} got a gradient after bucket {bucket.index}'s "
+                "collective was launched: run one backward per step outside no_sync(), and call "
+                "zero_grad_buffer() (or optimizer.zero_grad()) before the next step")
+        bucket.ready.add(param)
+        if len(bucket.ready) == len(bucket.params):
+            self._fold(bucket)
+            if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
+                self._launch_ready_in_order()
+
+    @staticmethod
+    def _foreign_grad(p):
+        """param.grad when it is a separate tensor (not the main_grad view), else None."""
+        g = p.grad
+        return None if g is None or g.data_ptr() == p.main_grad.data_ptr() else g
+
+    def _fold(self, bucket: Bucket) -> None:
+        """One fused call: bucket.grad_data[offset_i:] += scale * param_i.grad for every grad
+        that is not already the buffer view; then free them (or re-point them at the view)."""
+        grads, offsets = [], []
+        for p, off in zip(bucket.params, bucket.offsets):
+            g = self._foreign_grad(p)
+            if g is not None:
+                grads.append(g if g.is_contiguous() else g.contiguous())
+                offsets.append(off)
+        if grads:
+            # View buckets are scaled as a whole at launch, so fold those grads unscaled.
+            scale = 1.0 if bucket.grad_view else self._fold_scale
+            ext.accumulate_into(bucket.grad_data, grads, offsets=offsets, scale=scale)
+        for p in bucket.params:
+            p.grad = p.main_grad if bucket.grad_view else None
+        bucket.ready.clear()
+        # Only a fold of the synced backward makes the bucket launchable; a no_sync fold
+        # must not, or the next backward would launch it before its new grads arrive.
+        bucket.folded = self._sync_enabled
+
+    def _launch_ready_in_order(self) -> None:
+        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].folded:
+            self._launch(self.buckets[self._next_launch])
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.ddp_config.check_for_nan_in_grad:
+            self._check_nan(bucket)
+        if bucket.grad_view and self._fold_scale != 1.0:
+            ext.scale_([bucket.grad_data], self._fold_scale)   # 1/dp before a SUM collective
+        op = "avg" if self._avg_in_collective else "sum"
+        if self.ddp_config.use_distributed_optimizer:
+            lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
+            bucket.handle = self.comm.reduce_scatter(bucket.grad_data[lo:hi], bucket.grad_data, op, async_op=True)
+        else:
+            bucket.handle = self.comm.all_reduce(bucket.grad_data, op, async_op=True)
+        bucket.launched = True
+        self._next_launch = bucket.index + 1
+
+    def _check_nan(self, bucket: Bucket) -> None:
+        if not ext.has_nonfinite([bucket.grad_data]):
+            return
+        for p, name in zip(bucket.params, bucket.names):
+            if ext.has_nonfinite([p.main_grad]):
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                raise RuntimeError(
+                    f"check_for_nan_in_grad: rank {rank} (dp rank {self.dp_rank}) found NaN/Inf in "
+                    f"bucket {bucket.index} before the data-parallel collective; first offending "
+                    f"parameter: {name} (shape {tuple(p.shape)})")
+
+    def start_grad_sync(self) -> None:
+        """Fold any pending gradients and launch every bucket's collective not yet launched."""
+        for bucket in self.buckets[self._next_launch:]:
+            if not bucket.folded or any(self._foreign_grad(p) is not None for p in bucket.params):
+                self._fold(bucket)   # incomplete bucket: missing gradients contribute zeros
+            self._launch(bucket)
+
+    def finish_grad_sync(self) -> None:
+        """Wait for every bucket's collective (launching the rest first); publish param.grad."""
+        self.start_grad_sync()
+        for bucket in self.buckets:
+            if bucket.handle is not None:
+                bucket.handle.wait()
+                bucket.handle = None
+            bucket.launched = False
+            bucket.folded = False
+        self._next_launch = 0
+        if self.ddp_config.use_distributed_optimizer:
+            # Only this rank's shard of each bucket is reduced: do not show param.grad (the
+            # views come back with zero_grad_buffer()). Without it, param.grad is the reduced
+            # main_grad view when the dtypes match; with fp32 grads of bf16 params it stays
+            # None (a bf16 copy would cost 2 bytes/param and round): read param.main_grad.
+            for p in self.param_names:
+                p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients into the buffers without communicating (micro-batches)."""
+        prev, self._sync_enabled = self._sync_enabled, False
+        try:
+            yield
+        finally:
+            self._sync_enabled = prev
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every grad buffer (hence ``main_grad`` and a published ``param.grad``)."""
+        ext.scale_([b.grad_data for b in self.buffers_], scaling_factor)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero the grad buffers (param.grad: the zeroed view, or None); call before each
+        step's first micro-batch."""
+        for bucket in self.buckets:   # a collective still in flight would write after the zeroing
+            if bucket.handle is not None:
+                bucket.handle.wait()
+            bucket.handle, bucket.launched, bucket.folded = None, False, False
+            bucket.ready.clear()
+        self._next_launch = 0
+        for buf in self.buffers_:
+            buf.grad_data.zero_()
+        self._attach_grad_views()
+
+    def broadcast_params(self) -> None:
+        """Copy data-parallel rank 0's parameters to every rank (call once after init/load)."""
+        if self.process_group is None or self.dp_size == 1:
+            return
+        src = dist.get_global_rank(self.process_group, 0)
+        for p in self.module.parameters():
+            dist.broadcast(p.data, src=src, group=self.process_group)
+
+    # ------------------------------------------------------------------ param gather
+    def start_param_sync(self, *, force_sync: bool = False) -> None:
+        """Distributed optimizer: all-gather every bucket's updated shard into the params.
+
+        With ``overlap_param_gather`` (and not ``force_sync``) the gathers are launched
+        asynchronously in forward order and each is waited for by the forward pre-hook of
+        the first module that owns one of its parameters.
+        """
+        if not self.ddp_config.use_distributed_optimizer:
+            return
+        self.finish_param_sync()
+        overlap = self.ddp_config.overlap_param_gather and not force_sync
+        for bucket in reversed(self.buckets):   # forward uses the last bucket first
+            lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
+            h = self.comm.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
+            bucket.gather_handle = h if overlap else None
+
+    def finish_param_sync(self) -> None:
+        """Wait for every outstanding parameter all-gather."""
+        for bucket in self.buckets:
+            if bucket.gather_handle is not None:
+                bucket.gather_handle.wait()
+                bucket.gather_handle = None
+
+    def _install_param_gather_hooks(self) -> None:
+        def pre_hook(module, args, buckets=None):
+            for bucket in buckets:
+                if bucket.gather_handle is not None:
+                    bucket.gather_handle.wait()
+                    bucket.gather_handle = None
+        for mod in self.module.modules():
+            owned = {self._bucket_of[p].index: self._bucket_of[p]
+                     for p in mod.parameters(recurse=False) if p in self._bucket_of}
+            if owned:
+                hook = lambda m, a, bs=list(owned.values()): pre_hook(m, a, bs)
+                self._hooks.append(mod.register_forward_pre_hook(hook))
+        # Parameters read outside their owner's forward are covered by this final wait, and a
+        # state_dict() of the unwrapped module (checkpointing) never sees half-gathered params.
+        self._hooks.append(self.module.register_forward_hook(lambda m, a, o: self.finish_param_sync()))
+        for m in {id(self.module): self.module, id(unwrap_model(self.module)): unwrap_model(self.module)}.values():
+            self._hooks.append(m.register_state_dict_pre_hook(lambda *a, **k: self.finish_param_sync()))
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self, *args, **kwargs):
+        """The unwrapped module's state dict (no wrapper prefixes)."""
+        self.finish_param_sync()
+        return self.module.state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+        """Load into the wrapped module (copies in place, so buffer views stay valid)."""
+        self.finish_param_sync()
+        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)

@@ -1,0 +1,166 @@
+"""One small interface over the data-parallel collectives.
+
+``build_communicator(backend, group)`` returns an object with
+
+    all_reduce(tensor, op="sum"|"avg", async_op=False) -> handle | None   (in place)
+    reduce_scatter(output, input, op="sum"|"avg", async_op=False) -> handle | None
+    all_gather(output, input, async_op=False) -> handle | None
+    world_size, rank, supports_avg
+
+A handle has ``wait()``. Backends:
+
+* ``"torch"``: torch.distributed on ``group`` (gloo on CPU, NCCL on GPU), with the
+  single-tensor collectives (``reduce_scatter_single``/``all_gather_single``; the older
+  ``*_tensor`` names on torch versions that lack them).
+* ``"nccl_ext"``: ``megadlm_ext.nccl.Communicator``, the extension's own NCCL
+  communicator, bootstrapped with a unique id broadcast over ``group``. Its collectives
+  are enqueued on torch's current CUDA stream, so they are ordered after the fold kernel
+  that precedes them; the returned handle's ``wait()`` is a no-op (stream order is the
+  synchronisation). GPU only: on CPU asking for it raises a RuntimeError.
+
+A one-rank world (or no process group at all) gets a local communicator that copies,
+so every wrapper works unchanged on one process.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+_log = logging.getLogger(__name__)
+
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _check_op(op: str) -> str:
+    if op not in ("sum", "avg"):
+        raise ValueError(f"collective op must be 'sum' or 'avg', got {op!r}")
+    return op
+
+
+class _Done:
+    """Handle of an operation that has already completed (or is stream-ordered)."""
+
+    def wait(self) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class LocalCommunicator:
+    """World of one rank: every collective is the identity (copies where buffers differ)."""
+
+    world_size, rank, supports_avg = 1, 0, True
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        _check_op(op)
+        return _Done() if async_op else None
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        _check_op(op)
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+
+    def all_gather(self, output, input, async_op=False):
+        if output.data_ptr() != input.data_ptr():
+            output.copy_(input)
+        return _Done() if async_op else None
+
+
+class TorchCommunicator:
+    """torch.distributed collectives on ``group``."""
+
+    def __init__(self, group) -> None:
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.supports_avg = self._probe_avg()
+
+    def _probe_avg(self) -> bool:
+        # Older gloo builds reject ReduceOp.AVG (torch 2.13's accepts it). The check raises
+        # locally before any communication, so every rank takes the same branch.
+        if dist.get_backend(self.group) != "gloo":
+            return True
+        try:
+            dist.all_reduce(torch.zeros(1), op=dist.ReduceOp.AVG, group=self.group)
+            return True
+        except (RuntimeError, ValueError):
+            _log.info("gloo has no ReduceOp.AVG here: averaging by pre-dividing by the world size")
+            return False
+
+    @staticmethod
+    def _op(op: str):
+        return dist.ReduceOp.AVG if _check_op(op) == "avg" else dist.ReduceOp.SUM
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        return dist.all_reduce(tensor, op=self._op(op), group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        return _REDUCE_SCATTER(output, input, op=self._op(op), group=self.group, async_op=async_op)
+
+    def all_gather(self, output, input, async_op=False):
+        return _ALL_GATHER(output, input, group=self.group, async_op=async_op)
+
+
+class NcclExtCommunicator:
+    """megadlm_ext's NCCL communicator; collectives run on torch's current CUDA stream."""
+
+    supports_avg = True
+
+    def __init__(self, group) -> None:
+        fix = ("use comm_backend='torch' (--comm-backend torch), or run on CUDA devices with "
+               "megadlm_ext built with CUDA and a loadable libnccl.so.2")
+        if not torch.cuda.is_available():
+            raise RuntimeError(f"comm_backend='nccl_ext' needs a CUDA device, and none is available: {fix}")
+        try:
+            from megadlm_ext import nccl as ext_nccl
+        except ImportError as exc:
+            raise RuntimeError(f"comm_backend='nccl_ext': megadlm_ext.nccl is unavailable ({exc}): {fix}") from exc
+        if not ext_nccl.available():
+            raise RuntimeError(f"comm_backend='nccl_ext': this megadlm_ext build has no NCCL: {fix}")
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        uid = [ext_nccl.unique_id() if self.rank == 0 else None]
+        dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
+        self._comm = ext_nccl.Communicator(uid[0], self.rank, self.world_size, torch.cuda.current_device())
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        self._comm.all_reduce(tensor, _check_op(op))
+        return _Done() if async_op else None
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        self._comm.reduce_scatter(output, input, _check_op(op))
+        return _Done() if async_op else None
+
+    def all_gather(self, output, input, async_op=False):
+        self._comm.all_gather(output, input)
+        return _Done() if async_op else None
+
+    def close(self) -> None:
+        self._comm.close()
+
+
+def resolve_group(process_group):
+    """The process group to use: the given one, else WORLD, else None (no distributed run)."""
+    if process_group is not None:
+        return process_group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def build_communicator(backend: str, group):
+    """Communicator for ``backend`` ('torch' | 'nccl_ext') over ``group`` (None: one process)."""
+    if backend not in ("torch", "nccl_ext"):
+        raise ValueError(f"comm_backend must be 'torch' or 'nccl_ext', got {backend!r}")
+    if backend == "nccl_ext":
+        if group is None:
+            raise RuntimeError("comm_backend='nccl_ext' needs an initialised process group "
+                               "(launch with torchrun) to broadcast the NCCL unique id")
+        return NcclExtCommunicator(group)
+    if group is None or dist.get_world_size(group) == 1:
+        return LocalCommunicator()
+    return TorchCommunicator(group)

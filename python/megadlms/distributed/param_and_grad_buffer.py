@@ -1,0 +1,140 @@
+"""Contiguous grad (and param) buffers split into buckets, with Megatron-core's layout.
+
+One :class:`ParamAndGradBuffer` holds every trainable parameter of one
+(param dtype, grad dtype) pair. Layout rules (``megatron/core/distributed/
+param_and_grad_buffer.py``):
+
+* parameters are placed in REVERSE registration order (roughly the order backward
+  produces their gradients), so the first bucket is ready first;
+* a bucket is closed as soon as it holds ``bucket_size`` or more elements
+  (``bucket_size=None``: one bucket);
+* with the distributed optimizer every parameter starts at a multiple of 64 elements
+  and every bucket end is padded to a multiple of lcm(dp, 128), so each bucket splits
+  into dp equal contiguous shards. Padding elements stay zero.
+
+``param.main_grad`` is a view into the grad buffer; with the distributed optimizer
+``param.data`` also becomes a view into a param buffer of the same layout (the
+all-gather writes straight into the parameters).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+PARAM_ALIGNMENT = 64
+BUCKET_ALIGNMENT = 128
+
+
+def _pad(n: int, divisor: int) -> int:
+    return int(math.ceil(n / divisor) * divisor)
+
+
+def build_bucket_layout(numels: Sequence[int], bucket_size: Optional[int], dp_size: int,
+                        use_distributed_optimizer: bool):
+    """Place parameters (already in buffer order) into buckets.
+
+    Returns ``(param_ranges, bucket_ranges, total)``: ``param_ranges[i] = (start, end, bucket)``
+    in buffer elements, ``bucket_ranges[b] = (start, end)`` (end includes padding), and the
+    buffer length.
+    """
+    param_ranges: List[Tuple[int, int, int]] = []
+    bucket_ranges: List[Tuple[int, int]] = []
+    divisor = math.lcm(dp_size, BUCKET_ALIGNMENT)
+    bucket_start = 0
+    pos = 0
+    n_in_bucket = 0
+
+    def close(end: int) -> int:
+        padded = _pad(end, divisor) if use_distributed_optimizer else end
+        bucket_ranges.append((bucket_start, padded))
+        return padded
+
+    for numel in numels:
+        start = _pad(pos, PARAM_ALIGNMENT) if use_distributed_optimizer else pos
+        end = start + numel
+        param_ranges.append((start, end, len(bucket_ranges)))
+        n_in_bucket += 1
+        if bucket_size is not None and end - bucket_start >= bucket_size:
+            pos = bucket_start = close(end)
+            n_in_bucket = 0
+        else:
+            pos = end
+    if n_in_bucket:
+        pos = close(pos)
+    return param_ranges, bucket_ranges, pos
+
+
+@dataclass(eq=False)
+class Bucket:
+    """A contiguous slice of a buffer whose collective is launched as one unit."""
+
+    index: int                     # global bucket index across all buffers (launch order)
+    params: List[torch.nn.Parameter]
+    names: List[str]
+    offsets: List[int]             # start of each param inside the bucket
+    grad_data: torch.Tensor        # view of the grad buffer, padding included
+    param_data: Optional[torch.Tensor]  # view of the param buffer (distributed optimizer)
+    numel_unpadded: int
+    grad_view: bool = False        # grad dtype == param dtype: param.grad views the buffer
+    ready: set = field(default_factory=set)
+    folded: bool = False           # this step's gradients are in grad_data
+    launched: bool = False
+    handle: object = None          # async collective in flight (grad reduce)
+    gather_handle: object = None   # async param all-gather in flight
+
+    def shard_range(self, dp_rank: int, dp_size: int) -> Tuple[int, int]:
+        """[start, end) of this rank's shard, in bucket elements."""
+        size = self.grad_data.numel() // dp_size
+        return dp_rank * size, (dp_rank + 1) * size
+
+
+class ParamAndGradBuffer:
+    """Grad buffer (and, with the distributed optimizer, param buffer) for one dtype pair."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], *,
+                 grad_dtype: torch.dtype, bucket_size: Optional[int], dp_size: int,
+                 use_distributed_optimizer: bool, first_bucket_index: int) -> None:
+        if not params:
+            raise ValueError("ParamAndGradBuffer needs at least one parameter")
+        self.param_dtype = params[0].dtype
+        self.grad_dtype = grad_dtype
+        device = params[0].device
+        for p, n in zip(params, names):
+            if p.dtype != self.param_dtype or p.device != device:
+                raise ValueError(f"parameter {n} is {p.dtype} on {p.device}; this buffer holds "
+                                 f"{self.param_dtype} on {device}")
+        order = list(range(len(params)))[::-1]     # reverse registration order
+        ranges, bucket_ranges, total = build_bucket_layout(
+            [params[i].numel() for i in order], bucket_size, dp_size, use_distributed_optimizer)
+        self.numel = total
+        self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
+        self.param_data = (torch.zeros(total, dtype=self.param_dtype, device=device)
+                           if use_distributed_optimizer else None)
+        self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
+        per_bucket: List[List[int]] = [[] for _ in bucket_ranges]
+        for i, (start, end, b) in zip(order, ranges):
+            p = params[i]
+            self.param_index_map[p] = (start, end, b)
+            per_bucket[b].append(i)
+            p.main_grad = self.grad_data[start:end].view(p.shape)
+            if self.param_data is not None:
+                view = self.param_data[start:end].view(p.shape)
+                view.copy_(p.data)
+                p.data = view   # the all-gather now writes straight into the parameter
+        self.buckets: List[Bucket] = []
+        for b, (bstart, bend) in enumerate(bucket_ranges):
+            members = per_bucket[b]
+            self.buckets.append(Bucket(
+                index=first_bucket_index + b,
+                params=[params[i] for i in members],
+                names=[names[i] for i in members],
+                offsets=[self.param_index_map[params[i]][0] - bstart for i in members],
+                grad_data=self.grad_data[bstart:bend],
+                param_data=None if self.param_data is None else self.param_data[bstart:bend],
+                numel_unpadded=sum(params[i].numel() for i in members),
+                grad_view=grad_dtype == self.param_dtype,
+            ))

@@ -1,0 +1,138 @@
+"""The distributed optimizer's layout: fp32 main params and Adam state for this rank's shard.
+
+Design (Megatron-core ``optimizer/distrib_optimizer.py``, reduced to what we need):
+
+Sharding. Our DDP lays gradients out in buckets whose length is a multiple of
+lcm(dp, 128) (parameters start on 64-element boundaries). Rank r owns the contiguous
+range ``[r * L/dp, (r+1) * L/dp)`` of EVERY bucket of length L. A parameter may straddle
+shard boundaries, so this rank's share of it is a single contiguous piece (a parameter
+lives in one bucket); each piece becomes one fp32 1-D main param and one AdamW entry.
+Padding elements belong to no piece: they are reduced and gathered but never updated.
+
+Phases of one step:
+  1. backward: DDP folds each bucket and reduce-scatters it; the rank's shard of
+     ``bucket.grad_data`` then holds the averaged gradient (nothing else is valid).
+  2. ``step``: main grads are views of (or fp32 copies from) that shard; unscale /
+     overflow check (all-reduced), global norm = sqrt(all-reduce of local squared norms),
+     clip, AdamW on the pieces.
+  3. the updated pieces are cast into the DDP param buffer with one ``megadlm_ext.flatten``
+     call per bucket, then every bucket is all-gathered in place into the param buffer,
+     which the model parameters view (``overlap_param_gather``: launched here, waited for
+     by forward pre-hooks bucket by bucket).
+
+Buffer reuse: main grads are views of the grad buffer (no copy) when it is fp32
+(``grad_reduce_in_fp32`` or fp32 params); with fp32 params the main params ARE views of
+the param buffer's shard (updated in place, as Megatron does), and the all-gather writes
+straight into the parameters. Memory per rank: 4 bytes (main param, only for bf16/fp16
+params) + 8 bytes (exp_avg, exp_avg_sq) per owned element, ~1/dp of the replicated one.
+
+Checkpoints: ``state_dict()`` gathers every bucket's state (one bucket at a time, fp32) so
+each parameter's state has its full logical shape on every rank — a transient cost of
+one bucket of fp32 per state key plus the full-shape copies (12 bytes/param with
+fp32_param). ``load_state_dict`` slices this rank's pieces out of full tensors, so any dp
+size (and DDP/FSDP2 checkpoints) can be loaded.
+
+One rank: the shard is the whole bucket and every collective is a local copy.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+import megadlm_ext as ext
+
+from .optimizer import Entry, _plain
+
+
+class ShardedBufferLayout:
+    """Main params = this rank's pieces of every DDP bucket (see module docstring)."""
+
+    sharded = True
+
+    def __init__(self, ddp, names: Dict[torch.nn.Parameter, str]) -> None:
+        if not ddp.ddp_config.use_distributed_optimizer:
+            raise ValueError("the distributed optimizer needs DistributedDataParallelConfig("
+                             "use_distributed_optimizer=True) (--use-distributed-optimizer)")
+        self.ddp = ddp
+        self.comm = ddp.comm
+        rank, dp = ddp.dp_rank, ddp.dp_size
+        self.entries: List[Entry] = []
+        self.pieces = []    # per entry: (bucket, start in bucket, start in param, numel)
+        for bucket in ddp.buckets:
+            lo, hi = bucket.shard_range(rank, dp)
+            for p, off in zip(bucket.params, bucket.offsets):
+                a, b = max(off, lo), min(off + p.numel(), hi)
+                if a < b:
+                    piece = p.detach().reshape(-1)[a - off:b - off]
+                    if p.dtype == torch.float32:   # fp32 params: update the param buffer in place
+                        self.entries.append(Entry(names[p], p, piece, owns_main=False))
+                    else:
+                        self.entries.append(Entry(names[p], p, piece.float().clone(), owns_main=True))
+                    self.pieces.append((bucket, a, a - off, b - a))
+        self._names = names
+
+    def all_fqns(self):
+        return [(fqn, p) for p, fqn in self._names.items()]   # registration order, as elsewhere
+
+    def collect_grads(self) -> List[torch.Tensor]:
+        grads = []
+        for e, (bucket, a, _, n) in zip(self.entries, self.pieces):
+            g = bucket.grad_data[a:a + n]
+            e.main.grad = g if g.dtype == torch.float32 else g.float()
+            grads.append(e.main.grad)
+        return grads
+
+    def norm_and_clip_tensors(self, grads):
+        return grads, grads
+
+    def all_reduce_sum(self):
+        if self.comm.world_size == 1:
+            return None
+        return lambda t: self.comm.all_reduce(t, "sum")
+
+    def any_rank(self, flag: bool) -> bool:
+        if self.comm.world_size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.ddp.buckets[0].grad_data.device)
+        self.comm.all_reduce(t, "sum")
+        return bool(t.item() > 0)
+
+    def copy_main_to_model(self) -> None:
+        by_bucket: Dict[int, list] = {}
+        for e, (bucket, a, _, _) in zip(self.entries, self.pieces):
+            if not e.owns_main:
+                continue   # already a view of the param buffer
+            by_bucket.setdefault(bucket.index, [bucket, [], []])
+            by_bucket[bucket.index][1].append(e.main)
+            by_bucket[bucket.index][2].append(a)
+        for bucket, mains, offsets in by_bucket.values():
+            ext.flatten(mains, bucket.param_data, offsets=offsets)   # cast fp32 -> param dtype
+        self.ddp.start_param_sync()
+
+    def export(self, values: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """Full-shape tensors for every parameter from this rank's pieces (collective)."""
+        by_bucket: Dict[int, list] = {}
+        for i, (bucket, a, _, n) in enumerate(self.pieces):
+            by_bucket.setdefault(bucket.index, []).append((a, n, values[i]))
+        out = {}
+        rank, dp = self.ddp.dp_rank, self.ddp.dp_size
+        for bucket in self.ddp.buckets:
+            flat = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32, device=bucket.grad_data.device)
+            for a, n, t in by_bucket.get(bucket.index, []):
+                flat[a:a + n].copy_(t.reshape(-1))
+            lo, hi = bucket.shard_range(rank, dp)
+            self.comm.all_gather(flat, flat[lo:hi].clone())
+            for p, off in zip(bucket.params, bucket.offsets):
+                out[self._names[p]] = flat[off:off + p.numel()].view(p.shape).clone()
+        return out
+
+    def local_piece(self, i: int, full) -> torch.Tensor:
+        _, _, start, n = self.pieces[i]
+        return _plain(full).reshape(-1)[start:start + n]
+
+    def reload_main_from_model(self, i: int) -> None:
+        _, _, start, n = self.pieces[i]
+        e = self.entries[i]
+        e.main.copy_(e.param.detach().reshape(-1)[start:start + n])

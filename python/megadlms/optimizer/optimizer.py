@@ -1,0 +1,359 @@
+"""The mixed-precision optimizer: fp32 main params, fp16 loss scaling, global-norm
+clipping, AdamW/SGD, and a checkpoint format keyed by parameter names.
+
+One class, :class:`MixedPrecisionOptimizer`, runs the step; WHERE the main params
+live is delegated to a layout object (composition, not an inheritance chain):
+
+* :class:`ReplicaLayout` — our DDP (or a plain module): every rank holds full fp32
+  main params (the model params themselves when they are fp32).
+* :class:`~megadlms.optimizer.distrib_optimizer.ShardedBufferLayout` — the distributed
+  optimizer: each rank holds fp32 main params for its shard of every bucket.
+* :class:`DTensorLayout` — FSDP2: the (fp32, sharded) DTensor params are the main params.
+
+Step: grads -> main grads; fp16: unscale, check overflow (skip step, update the loss
+scale); global grad norm (``megadlm_ext.l2_norm``, plus one all-reduce of squares when
+sharded); a non-finite norm skips the step; clip; inner torch AdamW/SGD step on the main
+params; copy main -> model params (cast; all-gather for the distributed optimizer).
+``step()`` returns ``(success, grad_norm)``; on a skipped step ``grad_norm`` is inf or NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+
+import megadlm_ext as ext
+
+from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
+from .config import OptimizerConfig
+from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+_HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum")
+
+
+@dataclass(eq=False)
+class Entry:
+    """One optimized tensor: ``main`` is (a piece of) the parameter named ``fqn``."""
+
+    fqn: str
+    param: torch.nn.Parameter
+    main: torch.Tensor
+    owns_main: bool = False   # main is a separate fp32 copy (counts as optimizer memory)
+
+
+def no_weight_decay(fqn: str, param: torch.Tensor) -> bool:
+    """Megatron's rule: biases and 1-D parameters (norm weights) get no weight decay."""
+    return fqn.endswith(".bias") or param.dim() == 1
+
+
+class ReplicaLayout:
+    """Full fp32 main params on every rank (our DDP, or a module without a wrapper)."""
+
+    sharded = False
+
+    def __init__(self, named_params: Dict[torch.nn.Parameter, str], ddp, *, fp32_copies: bool) -> None:
+        self.ddp = ddp
+        self.entries: List[Entry] = []
+        for p, fqn in named_params.items():
+            main = p.detach().clone().float() if fp32_copies and p.dtype != torch.float32 else p
+            self.entries.append(Entry(fqn, p, main, owns_main=main is not p))
+
+    def all_fqns(self):
+        return [(e.fqn, e.param) for e in self.entries]
+
+    def collect_grads(self) -> List[torch.Tensor]:
+        """Point every main param's .grad at the reduced gradient (fp32 view or copy)."""
+        grads = []
+        for e in self.entries:
+            g = getattr(e.param, "main_grad", None) if self.ddp is not None else None
+            if g is None:
+                g = e.param.grad
+            if g is None:
+                e.main.grad = None
+                continue
+            if e.main is e.param:
+                if e.param.grad is None or e.param.grad.data_ptr() != g.data_ptr():
+                    e.param.grad = g if g.dtype == e.param.dtype else g.to(e.param.dtype)
+                grads.append(e.param.grad)
+            else:
+                e.main.grad = (g if g.dtype == torch.float32 else g.float()).view(e.main.shape)
+                grads.append(e.main.grad)
+        return grads
+
+    def norm_and_clip_tensors(self, grads):
+        return grads, grads
+
+    def all_reduce_sum(self):
+        return None   # gradients are already identical on every rank
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag
+
+    def copy_main_to_model(self) -> None:
+        with torch.no_grad():
+            for e in self.entries:
+                if e.main is not e.param:
+                    e.param.copy_(e.main)
+
+    def export(self, values: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return {self.entries[i].fqn: t.view(self.entries[i].param.shape) for i, t in values.items()}
+
+    def local_piece(self, i: int, full: torch.Tensor) -> torch.Tensor:
+        e = self.entries[i]
+        return _plain(full).reshape(e.main.shape)
+
+    def reload_main_from_model(self, i: int) -> None:
+        e = self.entries[i]
+        if e.main is not e.param:
+            e.main.data.copy_(e.param.detach())
+
+
+def _plain(t):
+    """A full plain tensor from a plain tensor or a DTensor."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+class DTensorLayout:
+    """FSDP2: parameters are fp32 DTensors sharded by fully_shard; they are the main params."""
+
+    sharded = True
+
+    def __init__(self, named_params: Dict[torch.nn.Parameter, str], group) -> None:
+        self.group = group
+        self.entries = []
+        for p, fqn in named_params.items():
+            if p.dtype != torch.float32:
+                raise ValueError(f"FSDP2 parameter {fqn} is {p.dtype}: keep FSDP2 params in fp32 and "
+                                 "use mixed_precision_policy(bf16=True) for bf16 compute")
+            self.entries.append(Entry(fqn, p, p))
+
+    def all_fqns(self):
+        return [(e.fqn, e.param) for e in self.entries]
+
+    def collect_grads(self) -> List[torch.Tensor]:
+        return [e.param.grad for e in self.entries if e.param.grad is not None]
+
+    @staticmethod
+    def _is_sharded(t) -> bool:
+        return any(pl.is_shard() for pl in getattr(t, "placements", ()))
+
+    def norm_and_clip_tensors(self, grads):
+        """Local shards for the norm (replicated tensors counted on rank 0 only) and for clipping."""
+        rank0 = not dist.is_initialized() or dist.get_rank(self.group) == 0
+        norm, clip = [], []
+        for g in grads:
+            local = g.to_local() if hasattr(g, "to_local") else g
+            if not local.is_contiguous():
+                raise RuntimeError("FSDP2 gradient shard is not contiguous; cannot clip it in place")
+            clip.append(local)
+            if not hasattr(g, "to_local") or self._is_sharded(g) or rank0:
+                norm.append(local)
+        return norm, clip
+
+    def all_reduce_sum(self):
+        if not dist.is_initialized():
+            return None
+        return lambda t: dist.all_reduce(t, group=self.group)
+
+    def any_rank(self, flag: bool) -> bool:
+        return flag   # fp16 is rejected for FSDP2; the norm is already global
+
+    def copy_main_to_model(self) -> None:
+        return None
+
+    def export(self, values: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        return {self.entries[i].fqn: t for i, t in values.items()}
+
+    def local_piece(self, i: int, full) -> torch.Tensor:
+        """The value to store for entry i: a DTensor laid out like the parameter."""
+        p = self.entries[i].param
+        if hasattr(full, "to_local"):
+            if tuple(full.placements) == tuple(p.placements) and full.device_mesh == p.device_mesh:
+                return full
+            return full.redistribute(p.device_mesh, p.placements)
+        from torch.distributed.tensor import distribute_tensor
+        full = full.to(device=p.to_local().device, dtype=torch.float32)
+        try:   # every rank holds the full tensor: slice locally, no scatter
+            return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        except TypeError:
+            return distribute_tensor(full, p.device_mesh, p.placements)
+
+    def reload_main_from_model(self, i: int) -> None:
+        return None
+
+
+class MixedPrecisionOptimizer:
+    """AdamW/SGD over fp32 main params with loss scaling and clipping (see module doc)."""
+
+    def __init__(self, config: OptimizerConfig, layout, *, ddp=None) -> None:
+        self.config = config
+        self.layout = layout
+        self.ddp = ddp
+        decay, no_decay = [], []
+        for i, e in enumerate(layout.entries):
+            (no_decay if no_weight_decay(e.fqn, e.param) else decay).append(i)
+        fqn_groups = self._global_groups()
+        groups = []
+        for idx, wd, fqns in ((decay, config.weight_decay, fqn_groups[0]), (no_decay, 0.0, fqn_groups[1])):
+            if fqns:
+                groups.append({"params": [layout.entries[i].main for i in idx], "weight_decay": wd,
+                               "_entries": idx, "_fqns": fqns})
+        if not any(g["params"] for g in groups):
+            # This rank owns no elements (tiny model, large dp): keep torch.optim happy.
+            groups.append({"params": [torch.zeros(0)], "weight_decay": 0.0, "_entries": [], "_fqns": []})
+        if config.optimizer == "adam":
+            self.inner = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
+                                           eps=config.adam_eps, weight_decay=config.weight_decay)
+        else:
+            self.inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
+                                         weight_decay=config.weight_decay)
+        if config.fp16:
+            self.grad_scaler = (ConstantGradScaler(config.loss_scale) if config.loss_scale else
+                                DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
+                                                  growth_interval=int(config.loss_scale_window),
+                                                  hysteresis=config.hysteresis))
+        else:
+            self.grad_scaler = None
+        self.step_count = 0
+
+    def _global_groups(self):
+        decay, no_decay = [], []
+        for fqn, p in self.layout.all_fqns():
+            (no_decay if no_weight_decay(fqn, p) else decay).append(fqn)
+        return decay, no_decay
+
+    @property
+    def param_groups(self) -> List[dict]:
+        """The inner optimizer's groups; write ``group["lr"]`` to set the learning rate."""
+        return self.inner.param_groups
+
+    def get_loss_scale(self) -> float:
+        return self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.get_loss_scale()
+
+    @torch.no_grad()
+    def step(self):
+        """One update. Returns ``(success, grad_norm)``; False means the step was skipped."""
+        grads = self.layout.collect_grads()
+        if self.grad_scaler is not None:
+            ext.scale_(grads, 1.0 / self.grad_scaler.scale)
+            found_inf = self.layout.any_rank(ext.has_nonfinite(grads))
+            self.grad_scaler.update(found_inf)
+            if found_inf:
+                return False, float("inf")
+        norm_tensors, clip_tensors = self.layout.norm_and_clip_tensors(grads)
+        grad_norm = get_grad_norm_fp32(norm_tensors, self.layout.all_reduce_sum())
+        if not math.isfinite(grad_norm):
+            return False, grad_norm
+        if self.config.clip_grad > 0:
+            clip_grads_with_norm_(clip_tensors, self.config.clip_grad, grad_norm)
+        self.inner.step()
+        self.step_count += 1
+        self.layout.copy_main_to_model()
+        return True, grad_norm
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: AdamW/SGD buffers plus fp32 main-param copies."""
+        n = 0
+        for st in self.inner.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.dim() > 0:
+                    local = v.to_local() if hasattr(v, "to_local") else v
+                    n += local.numel() * local.element_size()
+        for e in self.layout.entries:
+            if e.owns_main:
+                n += e.main.numel() * e.main.element_size()
+        return n
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Refresh the fp32 main params from the model params (after loading model weights
+        into an already built optimizer without loading its state; Megatron's name)."""
+        for i in range(len(self.layout.entries)):
+            self.layout.reload_main_from_model(i)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop main and model grads (and zero our DDP's grad buffers)."""
+        for e in self.layout.entries:
+            e.main.grad = None
+            e.param.grad = None
+        if self.ddp is not None:
+            self.ddp.zero_grad_buffer()
+
+    # ------------------------------------------------------------------ checkpoint format
+    def state_dict(self) -> dict:
+        """``{"state": {fqn: {"exp_avg", "exp_avg_sq"[, "fp32_param"]}}, "step", "param_groups",
+        "grad_scaler"}`` with full logical shapes (DTensors under FSDP2). Collective for the
+        distributed optimizer: every rank must call it."""
+        keys = ("exp_avg", "exp_avg_sq") if self.config.optimizer == "adam" else ("momentum_buffer",)
+        state: Dict[str, dict] = {fqn: {} for fqn, _ in self.layout.all_fqns()}
+        for key in keys:
+            values = {}
+            for i, e in enumerate(self.layout.entries):
+                st = self.inner.state.get(e.main, {})
+                v = st.get(key)   # absent before the first step (or SGD without momentum)
+                values[i] = v if v is not None else torch.zeros_like(e.main, dtype=torch.float32)
+            for fqn, t in self.layout.export(values).items():
+                state[fqn][key] = t
+        if self.config.bf16 or self.config.fp16:
+            mains = {i: e.main.detach() for i, e in enumerate(self.layout.entries)}
+            for fqn, t in self.layout.export(mains).items():
+                state[fqn]["fp32_param"] = t
+        groups = []
+        for g in self.inner.param_groups:
+            if g["_fqns"]:
+                groups.append({**{k: g[k] for k in _HYPER_KEYS if k in g}, "params": list(g["_fqns"])})
+        return {"state": state, "step": self.step_count, "param_groups": groups,
+                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load the format of :meth:`state_dict`, whatever wrapper/dp size produced it.
+
+        Load the MODEL state first: parameters without a saved ``fp32_param`` take their
+        main params from the current model params."""
+        saved = state_dict["state"]
+        if not isinstance(self.layout, DTensorLayout):
+            # DTensor values (an FSDP2 checkpoint loaded in memory): gather to full tensors in
+            # one rank-independent order BEFORE slicing, because this rank's pieces differ.
+            saved = {fqn: {k: _plain(v) for k, v in saved[fqn].items()} for fqn in sorted(saved)}
+        missing = [fqn for fqn, _ in self.layout.all_fqns() if fqn not in saved]
+        if missing:
+            raise RuntimeError(f"optimizer checkpoint has no state for parameters {missing[:5]} "
+                               f"({len(missing)} missing): was it saved from a different model?")
+        self.step_count = int(state_dict["step"])
+        for i, e in enumerate(self.layout.entries):
+            entry_state = saved[e.fqn]
+            with torch.no_grad():
+                if "fp32_param" in entry_state:
+                    piece = self.layout.local_piece(i, entry_state["fp32_param"])
+                    _copy_into(e.main, piece)
+                else:
+                    self.layout.reload_main_from_model(i)
+            st = {}
+            for key, full in entry_state.items():
+                if key == "fp32_param":
+                    continue
+                st[key] = self.layout.local_piece(i, full).to(torch.float32).clone()
+            if self.config.optimizer == "adam":
+                st["step"] = torch.tensor(float(self.step_count))
+            self.inner.state[e.main] = st
+        for sg in state_dict.get("param_groups", []):
+            for g in self.inner.param_groups:
+                if set(sg["params"]) & set(g["_fqns"]):
+                    g.update({k: v for k, v in sg.items() if k in _HYPER_KEYS and k in g})
+        if self.grad_scaler is not None and state_dict.get("grad_scaler"):
+            self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        self.layout.copy_main_to_model()
+
+
+def _copy_into(dst: torch.Tensor, src) -> None:
+    if hasattr(dst, "to_local") and hasattr(src, "to_local"):
+        dst.to_local().copy_(src.to_local())
+    else:
+        dst.copy_(src)
