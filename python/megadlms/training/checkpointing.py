@@ -1,0 +1,415 @@
+"""Checkpoints that reshard: save under any wrapper at any data-parallel size, load
+under any other.
+
+Layout (Megatron's names)::
+
+    SAVE/latest_checkpointed_iteration.txt     "20"  (replaced atomically, last)
+    SAVE/iter_0000020/common.json              iteration, consumed samples, scheduler,
+                                               args (plain dict), model config, and the
+                                               non-tensor part of the optimizer state
+    SAVE/iter_0000020/.metadata, __*_*.distcp  torch_dist: tensors via torch.distributed.checkpoint
+    SAVE/iter_0000020/mp_rank_00/model_optim_rng.pt   torch: one file of full tensors (rank 0)
+    SAVE/iter_0000020/rng/rank_{r}.pt          per-rank RNG states
+
+Tensors are stored under flat keys ``model/<fqn>`` and ``optimizer/state/<fqn>/<name>``
+(``/`` never occurs in a parameter name) with each parameter's FULL logical shape:
+plain tensors for DDP (identical on every rank; DCP writes each once), DTensors for
+FSDP2, full tensors gathered by the distributed optimizer (brief_ddp's CHECKPOINT
+FORMAT). DCP maps saved chunks onto whatever sharding the loading run has, so a
+checkpoint from {DDP, DDP + distributed optimizer, FSDP2} at dp=N loads into any of
+them at dp=M.
+
+Crash safety: everything is written into ``iter_XXXXXXX.tmp``; rank 0 writes
+common.json last, renames the directory into place, then replaces the ``latest``
+file. A crash at any point leaves the previous checkpoint and ``latest`` intact.
+
+Safety on load: tensor files are read with ``weights_only=True``; DCP's ``.metadata``
+pickle is read with an unpickler that only admits DCP's metadata classes; the rest
+is JSON. Nothing else is unpickled.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+from typing import Any, Dict, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+
+try:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError:  # torch < 2.4: no FSDP2 either
+    DTensor, distribute_tensor = (), None
+
+from megadlms.distributed.wrappers import unwrap_model
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+COMMON_FILE = "common.json"
+TORCH_FILE = os.path.join("mp_rank_00", "model_optim_rng.pt")
+FORMAT_VERSION = 1
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_latest_iteration(root: str) -> Optional[int]:
+    """Iteration named by ``root/latest_checkpointed_iteration.txt`` or None if absent."""
+    path = os.path.join(root, LATEST_FILE)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise RuntimeError(f"{path} should hold an iteration number, found {text!r}")
+    return int(text)
+
+
+def resolve_checkpoint(path: str) -> Optional[str]:
+    """``path`` may be a --save root (uses its latest file) or one iter_* directory."""
+    if os.path.isfile(os.path.join(path, COMMON_FILE)):
+        return path
+    it = read_latest_iteration(path)
+    if it is None:
+        return None
+    ckpt = checkpoint_dir(path, it)
+    if not os.path.isfile(os.path.join(ckpt, COMMON_FILE)):
+        raise RuntimeError(f"{os.path.join(path, LATEST_FILE)} names iteration {it} but {ckpt} "
+                           f"is missing or incomplete (no {COMMON_FILE})")
+    return ckpt
+
+
+def read_common(ckpt: str) -> dict:
+    with open(os.path.join(ckpt, COMMON_FILE)) as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------------------- nesting
+def _split(obj: Any, prefix: str, tensors: Dict[str, torch.Tensor]) -> Any:
+    """Move tensor leaves of a nested dict/list into ``tensors``; return a JSON skeleton
+    with ``{"__tensor__": key}`` where they were."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        for k in obj:
+            if not isinstance(k, (str, int)) or "/" in str(k):
+                raise ValueError(f"checkpoint key {k!r} under {prefix!r} must be a str/int without '/'")
+        return {"__dict__": [[k, _split(v, f"{prefix}/{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, (list, tuple)):
+        kind = "__tuple__" if isinstance(obj, tuple) else "__list__"
+        return {kind: [_split(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]}
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj
+    if isinstance(obj, (np.integer, np.floating)):
+        return obj.item()
+    raise TypeError(f"cannot store {type(obj).__name__} at {prefix!r} in a checkpoint "
+                    "(only tensors, numbers, strings, lists and dicts)")
+
+
+def _join(skel: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    if isinstance(skel, dict):
+        if "__tensor__" in skel:
+            return tensors[skel["__tensor__"]]
+        if "__dict__" in skel:
+            return {k: _join(v, tensors) for k, v in skel["__dict__"]}
+        if "__list__" in skel:
+            return [_join(v, tensors) for v in skel["__list__"]]
+        if "__tuple__" in skel:
+            return tuple(_join(v, tensors) for v in skel["__tuple__"])
+    return skel
+
+
+def _tensor_paths(skel: Any, path: Tuple = ()):
+    """Yield (path, key) for every tensor leaf of a skeleton."""
+    if isinstance(skel, dict):
+        if "__tensor__" in skel:
+            yield path, skel["__tensor__"]
+        for k, v in skel.get("__dict__", []):
+            yield from _tensor_paths(v, path + (k,))
+        for i, v in enumerate(skel.get("__list__", skel.get("__tuple__", []))):
+            yield from _tensor_paths(v, path + (i,))
+
+
+# ---------------------------------------------------------------------------- safe DCP reader
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits only the classes DCP's ``.metadata`` is made of."""
+
+    _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"}
+    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+              ("torch", "Size"), ("torch.serialization", "_get_layout"),
+              ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+              ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset")}
+
+    def find_class(self, module, name):
+        if module in self._MODULES or (module, name) in self._NAMES:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not "
+                                     "a torch.distributed.checkpoint metadata class; refusing to load")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """FileSystemReader whose ``.metadata`` is read with :class:`_MetadataUnpickler`
+    (the base class uses a bare ``pickle.load``)."""
+
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+# ---------------------------------------------------------------------------- helpers
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:  # some filesystems do not support directory fsync
+        pass
+
+
+def _write_atomic(path: str, data: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(os.path.dirname(path) or ".")
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Full logical tensor on CPU (a collective for DTensors: every rank must call)."""
+    if DTensor and isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().cpu()
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    return {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
+            "python_gauss": random.getstate()[2],
+            "numpy": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
+            "numpy_has_gauss": int(np_state[3]), "numpy_gauss": float(np_state[4]),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+
+
+def _set_rng_state(s: dict) -> None:
+    random.setstate((s["python_version"], tuple(s["python"]), s["python_gauss"]))
+    np.random.set_state(("MT19937", s["numpy"].numpy().astype(np.uint32), s["numpy_pos"],
+                         s["numpy_has_gauss"], s["numpy_gauss"]))
+    torch.set_rng_state(s["torch"])
+    if s.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(s["cuda"])
+
+
+# ---------------------------------------------------------------------------- save
+def save_checkpoint(root: str, iteration: int, *, model, optimizer=None, scheduler=None,
+                    ckpt_format: str = "torch_dist", consumed_samples: int = 0,
+                    args: Optional[dict] = None, model_config: Optional[dict] = None,
+                    extra: Optional[dict] = None, save_rng: bool = True) -> str:
+    """Write ``root/iter_XXXXXXX`` (collective: every rank calls). Returns its path.
+
+    ``model``: our wrapper or a plain module (its unwrapped state dict is stored).
+    ``optimizer``: anything whose ``state_dict()`` follows brief_ddp's CHECKPOINT FORMAT
+    (or a torch.optim optimizer). ``args`` / ``model_config`` / ``extra``: JSON-able dicts.
+    """
+    if ckpt_format not in ("torch_dist", "torch"):
+        raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
+    rank = _rank()
+    final = checkpoint_dir(root, iteration)
+    tmp = final + ".tmp"
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        if os.path.exists(tmp):  # left by a crashed save
+            shutil.rmtree(tmp)
+        os.makedirs(os.path.join(tmp, "rng"))
+    _barrier()
+
+    tensors: Dict[str, torch.Tensor] = {}
+    for k, v in unwrap_model(model).state_dict().items():
+        if isinstance(v, torch.Tensor):  # skip extra_state objects
+            tensors[f"model/{k}"] = v
+    opt_skel = None
+    if optimizer is not None:
+        opt_skel = _split(optimizer.state_dict(), "optimizer", tensors)
+
+    if ckpt_format == "torch_dist":
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+    else:
+        full = {k: _full(v) for k, v in tensors.items()}  # collective for DTensors
+        if rank == 0:
+            os.makedirs(os.path.join(tmp, "mp_rank_00"))
+            torch.save(full, os.path.join(tmp, TORCH_FILE))
+    if save_rng:
+        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    _barrier()
+
+    if rank == 0:
+        common = {
+            "format_version": FORMAT_VERSION, "ckpt_format": ckpt_format, "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+            "wrapper": type(model).__name__, "model_config": model_config or {},
+            "args": args or {}, "scheduler": scheduler.state_dict() if scheduler else None,
+            "optimizer": opt_skel, "rng_saved": save_rng, "extra": extra or {},
+        }
+        _write_atomic(os.path.join(tmp, COMMON_FILE), json.dumps(common, indent=1, default=str))
+        if os.path.exists(final):  # re-saving the same iteration: swap, then drop the old one
+            old = f"{final}.old.{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+        _write_atomic(os.path.join(root, LATEST_FILE), str(iteration))
+    _barrier()
+    return final
+
+
+# ---------------------------------------------------------------------------- load
+# Architecture fields whose mismatch makes a checkpoint unloadable, with their flags.
+MODEL_CONFIG_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--ffn-hidden-size", "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
+    "vocab_size": "--vocab-size / --tokenizer-type", "padded_vocab_size": "--vocab-size / --tokenizer-type",
+    "max_position_embeddings": "--max-position-embeddings",
+    "position_embedding_type": "--position-embedding-type", "normalization": "--normalization",
+    "swiglu": "--swiglu", "gated_linear_unit": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+    "qk_layernorm": "--qk-layernorm",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "share_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+}
+
+
+def check_model_config(saved: dict, current: dict, ckpt: str) -> None:
+    """Raise naming the first architecture field that differs between checkpoint and run."""
+    for field, flag in MODEL_CONFIG_FLAGS.items():
+        if field in saved and field in current and saved[field] != current[field]:
+            raise ValueError(f"checkpoint {ckpt} was trained with {field}={saved[field]!r} but this "
+                             f"run has {field}={current[field]!r} ({flag}); use the checkpoint's "
+                             "model flags or start without --load")
+
+
+def _read_tensors(ckpt: str, common: dict, template: Dict[str, torch.Tensor]) -> None:
+    """Fill ``template`` (plain tensors or DTensors) in place from the checkpoint."""
+    if common["ckpt_format"] == "torch_dist":
+        dcp.load(template, storage_reader=SafeFileSystemReader(ckpt), no_dist=not dist.is_initialized())
+        return
+    full = torch.load(os.path.join(ckpt, TORCH_FILE), map_location="cpu", weights_only=True)
+    for key, dst in template.items():
+        if key not in full:
+            raise RuntimeError(f"{ckpt}: tensor {key!r} missing from {TORCH_FILE}")
+        src = full[key]
+        if DTensor and isinstance(dst, DTensor):
+            src = distribute_tensor(src.to(dst.dtype), dst.device_mesh, dst.placements).to_local()
+            dst = dst.to_local()
+        if tuple(src.shape) != tuple(dst.shape):
+            raise RuntimeError(f"{ckpt}: {key!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+        dst.copy_(src)
+
+
+def _metadata_shapes(ckpt: str, common: dict) -> Dict[str, Tuple[tuple, torch.dtype]]:
+    if common["ckpt_format"] == "torch_dist":
+        md = SafeFileSystemReader(ckpt).read_metadata()
+        return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
+                if isinstance(v, TensorStorageMetadata)}
+    full = torch.load(os.path.join(ckpt, TORCH_FILE), map_location="cpu", weights_only=True)
+    return {k: (tuple(v.shape), v.dtype) for k, v in full.items()}
+
+
+def load_model_state(ckpt: str, model, *, model_config: Optional[dict] = None,
+                     prefer_fp32_params: bool = True) -> dict:
+    """Load the weights of checkpoint dir ``ckpt`` into ``model`` (wrapper or plain
+    module; any sharding). Checks the model config first. Returns common.json's dict.
+
+    ``prefer_fp32_params``: an fp32 model parameter is read from the optimizer's
+    ``fp32_param`` (the exact main copy of a bf16/fp16 run) when the checkpoint has one."""
+    common = read_common(ckpt)
+    if model_config is not None:
+        check_model_config(common.get("model_config", {}), model_config, ckpt)
+    module = unwrap_model(model)
+    sd = module.state_dict()
+    template = {f"model/{k}": v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    shapes = _metadata_shapes(ckpt, common)
+    saved_model = {k for k in shapes if k.startswith("model/")}
+    missing, unexpected = set(template) - saved_model, saved_model - set(template)
+    if missing or unexpected:
+        raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing "
+                           f"{sorted(k[6:] for k in missing)[:5]}, unexpected "
+                           f"{sorted(k[6:] for k in unexpected)[:5]} (check the model flags, "
+                           "e.g. --untie-embeddings-and-output-weights, --position-embedding-type)")
+    for k, v in template.items():
+        shape = tuple(v.shape)  # DTensor.shape is the full logical shape
+        if shapes[k][0] != shape:
+            raise RuntimeError(f"checkpoint {ckpt}: parameter {k[6:]} has shape {shapes[k][0]} but the "
+                               f"model's is {shape}; the model flags differ from the checkpoint's")
+    reads = {}
+    for k, v in template.items():
+        main = f"optimizer/state/{k[6:]}/fp32_param"
+        use_main = prefer_fp32_params and v.dtype == torch.float32 and main in shapes
+        reads[main if use_main else k] = v
+    _read_tensors(ckpt, common, reads)
+    module.load_state_dict({k[6:]: v for k, v in template.items()}, strict=True)
+    return common
+
+
+def load_optimizer_state(ckpt: str, optimizer, model) -> None:
+    """Load the optimizer state of ``ckpt`` into ``optimizer`` (built for ``model``).
+    Tensors of FSDP2 parameters are read straight into DTensors sharded like them."""
+    common = read_common(ckpt)
+    skel = common.get("optimizer")
+    if skel is None:
+        raise RuntimeError(f"checkpoint {ckpt} holds no optimizer state; pass --no-load-optim "
+                           "(or --finetune) to load only the weights")
+    shapes = _metadata_shapes(ckpt, common)
+    params = dict(unwrap_model(model).named_parameters())
+    template: Dict[str, torch.Tensor] = {}
+    for path, key in _tensor_paths(skel):
+        shape, dtype = shapes[key]
+        p = params.get(path[1]) if len(path) >= 3 and path[0] == "state" else None
+        if DTensor and isinstance(p, DTensor) and tuple(p.shape) == shape:
+            template[key] = torch.empty_like(p, dtype=dtype)
+        else:
+            template[key] = torch.empty(shape, dtype=dtype)
+    _read_tensors(ckpt, common, template)
+    optimizer.load_state_dict(_join(skel, template))
+
+
+def load_rng_state(ckpt: str) -> bool:
+    """Restore this rank's RNG states; False (nothing changed) when the checkpoint was
+    written by a different world size or without RNG states."""
+    common = read_common(ckpt)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    path = os.path.join(ckpt, "rng", f"rank_{_rank()}.pt")
+    if not common.get("rng_saved") or common.get("world_size") != world or not os.path.isfile(path):
+        return False
+    _set_rng_state(torch.load(path, map_location="cpu", weights_only=True))
+    return True
