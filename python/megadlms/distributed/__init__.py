@@ -5,7 +5,7 @@ Knows nothing about diffusion; works on any ``nn.Module``.
 
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel
-from .fsdp2 import TorchFullyShardedDataParallel
+from .fsdp2 import TorchFullyShardedDataParallel, mixed_precision_policy
 from .wrappers import ALL_MODULE_WRAPPER_CLASSNAMES, Float16Module, unwrap_model
 
 __all__ = [
@@ -14,5 +14,6 @@ __all__ = [
     "DistributedDataParallelConfig",
     "Float16Module",
     "TorchFullyShardedDataParallel",
+    "mixed_precision_policy",
     "unwrap_model",
 ]

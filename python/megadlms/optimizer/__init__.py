@@ -14,6 +14,7 @@ from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
 from .distrib_optimizer import ShardedBufferLayout
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .lr_scheduler import OptimizerParamScheduler
 from .optimizer import DTensorLayout, MixedPrecisionOptimizer, ReplicaLayout, no_weight_decay
 
 
@@ -25,6 +26,19 @@ def _is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
+# The optimizer layer sits below megadlms.distributed (DESIGN.md), so wrappers are recognised
+# by their interface, not imported: every wrapper keeps the wrapped module in `.module`, and
+# only our DDP owns grad-buffer `buckets`.
+def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    while isinstance(getattr(model, "module", None), torch.nn.Module):
+        model = model.module
+    return model
+
+
+def _is_megadlms_ddp(model) -> bool:
+    return hasattr(model, "buckets") and hasattr(model, "ddp_config") and hasattr(model, "finish_grad_sync")
+
+
 def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPrecisionOptimizer:
     """Build the optimizer for ``model``: our DDP wrapper, our FSDP2 wrapper, or a plain module.
 
@@ -33,10 +47,7 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
     ``use_distributed_optimizer=True`` too) the main params and state are sharded.
     FSDP2 (DTensor params): AdamW over the sharded fp32 params; fp16 is rejected.
     """
-    from megadlms.distributed.wrappers import unwrap_model   # distributed sits beside optimizer
-    from megadlms.distributed.ddp import DistributedDataParallel
-
-    inner = unwrap_model(model)
+    inner = _unwrap(model)
     names = {p: n for n, p in inner.named_parameters() if p.requires_grad}
     if not names:
         raise ValueError("get_optimizer: the model has no trainable parameters (requires_grad=True)")
@@ -50,7 +61,7 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
                              "(FSDP2 already shards optimizer state): drop one of the two flags")
         layout = DTensorLayout(names, getattr(model, "process_group", None))
         return MixedPrecisionOptimizer(config, layout)
-    ddp = model if isinstance(model, DistributedDataParallel) else None
+    ddp = model if _is_megadlms_ddp(model) else None
     if ddp is not None and ddp.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
         raise ValueError("use_distributed_optimizer differs between DistributedDataParallelConfig "
                          f"({ddp.ddp_config.use_distributed_optimizer}) and OptimizerConfig "
@@ -67,5 +78,6 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
 
 __all__ = [
     "ConstantGradScaler", "DynamicGradScaler", "MixedPrecisionOptimizer", "OptimizerConfig",
+    "OptimizerParamScheduler",
     "clip_grads_with_norm_", "get_grad_norm_fp32", "get_optimizer", "no_weight_decay",
 ]

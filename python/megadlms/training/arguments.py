@@ -238,7 +238,7 @@ def _training_args(p):
     _add(g, "--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warmup.")
     _add(g, "--lr-decay-iters", type=int, default=None,
          help="Steps over which the LR decays (incl. warmup). Default --train-iters.")
-    _add(g, "--lr-wsd-decay-style", default="exponential", choices=["exponential", "linear", "cosine"],
+    _add(g, "--lr-wsd-decay-style", default="exponential", choices=["exponential", "linear", "cosine", "minus_sqrt"],
          help="WSD: shape of the final decay phase.")
     _add(g, "--override-opt_param-scheduler", action="store_true", dest="override_opt_param_scheduler",
          help="On resume, take the LR schedule from these flags instead of the checkpoint.")
@@ -322,7 +322,8 @@ def _logging_args(p):
     _add(g, "--log-params-norm", action="store_true", help="Accepted for Megatron scripts (no effect).")
     _add(g, "--metrics-jsonl", default=None,
          help="Append one JSON object per logged step (iteration, consumed_samples, lm_loss, lr, grad_norm, "
-              "loss_scale, skipped, tokens_per_sec; val_nelbo at eval).")
+              "loss_scale, skipped, tokens_per_sec, event='train'; at eval a separate event='eval' "
+              "record with valid_nelbo and valid_ppl_bound).")
     for flag in ("--log-num-zeros-in-grad", "--log-progress", "--log-timers-to-tensorboard",
                  "--log-validation-ppl-to-tensorboard", "--log-memory-to-tensorboard"):
         _add(g, flag, action="store_true", help="Accepted for Megatron scripts (no effect).")
