@@ -196,3 +196,14 @@ def test_thread_count_does_not_change_results():
     finally:
         torch.set_num_threads(prev)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_copy_uses_streaming_path_correctly(dtype):
+    """>= 16M elements in few tensors: the CPU non-temporal-store path (unaligned start)."""
+    g = torch.Generator().manual_seed(7)
+    ts = [torch.randn(8_400_001, generator=g), torch.randn(8_000_003, generator=g).to(torch.bfloat16)]
+    offs = [3, 8_400_011]
+    with route("compiled"):
+        flat = megadlm_ext.flatten(ts, offsets=offs, scale=0.5, dtype=dtype)
+    assert torch.equal(flat, expect_flatten(ts, offs, flat.numel(), dtype, 0.5))
