@@ -190,9 +190,13 @@ void check_no_alias(const char* flat_name, const at::Tensor& flat, const std::ve
 void check_distinct(const char* name, const std::vector<Item>& items) {
   auto& spans = arena().spans;
   spans.clear();
+  bool sorted = true;  // tensors carved from one buffer in order: no sort needed
   for (size_t i = 0; i < items.size(); ++i)
-    if (items[i].numel) spans.emplace_back(uintptr_t(items[i].ptr), int64_t(i));
-  std::sort(spans.begin(), spans.end());
+    if (items[i].numel) {
+      if (!spans.empty() && uintptr_t(items[i].ptr) < spans.back().first) sorted = false;
+      spans.emplace_back(uintptr_t(items[i].ptr), int64_t(i));
+    }
+  if (!sorted) std::sort(spans.begin(), spans.end());
   for (size_t k = 1; k < spans.size(); ++k) {
     const Item& a = items[size_t(spans[k - 1].second)];
     if (spans[k].first < spans[k - 1].first + uintptr_t(a.numel * dtype_size(a.dtype))) {

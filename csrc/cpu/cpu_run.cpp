@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <string>
 #include <vector>
 
 #include "megadlm/kernels.h"
@@ -35,10 +36,16 @@ RangeFn pick() {
 #endif
   return process_range_generic;
 }
-const RangeFn kRange = pick();
+RangeFn kRange = pick();
 }  // namespace
 
 const char* isa() { return kRange == process_range_generic ? "generic" : "avx2+f16c"; }
+
+bool set_isa(const std::string& name) {
+  if (name == "generic") { kRange = process_range_generic; return true; }
+  if (name == "auto") { kRange = pick(); return true; }
+  return false;
+}
 
 CpuResult run(OpKind op, const Segment* segs, int64_t nseg, int64_t total, float scale) {
   if (nseg == 0 || total == 0) return CpuResult{};
