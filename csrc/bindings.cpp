@@ -218,5 +218,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_", &scale_, py::arg("tensors"), py::arg("factor"));
   m.def("l2_norm", &l2_norm, py::arg("tensors"));
   m.def("has_nonfinite", &has_nonfinite, py::arg("tensors"));
+  m.def("_set_cpu_isa", [](const std::string& name) {
+    if (!cpu::set_isa(name)) value_error("_set_cpu_isa: expected 'generic' or 'auto', got '" + name + "'");
+  }, py::arg("name"), "Tests only: force the portable CPU kernels ('generic') or re-detect ('auto').");
   megadlm_register_nccl(m);
 }

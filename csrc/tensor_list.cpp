@@ -46,6 +46,20 @@ c10::Device parse_list(const char* name, PyObject* obj, std::vector<Item>& items
   items.reserve(size_t(n));
   c10::Device common = device.value_or(c10::Device(c10::kCPU));
   for (Py_ssize_t i = 0; i < n; ++i) {
+    // Each tensor costs a chain of dependent cache misses (PyObject -> TensorImpl ->
+    // StorageImpl); for 20k tensors that is most of the call. Prefetch each link a few
+    // tensors ahead so the misses overlap.
+    if (i + 12 < n) __builtin_prefetch(elems[i + 12]);
+    if (i + 8 < n && THPVariable_CheckExact(elems[i + 8])) {
+      const c10::TensorImpl* impl = THPVariable_Unpack(elems[i + 8]).unsafeGetTensorImpl();
+      __builtin_prefetch(impl);
+      __builtin_prefetch(reinterpret_cast<const char*>(impl) + 64);
+      __builtin_prefetch(reinterpret_cast<const char*>(impl) + 128);
+    }
+    if (i + 4 < n && THPVariable_CheckExact(elems[i + 4])) {
+      const at::Tensor& ahead = THPVariable_Unpack(elems[i + 4]);
+      if (ahead.has_storage()) __builtin_prefetch(ahead.storage().unsafeGetStorageImpl());
+    }
     PyObject* o = elems[i];
     if (!THPVariable_Check(o))
       value_error(idx(name, size_t(i)) + " is a " + Py_TYPE(o)->tp_name + ", not a tensor");
@@ -176,9 +190,13 @@ void check_no_alias(const char* flat_name, const at::Tensor& flat, const std::ve
 void check_distinct(const char* name, const std::vector<Item>& items) {
   auto& spans = arena().spans;
   spans.clear();
+  bool sorted = true;  // tensors carved from one buffer in order: no sort needed
   for (size_t i = 0; i < items.size(); ++i)
-    if (items[i].numel) spans.emplace_back(uintptr_t(items[i].ptr), int64_t(i));
-  std::sort(spans.begin(), spans.end());
+    if (items[i].numel) {
+      if (!spans.empty() && uintptr_t(items[i].ptr) < spans.back().first) sorted = false;
+      spans.emplace_back(uintptr_t(items[i].ptr), int64_t(i));
+    }
+  if (!sorted) std::sort(spans.begin(), spans.end());
   for (size_t k = 1; k < spans.size(); ++k) {
     const Item& a = items[size_t(spans[k - 1].second)];
     if (spans[k].first < spans[k - 1].first + uintptr_t(a.numel * dtype_size(a.dtype))) {

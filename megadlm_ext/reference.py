@@ -1,6 +1,6 @@
 """Plain-PyTorch reference route of every megadlm_ext op.
 
-Same contract and the same input checks as the compiled route (csrc/bindings.cpp);
+Same contract and the same input checks as the compiled route (csrc/tensor_list.cpp);
 tests force both routes and compare them. Numerics: values are cast to fp32,
 scaled, combined in fp32 and rounded once into the destination dtype, which is
 what the fused kernels do.

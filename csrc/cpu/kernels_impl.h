@@ -17,6 +17,7 @@
 
 #include "megadlm/multi_tensor.h"
 
+
 #if MEGADLM_CPU_SIMD
 #include <immintrin.h>
 #endif
@@ -33,6 +34,8 @@ struct F32 {
 #if MEGADLM_CPU_SIMD
   static __m256 load(const T* p) { return _mm256_loadu_ps(p); }
   static void store(T* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  static constexpr uintptr_t kStreamAlign = 32;
+  static void stream(T* p, __m256 v) { _mm256_stream_ps(p, v); }
 #endif
 };
 struct BF16 {
@@ -44,7 +47,10 @@ struct BF16 {
     __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   }
-  static void store(T* p, __m256 v) {
+  static void store(T* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack(v)); }
+  static constexpr uintptr_t kStreamAlign = 16;
+  static void stream(T* p, __m256 v) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack(v)); }
+  static __m128i pack(__m256 v) {
     // Round to nearest even on the bit pattern (as float_to_bf16), NaN -> quiet NaN.
     __m256i u = _mm256_castps_si256(v);
     __m256i hi = _mm256_srli_epi32(u, 16);
@@ -53,8 +59,7 @@ struct BF16 {
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
     // 8 x u32 -> 8 x u16: packus works per 128-bit lane, permute puts both halves low.
-    __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+    return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8));
   }
 #endif
 };
@@ -66,10 +71,10 @@ struct F16 {
   static __m256 load(const T* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static void store(T* p, __m256 v) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
-                     _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  }
+  static void store(T* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack(v)); }
+  static constexpr uintptr_t kStreamAlign = 16;
+  static void stream(T* p, __m256 v) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack(v)); }
+  static __m128i pack(__m256 v) { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 #endif
 };
 
@@ -90,6 +95,27 @@ void copy_n(const typename S::T* src, typename D::T* dst, int64_t n, float scale
   }
 #endif
   for (; i < n; ++i) D::put(dst + i, S::get(src + i) * scale);
+}
+
+// copy_n with non-temporal stores: the destination bypasses the cache (no
+// read-for-ownership), for outputs far larger than the last-level cache. The caller
+// issues the store fence.
+template <typename S, typename D>
+void copy_n_streaming(const typename S::T* src, typename D::T* dst, int64_t n, float scale) {
+#if MEGADLM_CPU_SIMD
+  int64_t i = 0;
+  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & (D::kStreamAlign - 1)); ++i)
+    D::put(dst + i, S::get(src + i) * scale);
+  const __m256 s = _mm256_set1_ps(scale);
+  if (scale == 1.0f) {
+    for (; i + 8 <= n; i += 8) D::stream(dst + i, S::load(src + i));
+  } else {
+    for (; i + 8 <= n; i += 8) D::stream(dst + i, _mm256_mul_ps(S::load(src + i), s));
+  }
+  for (; i < n; ++i) D::put(dst + i, S::get(src + i) * scale);
+#else
+  copy_n<S, D>(src, dst, n, scale);
+#endif
 }
 
 // dst = dst + src * scale, fp32 math, one rounding into dst's dtype.
@@ -170,6 +196,7 @@ inline void apply(OpKind op, const Segment& sg, int64_t off, int64_t n, float sc
       using D = decltype(d);
       auto* dst = static_cast<typename D::T*>(sg.dst) + off;
       if (op == kAccumulate) accumulate_n<S, D>(src, dst, n, scale);
+      else if (op == kCopyStreaming) copy_n_streaming<S, D>(src, dst, n, scale);
       else copy_n<S, D>(src, dst, n, scale);
     });
   });
@@ -186,6 +213,9 @@ inline CpuResult process_range(OpKind op, const Segment* segs, int64_t nseg, int
     if (hi > lo) apply(op, segs[i], lo - s0, hi - lo, scale, res);
     if (op == kNonFinite && res.nonfinite) break;
   }
+#if MEGADLM_CPU_SIMD
+  if (op == kCopyStreaming) _mm_sfence();  // order the non-temporal stores
+#endif
   return res;
 }
 

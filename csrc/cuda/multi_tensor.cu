@@ -4,9 +4,9 @@
 // `megadlm::cuda::run` on torch's current stream.
 //
 // Multi-tensor-apply over the *global* element range: the concatenation of all
-// tensors is cut into chunks of kChunk elements; a fixed grid strides over the chunks;
-// a block finds the first segment of its chunk by binary search in the device table,
-// then walks the segments the chunk covers. So one launch covers any number of
+// tensors is cut into chunks of kChunk elements and each block of a fixed grid takes a
+// contiguous run of chunks; it finds its first segment by binary search in the device
+// table, then walks the segments its range covers. So one launch covers any number of
 // tensors, and tiny tensors share blocks instead of each costing a block.
 // Inside a segment, 8 elements per thread move with 16-byte loads/stores once both
 // the source and the destination are 16-byte aligned (a short scalar head gets there);
@@ -19,14 +19,13 @@
 #include <string>
 
 #include "megadlm/kernels.h"
+#include "multi_tensor_kernels.cuh"
 
 namespace megadlm {
 namespace cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int64_t kChunk = int64_t(kThreads) * kVec * 4;  // elements per block step
-constexpr int kMaxReduceBlocks = 1024;                     // partials in the workspace
+constexpr int kMaxReduceBlocks = 1024;  // fp32 partials of l2_norm in the workspace
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess)
@@ -46,86 +45,6 @@ int sm_count() {
   return n;
 }
 
-// Per-thread state of the reductions.
-struct Acc {
-  float sum = 0.f;
-  bool bad = false;
-};
-
-template <int OP>
-__device__ __forceinline__ void apply_scalar(const Segment& s, int64_t i, float scale, Acc& acc) {
-  const float x = load_as_float(s.src, s.src_dtype, i);
-  if (OP == kSumSquares) {
-    acc.sum = fmaf(x, x, acc.sum);
-  } else if (OP == kNonFinite) {
-    acc.bad |= !isfinite(x);
-  } else if (OP == kAccumulate) {
-    // mul then add, two roundings: bitwise the CPU kernels and the reference route
-    store_from_float(s.dst, s.dst_dtype, i, __fadd_rn(load_as_float(s.dst, s.dst_dtype, i), __fmul_rn(x, scale)));
-  } else {
-    store_from_float(s.dst, s.dst_dtype, i, __fmul_rn(x, scale));
-  }
-}
-
-template <int OP>
-__device__ __forceinline__ void apply_vec(const Segment& s, int64_t i, float scale, Acc& acc) {
-  if (OP == kCopy && s.src_dtype == s.dst_dtype && scale == 1.0f) {  // raw 16-byte moves
-    const int es = dtype_size(s.src_dtype);
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(s.src) + i * es);
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(s.dst) + i * es);
-    dst[0] = src[0];
-    if (es == 4) dst[1] = src[1];
-    return;
-  }
-  float v[kVec];
-  load8(s.src, s.src_dtype, i, v);
-  if (OP == kSumSquares) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) acc.sum = fmaf(v[k], v[k], acc.sum);
-    return;
-  }
-  if (OP == kNonFinite) {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) acc.bad |= !isfinite(v[k]);
-    return;
-  }
-  if (OP == kAccumulate) {
-    float d[kVec];
-    load8(s.dst, s.dst_dtype, i, d);
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) v[k] = __fadd_rn(d[k], __fmul_rn(v[k], scale));
-  } else {
-#pragma unroll
-    for (int k = 0; k < kVec; ++k) v[k] = __fmul_rn(v[k], scale);
-  }
-  store8(s.dst, s.dst_dtype, i, v);
-}
-
-// Elements [a, b) of segment s, by the whole block.
-template <int OP>
-__device__ void process(const Segment& s, int64_t a, int64_t b, float scale, Acc& acc) {
-  const int es = dtype_size(s.src_dtype), ed = dtype_size(s.dst_dtype);
-  const bool reads_only = OP == kSumSquares || OP == kNonFinite;
-  const uintptr_t sa = reinterpret_cast<uintptr_t>(s.src) + uintptr_t(a * es);
-  const uintptr_t da = reinterpret_cast<uintptr_t>(s.dst) + uintptr_t(a * ed);
-  int head = -1;  // elements before both pointers are 16-byte aligned; -1: never
-  for (int h = 0; h < kVec; ++h)
-    if (((sa + uintptr_t(h * es)) & 15u) == 0 && (reads_only || ((da + uintptr_t(h * ed)) & 15u) == 0)) {
-      head = h;
-      break;
-    }
-  int64_t vec_begin = b, nvec = 0;
-  if (head >= 0 && a + head < b) {
-    vec_begin = a + head;
-    nvec = (b - vec_begin) / kVec;
-  }
-  const int64_t vec_end = vec_begin + nvec * kVec;
-  for (int64_t i = a + threadIdx.x; i < (nvec ? vec_begin : b); i += blockDim.x) apply_scalar<OP>(s, i, scale, acc);
-  for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) apply_vec<OP>(s, vec_begin + v * kVec, scale, acc);
-  if (nvec)
-    for (int64_t i = vec_end + threadIdx.x; i < b; i += blockDim.x) apply_scalar<OP>(s, i, scale, acc);
-}
-
 // The one element kernel per op. `partials` (reductions): one float per block;
 // `flag`: set to 1 when a non-finite element is found (zeroed before the launch).
 template <int OP>
@@ -133,16 +52,7 @@ __global__ void __launch_bounds__(kThreads)
 megadlm_multi_tensor_kernel(const Segment* __restrict__ segs, int64_t nseg, int64_t total, float scale,
                             float* __restrict__ partials, int* flag) {
   Acc acc;
-  for (int64_t begin = int64_t(blockIdx.x) * kChunk; begin < total; begin += int64_t(gridDim.x) * kChunk) {
-    if (OP == kNonFinite && *reinterpret_cast<volatile int*>(flag)) break;  // block-uniform read
-    const int64_t end = begin + kChunk < total ? begin + kChunk : total;
-    for (int64_t i = find_segment(segs, nseg, begin); i < nseg && segs[i].start < end; ++i) {
-      const Segment s = segs[i];
-      const int64_t s1 = segment_end(segs, nseg, i, total);
-      const int64_t lo = begin > s.start ? begin : s.start, hi = end < s1 ? end : s1;
-      process<OP>(s, lo - s.start, hi - s.start, scale, acc);
-    }
-  }
+  block_range<OP>(segs, nseg, total, scale, flag, acc);
   if (OP == kNonFinite) {
     if (__syncthreads_or(acc.bad) && threadIdx.x == 0) *flag = 1;
   } else if (OP == kSumSquares) {

@@ -45,6 +45,7 @@ def cases():
     yield "unflatten twice", lambda: megadlm_ext.unflatten(flat, [torch.ones(2), shared, torch.ones(1), shared]), r"tensors\[1\] and tensors\[3\] share memory"
     base = torch.ones(10)
     yield "scale_ overlap views", lambda: megadlm_ext.scale_([base[:6], torch.ones(2), base[4:]], 2.0), r"tensors\[0\] and tensors\[2\] share memory"
+    yield "scale_ overlap in order", lambda: megadlm_ext.scale_([base[:2], base[2:6], base[5:]], 2.0), r"tensors\[1\] and tensors\[2\] share memory"
     yield "flat 2-D", lambda: megadlm_ext.unflatten(torch.zeros(4, 4), ok_list(2)), "contiguous 1-D"
     yield "out dtype", lambda: megadlm_ext.flatten(ok_list(2), torch.zeros(8), dtype=torch.bfloat16), "disagrees with out.dtype"
     yield "flat not tensor", lambda: megadlm_ext.accumulate_into([1.0], ok_list(1)), "must be a tensor"

@@ -169,11 +169,23 @@ def _special_fp32():
     return torch.cat([torch.tensor(vals), rnd, bits.view(torch.float32).nan_to_num(0.0)])
 
 
+@pytest.fixture(params=["auto", "generic"])
+def cpu_isa(request):
+    """Run a test with the detected CPU kernels and with the portable ones (whose scalar
+    conversions are the same code the CUDA kernels use)."""
+    from megadlm_ext import _C
+    _C._set_cpu_isa(request.param)
+    yield request.param
+    _C._set_cpu_isa("auto")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_conversions_bitwise_match_torch(dtype):
+def test_conversions_bitwise_match_torch(dtype, cpu_isa):
     """fp32 -> 16-bit rounding (vector and scalar tails) and back, compiled route."""
     x = _special_fp32()
     with route("compiled"):
+        if cpu_isa == "generic":
+            assert megadlm_ext.backend_info()["cpu_isa"] == "generic"
         for n in (x.numel(), x.numel() - 5):  # a length that leaves a scalar tail
             got = megadlm_ext.flatten([x[:n]], dtype=dtype)
             assert torch.equal(got.view(torch.int16), x[:n].to(dtype).view(torch.int16))
@@ -196,3 +208,36 @@ def test_thread_count_does_not_change_results():
     finally:
         torch.set_num_threads(prev)
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_large_copy_uses_streaming_path_correctly(dtype):
+    """>= 16M elements in few tensors: the CPU non-temporal-store path (unaligned start)."""
+    g = torch.Generator().manual_seed(7)
+    ts = [torch.randn(8_400_001, generator=g), torch.randn(8_000_003, generator=g).to(torch.bfloat16)]
+    offs = [3, 8_400_011]
+    with route("compiled"):
+        flat = megadlm_ext.flatten(ts, offsets=offs, scale=0.5, dtype=dtype)
+    assert torch.equal(flat, expect_flatten(ts, offs, flat.numel(), dtype, 0.5))
+
+
+def test_generic_kernels_all_ops(cpu_isa):
+    """Every op through the selected CPU kernel build, mixed dtypes, against torch."""
+    g = torch.Generator().manual_seed(11)
+    ts = random_list(g, 300, 700)
+    offs, numel = packed_offsets(ts, [i % 5 for i in range(len(ts))])
+    with route("compiled"):
+        for dt in DTYPES:
+            flat = megadlm_ext.flatten(ts, offsets=offs, scale=0.75, dtype=dt)
+            assert torch.equal(flat, expect_flatten(ts, offs, numel, dt, 0.75))
+            want = expect_accumulate(flat, ts, offs, -2.0)
+            megadlm_ext.accumulate_into(flat, ts, offsets=offs, scale=-2.0)
+            assert torch.equal(flat, want)
+            outs = [torch.empty_like(t) for t in ts]
+            megadlm_ext.unflatten(flat, outs, offsets=offs, scale=3.0)
+            for o, t, r in zip(offs, ts, outs):
+                assert torch.equal(r.reshape(-1), (flat[o:o + t.numel()].float() * 3.0).to(t.dtype))
+        assert math.isclose(float(megadlm_ext.l2_norm(ts)), expect_norm(ts), rel_tol=2e-6)
+        assert megadlm_ext.has_nonfinite(ts) is False
+        ts[-1].view(-1)[-1] = float("inf") if ts[-1].numel() else 0.0
+        assert megadlm_ext.has_nonfinite(ts) is bool(ts[-1].numel())

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "megadlm/multi_tensor.h"
 
@@ -26,6 +27,9 @@ CpuResult run(OpKind op, const Segment* segs, int64_t nseg, int64_t total, float
 
 // Which vector path `run` uses on this machine: "avx2+f16c" or "generic".
 const char* isa();
+// Tests: force the portable kernels ("generic") or restore detection ("auto"); not
+// thread-safe against concurrent ops. Returns false for an unknown name.
+bool set_isa(const std::string& name);
 }  // namespace cpu
 
 namespace cuda {

@@ -35,7 +35,10 @@ MEGADLM_HD int dtype_size(int32_t d) { return d == kF32 ? 4 : 2; }
 //   kScale:      src == dst, dst = round(x * scale) (scale_)
 //   kSumSquares: sum of x*x into fp32 partials     (l2_norm)
 //   kNonFinite:  any exponent-all-ones element     (has_nonfinite)
-enum OpKind : int32_t { kCopy = 0, kAccumulate = 1, kScale = 2, kSumSquares = 3, kNonFinite = 4 };
+//   kCopyStreaming: kCopy with non-temporal stores (CPU launcher's choice for outputs
+//                   larger than the last-level cache: saves the read-for-ownership)
+enum OpKind : int32_t { kCopy = 0, kAccumulate = 1, kScale = 2, kSumSquares = 3, kNonFinite = 4,
+                        kCopyStreaming = 5 };
 
 // One tensor of a list. `start` is the prefix sum of numel over the previous segments
 // (empty tensors are dropped by the bindings), so segment i covers global elements

@@ -1,0 +1,61 @@
+// Host emulation of the CUDA kernels' device code (csrc/cuda/multi_tensor_kernels.cuh):
+// the very functions the GPU runs, with blocks and threads executed as loops on one CPU
+// thread. Lets CI check the chunking, the segment walk, the alignment heads/tails and
+// the 16-byte vector paths of the CUDA kernels without a GPU (tests/ext/test_cuda_emulation.py
+// builds this with g++ and calls emu_run through ctypes). Not part of the package.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define __CUDACC__ 1
+#define __host__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__
+struct float4 { float x, y, z, w; };
+struct uint4 { unsigned x, y, z, w; };
+inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
+struct Dim3 { unsigned x; };
+static Dim3 threadIdx, blockIdx, blockDim, gridDim;
+inline float __fmul_rn(float a, float b) { return a * b; }  // built with -ffp-contract=off
+inline float __fadd_rn(float a, float b) { return a + b; }
+using std::fmaf;
+using std::isfinite;
+
+#include "megadlm/multi_tensor.h"
+#include "../../csrc/cuda/multi_tensor_kernels.cuh"
+
+using namespace megadlm;
+using namespace megadlm::cuda;
+
+template <int OP>
+static void run_grid(const Segment* segs, int64_t nseg, int64_t total, float scale, int grid, double* sum,
+                     int* flag) {
+  gridDim.x = unsigned(grid);
+  blockDim.x = kThreads;
+  for (int b = 0; b < grid; ++b) {
+    blockIdx.x = unsigned(b);
+    for (int t = 0; t < kThreads; ++t) {
+      threadIdx.x = unsigned(t);
+      Acc acc;
+      block_range<OP>(segs, nseg, total, scale, flag, acc);
+      *sum += acc.sum;
+      if (acc.bad) *flag = 1;
+    }
+  }
+}
+
+extern "C" int emu_run(int op, const Segment* segs, int64_t nseg, int64_t total, float scale, int grid,
+                       double* sum, int* flag) {
+  *sum = 0.0;
+  *flag = 0;
+  switch (op) {
+    case kCopy: run_grid<kCopy>(segs, nseg, total, scale, grid, sum, flag); return 0;
+    case kAccumulate: run_grid<kAccumulate>(segs, nseg, total, scale, grid, sum, flag); return 0;
+    case kScale: run_grid<kScale>(segs, nseg, total, scale, grid, sum, flag); return 0;
+    case kSumSquares: run_grid<kSumSquares>(segs, nseg, total, scale, grid, sum, flag); return 0;
+    case kNonFinite: run_grid<kNonFinite>(segs, nseg, total, scale, grid, sum, flag); return 0;
+    default: return 1;
+  }
+}

@@ -1,0 +1,99 @@
+"""The CUDA kernels' device code, run on CPU by a host emulation (tests/ext/cuda_emu.cpp).
+
+csrc/cuda/multi_tensor_kernels.cuh is compiled with g++ behind a few shims (blocks and
+threads become loops) and fed real segment tables over torch CPU tensors; the results
+must equal torch expressions. This covers the chunk partition, the segment walk, the
+scalar heads/tails and the 16-byte vector paths on machines without a GPU (the GPU
+tests in test_cuda.py run the real kernels where a device exists).
+"""
+
+import ctypes
+import math
+import os
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+
+from .helpers import expect_accumulate, expect_flatten, expect_norm, packed_offsets, random_list
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+OPS = dict(copy=0, accumulate=1, scale=2, sum_squares=3, nonfinite=4)
+SEG = np.dtype([("src", "<u8"), ("dst", "<u8"), ("start", "<i8"), ("sd", "<i4"), ("dd", "<i4")])
+
+
+@pytest.fixture(scope="module")
+def emu(tmp_path_factory):
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the CUDA-kernel emulation")
+    lib = tmp_path_factory.mktemp("emu") / "cuda_emu.so"
+    subprocess.run([cxx, "-std=c++17", "-O2", "-fno-strict-aliasing", "-ffp-contract=off",
+                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-I", os.path.join(ROOT, "csrc", "include"),
+                    os.path.join(ROOT, "tests", "ext", "cuda_emu.cpp"), "-o", str(lib)], check=True)
+    so = ctypes.CDLL(str(lib))
+    so.emu_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
+                           ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int)]
+    return so
+
+
+def table(srcs, dsts):
+    """Segment table (non-empty tensors only) as the bindings build it."""
+    rows, start = [], 0
+    for s, d in zip(srcs, dsts):
+        if s.numel():
+            rows.append((s.data_ptr(), 0 if d is None else d.data_ptr(), start, CODE[s.dtype],
+                         CODE[(d if d is not None else s).dtype]))
+            start += s.numel()
+    return np.array(rows, dtype=SEG), start
+
+
+def run(emu, op, srcs, dsts, scale=1.0, grid=5):
+    segs, total = table(srcs, dsts)
+    s, f = ctypes.c_double(), ctypes.c_int()
+    assert emu.emu_run(OPS[op], segs.ctypes.data, len(segs), total, scale, grid, ctypes.byref(s), ctypes.byref(f)) == 0
+    return s.value, bool(f.value)
+
+
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("grid", [1, 7, 64])
+def test_emulated_cuda_kernels(emu, flat_dtype, grid):
+    g = torch.Generator().manual_seed(grid)
+    ts = random_list(g, 1500, 300) + [torch.randn(70_001, generator=g)]  # one spans chunks
+    offs, numel = packed_offsets(ts, [i % 3 for i in range(len(ts))])  # misaligned starts
+    flat = torch.zeros(numel, dtype=flat_dtype)
+    views = [flat[o:o + t.numel()] for o, t in zip(offs, ts)]
+
+    run(emu, "copy", ts, views, scale=0.25, grid=grid)
+    assert torch.equal(flat, expect_flatten(ts, offs, numel, flat_dtype, 0.25))
+    want = expect_accumulate(flat, ts, offs, -1.5)
+    run(emu, "accumulate", ts, views, scale=-1.5, grid=grid)
+    assert torch.equal(flat, want)
+    outs = [torch.empty_like(t) for t in ts]
+    run(emu, "copy", views, [o.view(-1) for o in outs], scale=3.0, grid=grid)  # unflatten
+    for v, o in zip(views, outs):
+        assert torch.equal(o.reshape(-1), (v.float() * 3.0).to(o.dtype))
+    before = [o.clone() for o in outs]
+    run(emu, "scale", outs, outs, scale=0.5, grid=grid)
+    for b, o in zip(before, outs):
+        assert torch.equal(o, (b.float() * 0.5).to(o.dtype))
+    total, _ = run(emu, "sum_squares", ts, [None] * len(ts), grid=grid)
+    assert math.isclose(math.sqrt(total), expect_norm(ts), rel_tol=1e-5)
+    assert run(emu, "nonfinite", ts, [None] * len(ts), grid=grid)[1] is False
+    ts[-1][-1] = float("nan")
+    assert run(emu, "nonfinite", ts, [None] * len(ts), grid=grid)[1] is True
+
+
+def test_emulated_same_dtype_raw_copy(emu):
+    """Aligned same-dtype unscaled copies take the raw 16-byte path."""
+    g = torch.Generator().manual_seed(0)
+    for dt in (torch.float32, torch.bfloat16):
+        ts = [torch.randn(n, generator=g).to(dt) for n in (8, 16, 1024, 4099, 33)]
+        out = torch.full((sum(t.numel() for t in ts) + 64,), -1.0, dtype=dt)
+        offs, _ = packed_offsets(ts, [0, 8, 16, 5, 0])
+        run(emu, "copy", ts, [out[o:o + t.numel()] for o, t in zip(offs, ts)], grid=3)
+        for o, t in zip(offs, ts):
+            assert torch.equal(out[o:o + t.numel()], t)
