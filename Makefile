@@ -14,16 +14,24 @@ export MAX_JOBS ?= 2
 export CFLAGS ?= -g0
 PYTEST_ARGS ?=
 
+# The install is redone only when the build inputs change (a stamp inside the venv), so
+# `make test` / `make demo` after the first run start at once.
+STAMP := $(dir $(PY)).megadlms-installed
+BUILD_INPUTS := setup.py pyproject.toml $(shell find csrc megadlm_ext -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null)
+
 .PHONY: install test demo bench cuda-check clean
 
 $(PY):
 	python3 -m venv $(CURDIR)/.venv
 
-install: $(PY)
+$(STAMP): $(PY) $(BUILD_INPUTS)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
 	$(PY) -m pip install -q setuptools wheel ninja
 	$(PY) -m pip install --no-build-isolation -e ".[test,demo]"
 	@$(PY) -c "import megadlm_ext as e; i = e.backend_info(); assert i['compiled'], i; print('megadlm_ext:', i)"
+	@touch $@
+
+install: $(STAMP)
 
 test: install
 	$(PY) -m pytest tests $(PYTEST_ARGS)
@@ -39,4 +47,4 @@ cuda-check:
 	cmake --build build/cmake -j $(MAX_JOBS)
 
 clean:
-	rm -rf build megadlm_ext/_C*.so *.egg-info python/*.egg-info
+	rm -rf build megadlm_ext/_C*.so *.egg-info python/*.egg-info $(STAMP)
