@@ -1,0 +1,60 @@
+"""Megatron flags we accept but do not act on: the tables behind ``validate_args``'s
+"not supported yet" errors and the trainer's one-time "no effect" notice.
+
+Kept apart from the parser so the list of deviations from Megatron is one short file
+to read and to review.
+"""
+
+# (dest, flag, value that means "off") -> rejected with "not supported yet" when changed.
+UNSUPPORTED = (
+    ("tensor_model_parallel_size", "--tensor-model-parallel-size", 1),
+    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1),
+    ("expert_model_parallel_size", "--expert-model-parallel-size", 1),
+    ("context_parallel_size", "--context-parallel-size", 1),
+    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage", None),
+    ("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances", 1),
+    ("num_experts", "--num-experts", None),
+    ("fp8", "--fp8-format", None),
+    ("recompute_granularity", "--recompute-granularity", None),
+    ("recompute_activations", "--recompute-activations", False),
+    ("train_samples", "--train-samples", None),
+    ("rampup_batch_size", "--rampup-batch-size", None),
+    ("rotary_percent", "--rotary-percent", 1.0),
+    ("add_qkv_bias", "--add-qkv-bias", False),
+    ("reset_position_ids", "--reset-position-ids", False),
+    ("reset_attention_mask", "--reset-attention-mask", False),
+    ("use_checkpoint_args", "--use-checkpoint-args", False),
+)
+
+# (dest, flag, value with no effect anyway, why it has none here)
+WITHOUT_EFFECT = (
+    ("attention_backend", "--attention-backend", "auto", "attention runs through torch SDPA, which picks its kernel"),
+    ("attention_softmax_in_fp32", "--attention-softmax-in-fp32", False, "SDPA accumulates the softmax in fp32"),
+    ("bias_gelu_fusion", "--no-bias-gelu-fusion", True, "no fused bias-GeLU kernel (speed only)"),
+    ("bias_dropout_fusion", "--no-bias-dropout-fusion", True, "no fused bias-dropout kernel (speed only)"),
+    ("bias_swiglu_fusion", "--no-bias-swiglu-fusion", True, "no fused bias-SwiGLU kernel (speed only)"),
+    ("core_attn_implementation", "--core-attn-implementation", None, "attention runs through torch SDPA"),
+    ("sequence_parallel", "--sequence-parallel", False, "Megatron disables it when tensor parallel size is 1"),
+    ("rerun_mode", "--rerun-mode", "disabled",
+     "no rerun state machine; NaN/Inf steps are skipped (--nan-skip-limit)"),
+    ("ckpt_fully_parallel_load", "--ckpt-fully-parallel-load", False, "torch_dist loads are always parallel"),
+    ("async_save", "--async-save", False, "checkpoints are written synchronously"),
+    ("non_persistent_save_interval", "--non-persistent-save-interval", None,
+     "no non-persistent checkpoints; --save-interval saves"),
+    ("non_persistent_ckpt_type", "--non-persistent-ckpt-type", None, "no non-persistent checkpoints"),
+    ("non_persistent_global_ckpt_dir", "--non-persistent-global-ckpt-dir", None, "no non-persistent checkpoints"),
+    ("log_num_zeros_in_grad", "--log-num-zeros-in-grad", False, "not logged"),
+    ("log_progress", "--log-progress", False, "progress.txt is not written; use --metrics-jsonl"),
+    ("log_timers_to_tensorboard", "--log-timers-to-tensorboard", False, "no per-phase timers"),
+    ("log_validation_ppl_to_tensorboard", "--log-validation-ppl-to-tensorboard", False,
+     "validation NELBO and its bound are logged always"),
+    ("log_memory_to_tensorboard", "--log-memory-to-tensorboard", False, "memory is in the progress line"),
+    ("log_throughput", "--log-throughput", False, "tokens/s and TFLOP/s per device are logged always"),
+    ("auto_detect_ckpt_format", "--auto-detect-ckpt-format", False, "the format is always read from the checkpoint"),
+    ("log_params_norm", "--log-params-norm", False, "the parameter norm is not logged"),
+    ("torch_fsdp2_reshard_after_forward", "--torch-fsdp2-no-reshard-after-forward", True,
+     "the trainer always reshards FSDP2 units after forward"),
+    ("wandb_project", "--wandb-project", "", "no Weights & Biases client; all --wandb-* flags are ignored"),
+)
+WANDB_DESTS = ("wandb_exp_name", "wandb_run_id", "wandb_save_dir", "wandb_mode", "wandb_tags",
+                "wandb_notes", "wandb_resume", "wandb_group")
