@@ -35,6 +35,7 @@ import os
 import pickle
 import random
 import shutil
+import warnings
 from typing import Any, Dict, Optional, Tuple
 
 import numpy as np
@@ -321,7 +322,10 @@ def check_model_config(saved: dict, current: dict, ckpt: str) -> None:
 def _read_tensors(ckpt: str, common: dict, template: Dict[str, torch.Tensor]) -> None:
     """Fill ``template`` (plain tensors or DTensors) in place from the checkpoint."""
     if common["ckpt_format"] == "torch_dist":
-        dcp.load(template, storage_reader=SafeFileSystemReader(ckpt), no_dist=not dist.is_initialized())
+        with warnings.catch_warnings():
+            # Single-process loads (megadlms-generate) are intended: silence DCP's notice.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(template, storage_reader=SafeFileSystemReader(ckpt), no_dist=not dist.is_initialized())
         return
     full = torch.load(os.path.join(ckpt, TORCH_FILE), map_location="cpu", weights_only=True)
     for key, dst in template.items():
