@@ -14,16 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "python"), ROOT]
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests.dist_utils import run_distributed  # noqa: E402
 
 
 def build_model(hidden: int, layers: int) -> torch.nn.Module:
@@ -47,10 +48,8 @@ def _time_steps(model, sync, x, steps):
     return times
 
 
-def _worker(rank, ws, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, ws, args):
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=ws)
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig, Float16Module
     from megadlms.optimizer import OptimizerConfig, get_optimizer
 
@@ -91,10 +90,9 @@ def _worker(rank, ws, port, args, queue):
             opt.step()
             mem[(bf16, distopt)] = opt.state_bytes()
             del m, opt, module
-    queue.put((rank, {k: (statistics.median(w for w, _ in v), min(w for w, _ in v),
-                          statistics.median(c for _, c in v)) for k, v in times.items()}, mem, n_params))
     dist.barrier()
-    dist.destroy_process_group()
+    return (rank, {k: (statistics.median(w for w, _ in v), min(w for w, _ in v),
+                       statistics.median(c for _, c in v)) for k, v in times.items()}, mem, n_params)
 
 
 def main(argv=None) -> None:
@@ -109,17 +107,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     args = ap.parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for p in procs:
-        p.start()
-    results = sorted(queue.get(timeout=1800) for _ in procs)
-    for p in procs:
-        p.join()
+    results = run_distributed(_worker, args.world_size, (args,), timeout=1800)
     _, t0, mem0, n_params = results[0]
     ws = args.world_size
     # wall: the slowest rank sets the pace; CPU: mean over ranks (insensitive to other load)
@@ -135,7 +123,7 @@ def main(argv=None) -> None:
         print(f"{k:30s} {med[k] * 1e3:10.1f} {med[k] / med[ref]:5.2f}x {best[k] * 1e3:8.1f} "
               f"{best[k] / best[ref]:5.2f}x {cpu[k] * 1e3:7.1f} {cpu[k] / cpu[ref]:5.2f}x")
     print()
-    print(f"{'optimizer state per rank':34s} {'MB':>9s} {'vs total/dp':>13s}")
+    print(f"{'optimizer state per rank':34s} {'MiB':>9s} {'vs total/dp':>13s}")
     for (bf16, distopt), b in mem0.items():
         full = mem0[(bf16, False)]
         name = f"{'bf16' if bf16 else 'fp32'} {'distributed optimizer' if distopt else 'replicated'}"

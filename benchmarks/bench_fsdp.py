@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [os.path.join(ROOT, "python"), ROOT]
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from tests.dist_utils import run_distributed  # noqa: E402
 
 
 def _storages(obj, seen_objs, out, depth=0):
@@ -94,42 +95,37 @@ def _build(kind, cfg, args):
     return wrapper, opt
 
 
-def _worker(rank, world, port, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _worker(rank, world, args):
     torch.set_num_threads(args.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from megadlms.models import TransformerConfig
+    from megadlms.models import TransformerConfig
 
-        cfg = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                                num_attention_heads=args.hidden_size // 64, vocab_size=args.vocab_size,
-                                seq_length=args.seq_length, position_embedding_type="rope",
-                                normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                                untie_embeddings_and_output_weights=True,
-                                attention_dropout=0.0, hidden_dropout=0.0)
-        g = torch.Generator().manual_seed(args.seed + rank)
-        data = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length), generator=g)
-        results = {}
-        for kind in ("ddp", "ddp+distopt", "fsdp2"):
-            wrapper, opt = _build(kind, cfg, args)
-            times = []
-            for step in range(args.warmup + args.steps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                wrapper.zero_grad_buffer()
-                opt.zero_grad()
-                logits = wrapper(data)
-                F.cross_entropy(logits.float().reshape(-1, args.vocab_size), data.reshape(-1)).backward()
-                wrapper.finish_grad_sync()
-                opt.step()
-                times.append(time.perf_counter() - t0)
-            n_params = sum(p.numel() for p in wrapper.parameters())  # global numel (DTensor too)
-            results[kind] = dict(step_s=statistics.median(times[args.warmup:]),
-                                 state_bytes=model_state_bytes(wrapper, opt), params=n_params)
-            del wrapper, opt
-        queue.put((rank, results))
-    finally:
-        dist.destroy_process_group()
+    cfg = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
+                            num_attention_heads=args.hidden_size // 64, vocab_size=args.vocab_size,
+                            seq_length=args.seq_length, position_embedding_type="rope",
+                            normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                            untie_embeddings_and_output_weights=True,
+                            attention_dropout=0.0, hidden_dropout=0.0)
+    g = torch.Generator().manual_seed(args.seed + rank)
+    data = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length), generator=g)
+    results = {}
+    for kind in ("ddp", "ddp+distopt", "fsdp2"):
+        wrapper, opt = _build(kind, cfg, args)
+        times = []
+        for step in range(args.warmup + args.steps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            wrapper.zero_grad_buffer()
+            opt.zero_grad()
+            logits = wrapper(data)
+            F.cross_entropy(logits.float().reshape(-1, args.vocab_size), data.reshape(-1)).backward()
+            wrapper.finish_grad_sync()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        n_params = sum(p.numel() for p in wrapper.parameters())  # global numel (DTensor too)
+        results[kind] = dict(step_s=statistics.median(times[args.warmup:]),
+                             state_bytes=model_state_bytes(wrapper, opt), params=n_params)
+        del wrapper, opt
+    return results
 
 
 def main(argv=None):
@@ -149,18 +145,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1234, help="Init and data seed.")
     args = p.parse_args(argv)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world_size, port, args, queue))
-             for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    per_rank = dict(queue.get(timeout=1800) for _ in procs)
-    for proc in procs:
-        proc.join()
+    per_rank = dict(enumerate(run_distributed(_worker, args.world_size, (args,), timeout=1800)))
 
     dp = args.world_size
     kinds = ("ddp", "ddp+distopt", "fsdp2")
