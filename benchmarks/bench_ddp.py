@@ -31,8 +31,12 @@ def build_model(hidden: int, layers: int) -> torch.nn.Module:
     torch.manual_seed(0)
     blocks = []
     for _ in range(layers):
-        blocks += [torch.nn.Linear(hidden, 4 * hidden), torch.nn.GELU(), torch.nn.Linear(4 * hidden, hidden),
-                   torch.nn.LayerNorm(hidden)]
+        blocks += [
+            torch.nn.Linear(hidden, 4 * hidden),
+            torch.nn.GELU(),
+            torch.nn.Linear(4 * hidden, hidden),
+            torch.nn.LayerNorm(hidden),
+        ]
     return torch.nn.Sequential(*blocks)
 
 
@@ -41,7 +45,9 @@ def _time_steps(model, sync, x, steps):
     times = []
     for _ in range(steps):
         t0, c0 = time.perf_counter(), time.process_time()
-        model.zero_grad(set_to_none=True) if not hasattr(model, "zero_grad_buffer") else model.zero_grad_buffer()
+        model.zero_grad(set_to_none=True) if not hasattr(
+            model, "zero_grad_buffer"
+        ) else model.zero_grad_buffer()
         model(x).float().pow(2).mean().backward()
         sync()
         times.append((time.perf_counter() - t0, time.process_time() - c0))
@@ -56,14 +62,21 @@ def _worker(rank, ws, args):
     bucket_elems = int(args.bucket_mb * 1024 * 1024 / 4)
     x = torch.randn(args.batch, args.hidden, generator=torch.Generator().manual_seed(rank))
     runs = {
-        "torch DDP": lambda: (lambda m: (m, lambda: None))(torch.nn.parallel.DistributedDataParallel(
-            build_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_mb)),
+        "torch DDP": lambda: (lambda m: (m, lambda: None))(
+            torch.nn.parallel.DistributedDataParallel(
+                build_model(args.hidden, args.layers), bucket_cap_mb=args.bucket_mb
+            )
+        ),
     }
     for overlap in (True, False):
+
         def make(overlap=overlap):
-            m = DistributedDataParallel(build_model(args.hidden, args.layers), DistributedDataParallelConfig(
-                overlap_grad_reduce=overlap, bucket_size=bucket_elems))
+            m = DistributedDataParallel(
+                build_model(args.hidden, args.layers),
+                DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=bucket_elems),
+            )
             return m, m.finish_grad_sync
+
         runs[f"megadlms DDP overlap={'on' if overlap else 'off'}"] = make
     built = {name: mk() for name, mk in runs.items()}
     for name, (m, sync) in built.items():
@@ -82,8 +95,12 @@ def _worker(rank, ws, args):
             module = build_model(args.hidden, args.layers)
             if bf16:
                 module = Float16Module(module, dtype=torch.bfloat16)
-            m = DistributedDataParallel(module, DistributedDataParallelConfig(
-                use_distributed_optimizer=distopt, grad_reduce_in_fp32=bf16, bucket_size=bucket_elems))
+            m = DistributedDataParallel(
+                module,
+                DistributedDataParallelConfig(
+                    use_distributed_optimizer=distopt, grad_reduce_in_fp32=bf16, bucket_size=bucket_elems
+                ),
+            )
             opt = get_optimizer(OptimizerConfig(lr=1e-4, bf16=bf16, use_distributed_optimizer=distopt), m)
             m(x).float().pow(2).mean().backward()
             m.finish_grad_sync()
@@ -91,8 +108,15 @@ def _worker(rank, ws, args):
             mem[(bf16, distopt)] = opt.state_bytes()
             del m, opt, module
     dist.barrier()
-    return (rank, {k: (statistics.median(w for w, _ in v), min(w for w, _ in v),
-                       statistics.median(c for _, c in v)) for k, v in times.items()}, mem, n_params)
+    return (
+        rank,
+        {
+            k: (statistics.median(w for w, _ in v), min(w for w, _ in v), statistics.median(c for _, c in v))
+            for k, v in times.items()
+        },
+        mem,
+        n_params,
+    )
 
 
 def main(argv=None) -> None:
@@ -114,14 +138,20 @@ def main(argv=None) -> None:
     med = {k: max(r[1][k][0] for r in results) for k in t0}
     best = {k: max(r[1][k][1] for r in results) for k in t0}
     cpu = {k: statistics.mean(r[1][k][2] for r in results) for k in t0}
-    print(f"model: {n_params / 1e6:.1f}M params, {ws} ranks (gloo, CPU, {args.threads} thread/rank), "
-          f"batch {args.batch}/rank, buckets {args.bucket_mb} MB, {args.rounds * args.steps} timed steps each")
-    print(f"{'configuration':30s} {'median ms':>10s} {'ratio':>6s} {'best ms':>8s} {'ratio':>6s} "
-          f"{'CPU ms':>7s} {'ratio':>6s}")
+    print(
+        f"model: {n_params / 1e6:.1f}M params, {ws} ranks (gloo, CPU, {args.threads} thread/rank), "
+        f"batch {args.batch}/rank, buckets {args.bucket_mb} MB, {args.rounds * args.steps} timed steps each"
+    )
+    print(
+        f"{'configuration':30s} {'median ms':>10s} {'ratio':>6s} {'best ms':>8s} {'ratio':>6s} "
+        f"{'CPU ms':>7s} {'ratio':>6s}"
+    )
     ref = "torch DDP"
     for k in t0:
-        print(f"{k:30s} {med[k] * 1e3:10.1f} {med[k] / med[ref]:5.2f}x {best[k] * 1e3:8.1f} "
-              f"{best[k] / best[ref]:5.2f}x {cpu[k] * 1e3:7.1f} {cpu[k] / cpu[ref]:5.2f}x")
+        print(
+            f"{k:30s} {med[k] * 1e3:10.1f} {med[k] / med[ref]:5.2f}x {best[k] * 1e3:8.1f} "
+            f"{best[k] / best[ref]:5.2f}x {cpu[k] * 1e3:7.1f} {cpu[k] / cpu[ref]:5.2f}x"
+        )
     print()
     print(f"{'optimizer state per rank':34s} {'MiB':>9s} {'vs total/dp':>13s}")
     for (bf16, distopt), b in mem0.items():

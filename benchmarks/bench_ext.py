@@ -42,6 +42,7 @@ def make_case(name: str, device, gen):
 
 def timer(device):
     if device.type == "cuda":
+
         def run(fn):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -50,10 +51,12 @@ def timer(device):
             end.synchronize()
             return start.elapsed_time(end) / 1e3
     else:
+
         def run(fn):
             t0 = time.perf_counter()
             fn()
             return time.perf_counter() - t0
+
     return run
 
 
@@ -87,18 +90,22 @@ def bench_case(case: str, device, repeats: int, gen):
     pool_views = list(torch.split(pool, [x.numel() for x in ts]))
     acc32 = torch.randn(n, generator=gen).to(device)
 
-    t = measure({
-        "flatten_views": lambda: megadlm_ext.flatten(pool_views, flat),
-        "flatten": lambda: megadlm_ext.flatten(ts, flat),
-        "copy": lambda: dst.copy_(src),
-        "cat": lambda: torch.cat(ts, out=flat),
-        "foreach": lambda: torch._foreach_copy_(views, ts),
-        "accumulate": lambda: megadlm_ext.accumulate_into(acc, bf16),
-        "add": lambda: acc_base.add_(bf16_contig),
-        "add32": lambda: acc_base.add_(acc32),
-        "l2_norm": lambda: megadlm_ext.l2_norm(ts),
-        "foreach_norm": lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))),
-    }, device, repeats)
+    t = measure(
+        {
+            "flatten_views": lambda: megadlm_ext.flatten(pool_views, flat),
+            "flatten": lambda: megadlm_ext.flatten(ts, flat),
+            "copy": lambda: dst.copy_(src),
+            "cat": lambda: torch.cat(ts, out=flat),
+            "foreach": lambda: torch._foreach_copy_(views, ts),
+            "accumulate": lambda: megadlm_ext.accumulate_into(acc, bf16),
+            "add": lambda: acc_base.add_(bf16_contig),
+            "add32": lambda: acc_base.add_(acc32),
+            "l2_norm": lambda: megadlm_ext.l2_norm(ts),
+            "foreach_norm": lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))),
+        },
+        device,
+        repeats,
+    )
     # correctness of what was timed (cheap, outside the timings)
     assert torch.equal(flat, torch.cat(ts))
     ref_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts)))
@@ -108,20 +115,61 @@ def bench_case(case: str, device, repeats: int, gen):
     mb = n * 4 / 2**20
     gbs = lambda sec, nbytes: nbytes / sec / 1e9  # noqa: E731
     rows = [
-        (label, "flatten vs dst.copy_(src) (ceiling)", t["flatten"], t["copy"], t["copy"] / t["flatten"],
-         ">= 0.85" if device.type == "cuda" else (">= 0.9" if case == "a" else ">= 0.8"),
-         gbs(t["flatten"], 2 * n * 4)),
-        (label, "flatten, sources = views of 1 buffer, vs copy_", t["flatten_views"], t["copy"],
-         t["copy"] / t["flatten_views"], "", gbs(t["flatten_views"], 2 * n * 4)),
+        (
+            label,
+            "flatten vs dst.copy_(src) (ceiling)",
+            t["flatten"],
+            t["copy"],
+            t["copy"] / t["flatten"],
+            ">= 0.85" if device.type == "cuda" else (">= 0.9" if case == "a" else ">= 0.8"),
+            gbs(t["flatten"], 2 * n * 4),
+        ),
+        (
+            label,
+            "flatten, sources = views of 1 buffer, vs copy_",
+            t["flatten_views"],
+            t["copy"],
+            t["copy"] / t["flatten_views"],
+            "",
+            gbs(t["flatten_views"], 2 * n * 4),
+        ),
         (label, "flatten vs torch.cat(out=)", t["flatten"], t["cat"], t["cat"] / t["flatten"], "", None),
-        (label, "flatten vs torch._foreach_copy_", t["flatten"], t["foreach"], t["foreach"] / t["flatten"],
-         ">= 3" if case == "b" and device.type == "cpu" else "", None),
-        (label, "accumulate_into bf16->fp32 vs add_", t["accumulate"], t["add"], t["add"] / t["accumulate"],
-         ">= 0.8" if device.type == "cpu" else "", gbs(t["accumulate"], n * (4 + 4 + 2))),
-        (label, "accumulate_into bf16->fp32 vs fp32 add_(fp32)", t["accumulate"], t["add32"],
-         t["add32"] / t["accumulate"], "", None),
-        (label, "l2_norm vs _foreach_norm+vector_norm", t["l2_norm"], t["foreach_norm"],
-         t["foreach_norm"] / t["l2_norm"], "", gbs(t["l2_norm"], n * 4)),
+        (
+            label,
+            "flatten vs torch._foreach_copy_",
+            t["flatten"],
+            t["foreach"],
+            t["foreach"] / t["flatten"],
+            ">= 3" if case == "b" and device.type == "cpu" else "",
+            None,
+        ),
+        (
+            label,
+            "accumulate_into bf16->fp32 vs add_",
+            t["accumulate"],
+            t["add"],
+            t["add"] / t["accumulate"],
+            ">= 0.8" if device.type == "cpu" else "",
+            gbs(t["accumulate"], n * (4 + 4 + 2)),
+        ),
+        (
+            label,
+            "accumulate_into bf16->fp32 vs fp32 add_(fp32)",
+            t["accumulate"],
+            t["add32"],
+            t["add32"] / t["accumulate"],
+            "",
+            None,
+        ),
+        (
+            label,
+            "l2_norm vs _foreach_norm+vector_norm",
+            t["l2_norm"],
+            t["foreach_norm"],
+            t["foreach_norm"] / t["l2_norm"],
+            "",
+            gbs(t["l2_norm"], n * 4),
+        ),
     ]
     return rows, mb
 
@@ -143,9 +191,11 @@ def main(argv=None):
         raise SystemExit("--device cuda needs a CUDA build of megadlm_ext (MEGADLM_EXT_CUDA=1)")
     gen = torch.Generator().manual_seed(0)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"megadlm_ext {info['version']} ({info.get('cpu_isa', '?')}), torch {torch.__version__}, "
-          f"device {device}, threads {torch.get_num_threads()}, repeats {args.repeats} (medians), "
-          f"load avg {load:.2f}")
+    print(
+        f"megadlm_ext {info['version']} ({info.get('cpu_isa', '?')}), torch {torch.__version__}, "
+        f"device {device}, threads {torch.get_num_threads()}, repeats {args.repeats} (medians), "
+        f"load avg {load:.2f}"
+    )
     rows = []
     for case in args.cases:
         r, mb = bench_case(case, device, args.repeats, gen)
@@ -154,10 +204,14 @@ def main(argv=None):
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
     for case, op, ours, base, ratio, target, bw in rows:
-        print(f"| {case} | {op} | {ours * 1e3:.2f} | {base * 1e3:.2f} | {ratio:.2f}x | {target} | "
-              f"{'' if bw is None else f'{bw:.1f}'} |")
-    print("ratio = baseline time / our time (> 1: we are faster; vs the copy ceiling: fraction of "
-          "its bandwidth)")
+        print(
+            f"| {case} | {op} | {ours * 1e3:.2f} | {base * 1e3:.2f} | {ratio:.2f}x | {target} | "
+            f"{'' if bw is None else f'{bw:.1f}'} |"
+        )
+    print(
+        "ratio = baseline time / our time (> 1: we are faster; vs the copy ceiling: fraction of "
+        "its bandwidth)"
+    )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,11 @@ def _storages(obj, seen_objs, out, depth=0):
         items = list(obj.keys()) + list(obj.values())
     elif isinstance(obj, (list, tuple, set)):
         items = list(obj)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)) \
-            and type(obj).__module__.startswith(("megadlms", "torch.optim")):
+    elif (
+        hasattr(obj, "__dict__")
+        and not isinstance(obj, (type, torch.nn.Module))
+        and type(obj).__module__.startswith(("megadlms", "torch.optim"))
+    ):
         items = list(vars(obj).values())
     elif isinstance(obj, torch.nn.Module):
         items = [v for k, v in vars(obj).items() if k not in ("_modules", "_parameters", "_buffers")]
@@ -74,8 +77,12 @@ def model_state_bytes(wrapper, optimizer) -> int:
 
 
 def _build(kind, cfg, args):
-    from megadlms.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                      Float16Module, TorchFullyShardedDataParallel)
+    from megadlms.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        Float16Module,
+        TorchFullyShardedDataParallel,
+    )
     from megadlms.distributed.fsdp2 import mixed_precision_policy
     from megadlms.models import GPTModel
     from megadlms.optimizer import OptimizerConfig, get_optimizer
@@ -88,9 +95,15 @@ def _build(kind, cfg, args):
     else:
         if args.bf16:  # what the trainer does: bf16 model, fp32 grad buffer and main params
             model = Float16Module(model, dtype=torch.bfloat16)
-        wrapper = DistributedDataParallel(model, DistributedDataParallelConfig(
-            use_distributed_optimizer=distopt, overlap_grad_reduce=True, bucket_size=args.bucket_size,
-            grad_reduce_in_fp32=args.bf16))
+        wrapper = DistributedDataParallel(
+            model,
+            DistributedDataParallelConfig(
+                use_distributed_optimizer=distopt,
+                overlap_grad_reduce=True,
+                bucket_size=args.bucket_size,
+                grad_reduce_in_fp32=args.bf16,
+            ),
+        )
     opt = get_optimizer(OptimizerConfig(lr=1e-4, bf16=args.bf16, use_distributed_optimizer=distopt), wrapper)
     return wrapper, opt
 
@@ -99,19 +112,27 @@ def _worker(rank, world, args):
     torch.set_num_threads(args.threads)
     from megadlms.models import TransformerConfig
 
-    cfg = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                            num_attention_heads=args.hidden_size // 64, vocab_size=args.vocab_size,
-                            seq_length=args.seq_length, position_embedding_type="rope",
-                            normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                            untie_embeddings_and_output_weights=True,
-                            attention_dropout=0.0, hidden_dropout=0.0)
+    cfg = TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.hidden_size // 64,
+        vocab_size=args.vocab_size,
+        seq_length=args.seq_length,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        swiglu=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
     g = torch.Generator().manual_seed(args.seed + rank)
     data = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length), generator=g)
     results = {}
     for kind in ("ddp", "ddp+distopt", "fsdp2"):
         wrapper, opt = _build(kind, cfg, args)
         times = []
-        for step in range(args.warmup + args.steps):
+        for _step in range(args.warmup + args.steps):
             dist.barrier()
             t0 = time.perf_counter()
             wrapper.zero_grad_buffer()
@@ -122,8 +143,11 @@ def _worker(rank, world, args):
             opt.step()
             times.append(time.perf_counter() - t0)
         n_params = sum(p.numel() for p in wrapper.parameters())  # global numel (DTensor too)
-        results[kind] = dict(step_s=statistics.median(times[args.warmup:]),
-                             state_bytes=model_state_bytes(wrapper, opt), params=n_params)
+        results[kind] = dict(
+            step_s=statistics.median(times[args.warmup :]),
+            state_bytes=model_state_bytes(wrapper, opt),
+            params=n_params,
+        )
         del wrapper, opt
     return results
 
@@ -140,8 +164,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=10, help="Timed steps (median reported).")
     p.add_argument("--warmup", type=int, default=2, help="Untimed warmup steps.")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank.")
-    p.add_argument("--bf16", action="store_true",
-                   help="bf16 compute: Float16Module + fp32 main params for DDP, MixedPrecisionPolicy for FSDP2.")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 compute: Float16Module + fp32 main params for DDP, MixedPrecisionPolicy for FSDP2.",
+    )
     p.add_argument("--seed", type=int, default=1234, help="Init and data seed.")
     args = p.parse_args(argv)
 
@@ -152,17 +179,23 @@ def main(argv=None):
     step = {k: max(per_rank[r][k]["step_s"] for r in per_rank) for k in kinds}  # slowest rank
     mem = {k: max(per_rank[r][k]["state_bytes"] for r in per_rank) for k in kinds}  # largest rank
     n = per_rank[0]["ddp"]["params"]
-    print(f"model: {args.num_layers} layers, hidden {args.hidden_size}, vocab {args.vocab_size}, "
-          f"{n / 1e6:.1f}M params; {dp} ranks gloo/CPU, micro-batch {args.micro_batch_size} x "
-          f"seq {args.seq_length}, {'bf16' if args.bf16 else 'fp32'}, AdamW; median of {args.steps} steps")
-    print(f"| wrapper | step time (s) | vs DDP | model-state MiB / rank | vs DDP | vs DDP/dp |")
-    print(f"|---|---|---|---|---|---|")
+    print(
+        f"model: {args.num_layers} layers, hidden {args.hidden_size}, vocab {args.vocab_size}, "
+        f"{n / 1e6:.1f}M params; {dp} ranks gloo/CPU, micro-batch {args.micro_batch_size} x "
+        f"seq {args.seq_length}, {'bf16' if args.bf16 else 'fp32'}, AdamW; median of {args.steps} steps"
+    )
+    print("| wrapper | step time (s) | vs DDP | model-state MiB / rank | vs DDP | vs DDP/dp |")
+    print("|---|---|---|---|---|---|")
     for k in kinds:
-        print(f"| {k} | {step[k]:.3f} | {step[k] / step['ddp']:.2f}x | {mem[k] / 2**20:.1f} | "
-              f"{mem[k] / mem['ddp']:.3f} | {mem[k] / (mem['ddp'] / dp):.3f} |")
+        print(
+            f"| {k} | {step[k]:.3f} | {step[k] / step['ddp']:.2f}x | {mem[k] / 2**20:.1f} | "
+            f"{mem[k] / mem['ddp']:.3f} | {mem[k] / (mem['ddp'] / dp):.3f} |"
+        )
     ok = mem["fsdp2"] <= mem["ddp"] / dp * 1.05
-    print(f"target FSDP2 <= DDP/dp + 5%: {'met' if ok else 'NOT met'} "
-          f"({mem['fsdp2'] / 2**20:.1f} MiB vs {mem['ddp'] / dp / 2**20:.1f} MiB)")
+    print(
+        f"target FSDP2 <= DDP/dp + 5%: {'met' if ok else 'NOT met'} "
+        f"({mem['fsdp2'] / 2**20:.1f} MiB vs {mem['ddp'] / dp / 2**20:.1f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -35,15 +35,51 @@ from tests.dist_utils import run_distributed  # noqa: E402
 
 def _argv(a, metrics):
     return [
-        "--num-layers", str(a.layers), "--hidden-size", str(a.hidden), "--num-attention-heads",
-        str(a.heads), "--seq-length", str(a.seq), "--position-embedding-type", "rope",
-        "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear",
-        "--attention-dropout", "0", "--hidden-dropout", "0",
-        "--micro-batch-size", str(a.mbs), "--global-batch-size", str(a.gbs),
-        "--train-iters", str(a.warmup + a.iters), "--lr", "3e-4", "--lr-decay-style", "constant",
-        "--clip-grad", "1.0", "--weight-decay", "0.1", "--seed", "1", "--mock-data",
-        "--num-workers", "0", "--log-interval", "1", "--eval-iters", "0",
-        "--difflm-varilen-prob", "0", "--metrics-jsonl", metrics,
+        "--num-layers",
+        str(a.layers),
+        "--hidden-size",
+        str(a.hidden),
+        "--num-attention-heads",
+        str(a.heads),
+        "--seq-length",
+        str(a.seq),
+        "--position-embedding-type",
+        "rope",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--disable-bias-linear",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--micro-batch-size",
+        str(a.mbs),
+        "--global-batch-size",
+        str(a.gbs),
+        "--train-iters",
+        str(a.warmup + a.iters),
+        "--lr",
+        "3e-4",
+        "--lr-decay-style",
+        "constant",
+        "--clip-grad",
+        "1.0",
+        "--weight-decay",
+        "0.1",
+        "--seed",
+        "1",
+        "--mock-data",
+        "--num-workers",
+        "0",
+        "--log-interval",
+        "1",
+        "--eval-iters",
+        "0",
+        "--difflm-varilen-prob",
+        "0",
+        "--metrics-jsonl",
+        metrics,
     ]
 
 
@@ -62,9 +98,9 @@ def _ours(a, metrics):
 
 def _plain(a):
     """The reference loop: torch DDP, torch AdamW, clip_grad_norm_, same data and loss."""
+    from megadlms.diffusion import compute_loss
     from megadlms.training import builders
     from megadlms.training.arguments import parse_args
-    from megadlms.diffusion import compute_loss
 
     rank, world = dist.get_rank(), dist.get_world_size()
     args = parse_args(_argv(a, os.devnull), world_size=world)
@@ -76,12 +112,14 @@ def _plain(a):
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=3e-4)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-4
+    )
     gbs, mbs, num_micro = builders.batch_schedule(args, world)
     train_ds, _ = builders.build_datasets(args, tok, global_batch_size=gbs)
-    loader = builders.build_loader(train_ds, consumed_samples=0, micro_batch_size=mbs,
-                                   dp_rank=rank, dp_size=world)
+    loader = builders.build_loader(
+        train_ds, consumed_samples=0, micro_batch_size=mbs, dp_rank=rank, dp_size=world
+    )
     it = iter(loader)
     times = []
     for step in range(a.warmup + a.iters):
@@ -98,7 +136,7 @@ def _plain(a):
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    return a.gbs * a.seq * a.iters / sum(times[a.warmup:])
+    return a.gbs * a.seq * a.iters / sum(times[a.warmup :])
 
 
 def _worker(rank, world, a, tmp):
@@ -127,19 +165,32 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         res = run_distributed(_worker, a.ranks, (a, tmp), timeout=3600)[0]
     from megadlms.models import TransformerConfig
-    n = TransformerConfig(num_layers=a.layers, hidden_size=a.hidden, num_attention_heads=a.heads,
-                          vocab_size=384, seq_length=a.seq, swiglu=True, add_bias_linear=False,
-                          position_embedding_type="rope")
-    params = (a.layers * (4 * a.hidden * a.hidden + 3 * a.hidden * n.ffn_hidden_size)
-              + 384 * a.hidden) / 1e6
+
+    n = TransformerConfig(
+        num_layers=a.layers,
+        hidden_size=a.hidden,
+        num_attention_heads=a.heads,
+        vocab_size=384,
+        seq_length=a.seq,
+        swiglu=True,
+        add_bias_linear=False,
+        position_embedding_type="rope",
+    )
+    params = (a.layers * (4 * a.hidden * a.hidden + 3 * a.hidden * n.ffn_hidden_size) + 384 * a.hidden) / 1e6
     ours, plain = statistics.median(res["ours"]), statistics.median(res["plain"])
-    print(f"model ~{params:.1f}M params ({a.layers} layers, hidden {a.hidden}, seq {a.seq}), "
-          f"{a.ranks} ranks, global batch {a.gbs} (micro {a.mbs}), {a.iters} timed steps x {a.repeats}")
-    print(f"| loop | tokens/s (median) | runs | ratio vs plain |")
-    print(f"|---|---|---|---|")
-    print(f"| plain torch DDP + AdamW | {plain:,.0f} | {', '.join(f'{x:,.0f}' for x in res['plain'])} | 1.00 |")
-    print(f"| pretrain_difflm.py (our DDP) | {ours:,.0f} | {', '.join(f'{x:,.0f}' for x in res['ours'])} "
-          f"| {ours / plain:.3f} |")
+    print(
+        f"model ~{params:.1f}M params ({a.layers} layers, hidden {a.hidden}, seq {a.seq}), "
+        f"{a.ranks} ranks, global batch {a.gbs} (micro {a.mbs}), {a.iters} timed steps x {a.repeats}"
+    )
+    print("| loop | tokens/s (median) | runs | ratio vs plain |")
+    print("|---|---|---|---|")
+    print(
+        f"| plain torch DDP + AdamW | {plain:,.0f} | {', '.join(f'{x:,.0f}' for x in res['plain'])} | 1.00 |"
+    )
+    print(
+        f"| pretrain_difflm.py (our DDP) | {ours:,.0f} | {', '.join(f'{x:,.0f}' for x in res['ours'])} "
+        f"| {ours / plain:.3f} |"
+    )
 
 
 if __name__ == "__main__":

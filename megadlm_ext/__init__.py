@@ -22,6 +22,7 @@ _log = logging.getLogger("megadlm_ext")
 
 try:
     from . import _C  # type: ignore[attr-defined]
+
     _IMPORT_ERROR = None
 except ImportError as exc:  # not built: reference route only
     _C = None
@@ -35,8 +36,9 @@ def _impl():
     global _warned
     if _C is None or _force_reference:
         if _C is None and not _warned:
-            _log.warning("megadlm_ext._C is not built (%s); using the slower PyTorch reference route",
-                         _IMPORT_ERROR)
+            _log.warning(
+                "megadlm_ext._C is not built (%s); using the slower PyTorch reference route", _IMPORT_ERROR
+            )
             _warned = True
         return _ref
     return _C
@@ -56,12 +58,18 @@ def force_reference(enabled: bool = True):
 def backend_info() -> dict:
     """{"version", "compiled", "cuda", "nccl"}: what this build of the extension provides."""
     if _C is None:
-        return {"version": __version__, "compiled": False, "cuda": False, "nccl": False,
-                "error": str(_IMPORT_ERROR)}
+        return {
+            "version": __version__,
+            "compiled": False,
+            "cuda": False,
+            "nccl": False,
+            "error": str(_IMPORT_ERROR),
+        }
     info = dict(_C.backend_info())
     info["version"] = __version__
     if info["cuda"]:  # libnccl matters only next to CUDA kernels; False on CPU builds
         from . import nccl
+
         info["nccl"] = nccl.available()
     return info
 

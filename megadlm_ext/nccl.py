@@ -74,12 +74,14 @@ def _require() -> None:
             "comm_backend='nccl_ext' needs a CUDA build of megadlm_ext, but this build is "
             "CPU-only (megadlm_ext.backend_info()['cuda'] is False). Use comm_backend='torch' "
             "(gloo on CPU, NCCL through torch.distributed on GPU), or install a CUDA torch and "
-            "rebuild with MEGADLM_EXT_CUDA=1 pip install --no-build-isolation -e .")
+            "rebuild with MEGADLM_EXT_CUDA=1 pip install --no-build-isolation -e ."
+        )
     if not available():
         raise RuntimeError(
             "comm_backend='nccl_ext': libnccl.so.2 could not be loaded. Tried:\n"
             f"{_state['error']}Set MEGADLM_NCCL_LIB=/path/to/libnccl.so.2 (pip install "
-            "nvidia-nccl-cu12 provides one) or use comm_backend='torch'.")
+            "nvidia-nccl-cu12 provides one) or use comm_backend='torch'."
+        )
 
 
 def unique_id() -> bytes:
@@ -114,7 +116,7 @@ class Communicator:
         self._comm = _C.NcclCommunicator(bytes(unique_id), self.rank, self.world_size, self.device)
 
     @classmethod
-    def from_process_group(cls, group=None, device: Optional[int] = None) -> "Communicator":
+    def from_process_group(cls, group=None, device: Optional[int] = None) -> Communicator:
         """Bootstrap over a torch.distributed group: rank 0 makes the id, all receive it."""
         import torch.distributed as dist
 

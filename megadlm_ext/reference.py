@@ -8,7 +8,7 @@ what the fused kernels do.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -48,8 +48,10 @@ def check_list(name: str, tensors, *, device=None) -> list:
         if device is None and t.device != first:
             raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {first}")
         if t.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{name}[{i}] is on {t.device}; megadlm_ext runs on cpu tensors "
-                             "(and cuda tensors in CUDA builds)")
+            raise ValueError(
+                f"{name}[{i}] is on {t.device}; megadlm_ext runs on cpu tensors "
+                "(and cuda tensors in CUDA builds)"
+            )
     return tensors
 
 
@@ -85,9 +87,11 @@ def resolve_offsets(tensors, offsets, flat_numel: Optional[int], flat_name: str 
         if t.numel():
             spans.append((o, o + t.numel(), i))
     spans.sort()
-    for (a0, a1, ia), (b0, b1, ib) in zip(spans, spans[1:]):
+    for (a0, a1, ia), (b0, _b1, ib) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise ValueError(f"tensors[{ia}] and tensors[{ib}] overlap in {flat_name} (offsets {a0} and {b0})")
+            raise ValueError(
+                f"tensors[{ia}] and tensors[{ib}] overlap in {flat_name} (offsets {a0} and {b0})"
+            )
     return out
 
 
@@ -100,9 +104,11 @@ def check_no_alias(flat_name: str, flat, tensors) -> None:
 
 def check_distinct(tensors) -> None:
     spans = sorted((s[0], s[1], i) for i, s in ((i, _span(t)) for i, t in enumerate(tensors)) if s)
-    for (a0, a1, ia), (b0, b1, ib) in zip(spans, spans[1:]):
+    for (_a0, a1, ia), (b0, _b1, ib) in zip(spans, spans[1:]):
         if b0 < a1:
-            raise ValueError(f"tensors[{ia}] and tensors[{ib}] share memory: in-place ops need distinct tensors")
+            raise ValueError(
+                f"tensors[{ia}] and tensors[{ib}] share memory: in-place ops need distinct tensors"
+            )
 
 
 def flatten(tensors, out=None, *, offsets=None, scale=1.0, dtype=None) -> torch.Tensor:
@@ -131,7 +137,7 @@ def flatten(tensors, out=None, *, offsets=None, scale=1.0, dtype=None) -> torch.
             v = t.reshape(-1).float()
             if scale != 1.0:
                 v = v * scale
-            out[o:o + t.numel()].copy_(v)
+            out[o : o + t.numel()].copy_(v)
     return out
 
 
@@ -143,7 +149,7 @@ def unflatten(flat, tensors, *, offsets=None, scale=1.0) -> None:
     check_distinct(tensors)
     for o, t in zip(offs, tensors):
         if t.numel():
-            v = flat[o:o + t.numel()].float()
+            v = flat[o : o + t.numel()].float()
             if scale != 1.0:
                 v = v * scale
             t.view(-1).copy_(v)
@@ -156,7 +162,7 @@ def accumulate_into(flat, tensors, *, offsets=None, scale=1.0) -> None:
     check_no_alias("flat", flat, tensors)
     for o, t in zip(offs, tensors):
         if t.numel():
-            dst = flat[o:o + t.numel()]
+            dst = flat[o : o + t.numel()]
             v = t.reshape(-1).float()
             if scale != 1.0:
                 v = v * scale

@@ -27,8 +27,13 @@ def _free_port() -> int:
 
 
 def _worker(rank, world_size, port, fn, args, queue):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -48,8 +53,10 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results, errors = [None] * world_size, []

@@ -18,17 +18,29 @@ import torch
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megadlms-generate", description=__doc__.split("\n\n")[0])
-    p.add_argument("--load", required=True,
-                   help="checkpoint: a --save directory (its latest iteration) or one iter_* directory")
+    p.add_argument(
+        "--load",
+        required=True,
+        help="checkpoint: a --save directory (its latest iteration) or one iter_* directory",
+    )
     p.add_argument("--prompt", default="", help="text to complete (may be empty)")
     p.add_argument("--gen-length", type=int, default=128, help="tokens to generate")
-    p.add_argument("--steps", type=int, default=None,
-                   help="denoising steps (default: --gen-length, one token per step)")
-    p.add_argument("--block-length", type=int, default=None,
-                   help="semi-autoregressive block length (default: --gen-length, one block)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="denoising steps (default: --gen-length, one token per step)"
+    )
+    p.add_argument(
+        "--block-length",
+        type=int,
+        default=None,
+        help="semi-autoregressive block length (default: --gen-length, one block)",
+    )
     p.add_argument("--temperature", type=float, default=0.0, help="Gumbel temperature; 0 = greedy")
-    p.add_argument("--remasking", choices=("low_confidence", "random"), default="low_confidence",
-                   help="which predictions to keep at each step (LLaDA)")
+    p.add_argument(
+        "--remasking",
+        choices=("low_confidence", "random"),
+        default="low_confidence",
+        help="which predictions to keep at each step (LLaDA)",
+    )
     p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance scale")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature / random remasking)")
     p.add_argument("--num-samples", type=int, default=1, help="completions of the same prompt")
@@ -45,25 +57,30 @@ def load_for_inference(path: str, device: Optional[torch.device] = None):
 
     ckpt = checkpointing.resolve_checkpoint(path)
     if ckpt is None:
-        raise ValueError(f"--load {path}: no checkpoint there (no "
-                         f"{checkpointing.LATEST_FILE} and no {checkpointing.COMMON_FILE})")
+        raise ValueError(
+            f"--load {path}: no checkpoint there (no "
+            f"{checkpointing.LATEST_FILE} and no {checkpointing.COMMON_FILE})"
+        )
     common = checkpointing.read_common(ckpt)
     saved_args = common.get("args", {})
     mcfg = common["model_config"]
     config = transformer_config_from_dict(mcfg)
     model = GPTModel(config, attention=mcfg.get("attention", "bidirectional"))
     checkpointing.load_model_state(ckpt, model, model_config=mcfg)
-    tokenizer = build_tokenizer(saved_args.get("tokenizer_type") or "ByteTokenizer",
-                                saved_args.get("tokenizer_model"),
-                                mask_token=saved_args.get("mask_token"),
-                                vocab_size=saved_args.get("vocab_size"))
+    tokenizer = build_tokenizer(
+        saved_args.get("tokenizer_type") or "ByteTokenizer",
+        saved_args.get("tokenizer_model"),
+        mask_token=saved_args.get("mask_token"),
+        vocab_size=saved_args.get("vocab_size"),
+    )
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval(), tokenizer, common
 
 
 @torch.no_grad()
-def _sample_causal(model, prompt: torch.Tensor, gen_length: int, temperature: float,
-                   generator: torch.Generator) -> torch.Tensor:
+def _sample_causal(
+    model, prompt: torch.Tensor, gen_length: int, temperature: float, generator: torch.Generator
+) -> torch.Tensor:
     x = prompt
     for _ in range(gen_length):
         logits = model(x)[:, -1].double()
@@ -76,10 +93,21 @@ def _sample_causal(model, prompt: torch.Tensor, gen_length: int, temperature: fl
     return x
 
 
-def generate_text(model, tokenizer, common: dict, prompt: str, *, gen_length: int = 128,
-                  steps: Optional[int] = None, block_length: Optional[int] = None,
-                  temperature: float = 0.0, remasking: str = "low_confidence",
-                  cfg_scale: float = 0.0, seed: int = 0, num_samples: int = 1) -> list:
+def generate_text(
+    model,
+    tokenizer,
+    common: dict,
+    prompt: str,
+    *,
+    gen_length: int = 128,
+    steps: Optional[int] = None,
+    block_length: Optional[int] = None,
+    temperature: float = 0.0,
+    remasking: str = "low_confidence",
+    cfg_scale: float = 0.0,
+    seed: int = 0,
+    num_samples: int = 1,
+) -> list:
     """Completions (strings, prompt excluded) of ``prompt``."""
     from megadlms.diffusion import generate
 
@@ -87,8 +115,10 @@ def generate_text(model, tokenizer, common: dict, prompt: str, *, gen_length: in
     ids = tokenizer.tokenize(prompt)
     max_len = model.config.max_position_embeddings
     if len(ids) + gen_length > max_len:
-        raise ValueError(f"prompt ({len(ids)} tokens) + --gen-length ({gen_length}) exceeds the "
-                         f"model's {max_len} positions; shorten one of them")
+        raise ValueError(
+            f"prompt ({len(ids)} tokens) + --gen-length ({gen_length}) exceeds the "
+            f"model's {max_len} positions; shorten one of them"
+        )
     prompt_t = torch.tensor([ids] * num_samples, dtype=torch.int64, device=device)
     if common["model_config"].get("attention") == "causal":
         if not ids:
@@ -96,26 +126,49 @@ def generate_text(model, tokenizer, common: dict, prompt: str, *, gen_length: in
         g = torch.Generator().manual_seed(seed)
         out = _sample_causal(model, prompt_t, gen_length, temperature, g)
     else:
-        out = generate(model, prompt_t, mask_token_id=tokenizer.mask_token_id, gen_length=gen_length,
-                       steps=steps or gen_length, block_length=block_length or gen_length,
-                       temperature=temperature, remasking=remasking, cfg_scale=cfg_scale, seed=seed)
-    return [tokenizer.detokenize(row[len(ids):].tolist()) for row in out.cpu()]
+        out = generate(
+            model,
+            prompt_t,
+            mask_token_id=tokenizer.mask_token_id,
+            gen_length=gen_length,
+            steps=steps or gen_length,
+            block_length=block_length or gen_length,
+            temperature=temperature,
+            remasking=remasking,
+            cfg_scale=cfg_scale,
+            seed=seed,
+        )
+    return [tokenizer.detokenize(row[len(ids) :].tolist()) for row in out.cpu()]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         model, tokenizer, common = load_for_inference(
-            args.load, torch.device(args.device) if args.device else None)
-        texts = generate_text(model, tokenizer, common, args.prompt, gen_length=args.gen_length,
-                              steps=args.steps, block_length=args.block_length,
-                              temperature=args.temperature, remasking=args.remasking,
-                              cfg_scale=args.cfg_scale, seed=args.seed, num_samples=args.num_samples)
+            args.load, torch.device(args.device) if args.device else None
+        )
+        texts = generate_text(
+            model,
+            tokenizer,
+            common,
+            args.prompt,
+            gen_length=args.gen_length,
+            steps=args.steps,
+            block_length=args.block_length,
+            temperature=args.temperature,
+            remasking=args.remasking,
+            cfg_scale=args.cfg_scale,
+            seed=args.seed,
+            num_samples=args.num_samples,
+        )
     except ValueError as exc:
         print(f"megadlms-generate: error: {exc}", file=sys.stderr)
         return 2
-    print(f"# checkpoint {args.load} (iteration {common['iteration']}), "
-          f"{args.gen_length} tokens, {args.steps or args.gen_length} steps", file=sys.stderr)
+    print(
+        f"# checkpoint {args.load} (iteration {common['iteration']}), "
+        f"{args.gen_length} tokens, {args.steps or args.gen_length} steps",
+        file=sys.stderr,
+    )
     for text in texts:
         print(args.prompt + text)
     return 0

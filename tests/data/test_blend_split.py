@@ -6,9 +6,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megadlms.data import (BlendedDataset, ByteTokenizer, IndexedDatasetBuilder, MockGPTDataset,
-                           build_blending_indices, build_pretraining_datasets, parse_blend,
-                           parse_split)
+from megadlms.data import (
+    BlendedDataset,
+    ByteTokenizer,
+    IndexedDatasetBuilder,
+    MockGPTDataset,
+    build_blending_indices,
+    build_pretraining_datasets,
+    parse_blend,
+    parse_split,
+)
 
 TOK = ByteTokenizer()
 
@@ -50,8 +57,15 @@ def test_split_ranges_and_blend_contents(tmp_path):
     a = _doc_id_corpus(tmp_path, "a", 50, base=0)
     b = _doc_id_corpus(tmp_path, "b", 40, base=1000)
     train, valid, test = build_pretraining_datasets(
-        data_path=[a], split="8,1,1", seq_length=16, seed=11, train_samples=30,
-        valid_samples=4, test_samples=4, tokenizer=TOK)
+        data_path=[a],
+        split="8,1,1",
+        seq_length=16,
+        seed=11,
+        train_samples=30,
+        valid_samples=4,
+        test_samples=4,
+        tokenizer=TOK,
+    )
     assert train.document_ids.tolist() == list(range(0, 40))
     assert valid.document_ids.tolist() == list(range(40, 45))
     assert test.document_ids.tolist() == list(range(45, 50))
@@ -61,9 +75,16 @@ def test_split_ranges_and_blend_contents(tmp_path):
 
     n = 400
     train, valid, test = build_pretraining_datasets(
-        data_path=["0.25", a, "0.75", b], split="90,10", seq_length=16, seed=11,
-        train_samples=n, valid_samples=8, test_samples=5, tokenizer=TOK,
-        data_cache_path=str(tmp_path / "cache"))
+        data_path=["0.25", a, "0.75", b],
+        split="90,10",
+        seq_length=16,
+        seed=11,
+        train_samples=n,
+        valid_samples=8,
+        test_samples=5,
+        tokenizer=TOK,
+        data_cache_path=str(tmp_path / "cache"),
+    )
     assert test is None  # no share in --split
     assert isinstance(train, BlendedDataset) and len(train) == n and len(valid) == 8
     from_b = 0
@@ -78,34 +99,55 @@ def test_split_ranges_and_blend_contents(tmp_path):
     # the members were asked for ceil(ceil(N * w) * 1.005) samples (Megatron's margin)
     assert len(train.datasets[0]) >= 101 and len(train.datasets[1]) >= 302
     again = build_pretraining_datasets(
-        data_path=["0.25", a, "0.75", b], split="90,10", seq_length=16, seed=11,
-        train_samples=n, valid_samples=8, test_samples=5, tokenizer=TOK,
-        data_cache_path=str(tmp_path / "cache"))[0]
+        data_path=["0.25", a, "0.75", b],
+        split="90,10",
+        seq_length=16,
+        seed=11,
+        train_samples=n,
+        valid_samples=8,
+        test_samples=5,
+        tokenizer=TOK,
+        data_cache_path=str(tmp_path / "cache"),
+    )[0]
     assert again.cache_hit and all(d.cache_hit for d in again.datasets)
-    assert [again[i]["text"].tolist() for i in range(0, n, 37)] == \
-           [train[i]["text"].tolist() for i in range(0, n, 37)]
+    assert [again[i]["text"].tolist() for i in range(0, n, 37)] == [
+        train[i]["text"].tolist() for i in range(0, n, 37)
+    ]
 
 
 def test_unweighted_blend_per_split_paths_and_mock(tmp_path):
     a = _doc_id_corpus(tmp_path, "a", 30, base=0)
     b = _doc_id_corpus(tmp_path, "b", 10, base=1000)
     train, valid, test = build_pretraining_datasets(
-        data_path=[a, b], split="1,0,0", seq_length=8, seed=2, train_samples=20,
-        valid_samples=3, tokenizer=TOK)
+        data_path=[a, b],
+        split="1,0,0",
+        seq_length=8,
+        seed=2,
+        train_samples=20,
+        valid_samples=3,
+        tokenizer=TOK,
+    )
     assert valid is None and test is None
     la, lb = len(train.datasets[0]), len(train.datasets[1])
     assert np.allclose(train.weights, [la / (la + lb), lb / (la + lb)])
 
     train, valid, test = build_pretraining_datasets(
-        train_data_path=[a], valid_data_path=[b], seq_length=8, seed=2, train_samples=10,
-        valid_samples=3, test_samples=3, tokenizer=TOK)
+        train_data_path=[a],
+        valid_data_path=[b],
+        seq_length=8,
+        seed=2,
+        train_samples=10,
+        valid_samples=3,
+        test_samples=3,
+        tokenizer=TOK,
+    )
     assert test is None
     assert train.document_ids.tolist() == list(range(30)) and valid.document_ids.tolist() == list(range(10))
     assert (valid[0]["text"] >= 1000).all()
 
     mtrain, mvalid, mtest = build_pretraining_datasets(
-        mock=True, seq_length=8, seed=2, train_samples=10, valid_samples=0, test_samples=2,
-        tokenizer=TOK)
+        mock=True, seq_length=8, seed=2, train_samples=10, valid_samples=0, test_samples=2, tokenizer=TOK
+    )
     assert isinstance(mtrain, MockGPTDataset) and len(mtrain) == 10 and mvalid is None
     assert not (mtrain[0]["text"] == TOK.mask).any()
     assert not np.array_equal(mtrain[0]["text"].numpy(), mtest[0]["text"].numpy())
@@ -136,6 +178,7 @@ def test_flag_errors(tmp_path):
 
 class _NoEodTokenizer:
     """Stands in for a tokenizer.json without an end-of-document token."""
+
     vocab_size = 300
 
     @property
@@ -149,9 +192,17 @@ class _NoEodTokenizer:
 
 def test_tokenizer_without_eod_needs_it_only_for_eod_mask_loss(tmp_path):
     a = _doc_id_corpus(tmp_path, "a", 10, base=0)
-    train, _, _ = build_pretraining_datasets(data_path=[a], split="1", seq_length=8, seed=1,
-                                             train_samples=5, tokenizer=_NoEodTokenizer())
+    train, _, _ = build_pretraining_datasets(
+        data_path=[a], split="1", seq_length=8, seed=1, train_samples=5, tokenizer=_NoEodTokenizer()
+    )
     assert len(train) >= 5 and bool((train[0]["loss_mask"] == 1).all())
     with pytest.raises(RuntimeError, match="end-of-document"):
-        build_pretraining_datasets(data_path=[a], split="1", seq_length=8, seed=1, train_samples=5,
-                                   tokenizer=_NoEodTokenizer(), eod_mask_loss=True)
+        build_pretraining_datasets(
+            data_path=[a],
+            split="1",
+            seq_length=8,
+            seed=1,
+            train_samples=5,
+            tokenizer=_NoEodTokenizer(),
+            eod_mask_loss=True,
+        )

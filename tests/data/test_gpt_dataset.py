@@ -55,7 +55,7 @@ def _reference(docs, document_ids, num_samples, seq_length, seed):
     rng = np.random.RandomState(seed)
 
     def shuffled(n_ep):
-        di = np.mgrid[0:n_ep, 0:len(document_ids)][1]
+        di = np.mgrid[0:n_ep, 0 : len(document_ids)][1]
         di[:] = document_ids
         di = di.reshape(-1).astype(np.int32)
         rng.shuffle(di)
@@ -65,8 +65,7 @@ def _reference(docs, document_ids, num_samples, seq_length, seed):
     if epochs > 1:
         sans = ((epochs - 1) * tpe - 1) // seq_length
         separate = num_samples - sans < int(0.8 * ((tpe - 1) // seq_length))
-    doc_index = (np.concatenate([shuffled(epochs - 1), shuffled(1)]) if separate
-                 else shuffled(epochs))
+    doc_index = np.concatenate([shuffled(epochs - 1), shuffled(1)]) if separate else shuffled(epochs)
     sizes = np.array([len(d) for d in docs])
     sample_index = _megatron_sample_idx(sizes, doc_index, seq_length, epochs, tpe)
     n = len(sample_index) - 1
@@ -79,7 +78,9 @@ def _reference(docs, document_ids, num_samples, seq_length, seed):
     return doc_index, sample_index, first, separate
 
 
-@pytest.mark.parametrize("num_samples,expect_separate", [(None, False), (40, False), (60, True), (200, True), (203, False)])
+@pytest.mark.parametrize(
+    "num_samples,expect_separate", [(None, False), (40, False), (60, True), (200, True), (203, False)]
+)
 def test_samples_match_independent_reference(tmp_path, num_samples, expect_separate):
     lengths = [5, 0, 9, 1, 14, 0, 3, 22, 7, 7, 2, 0, 11]
     prefix, docs = _corpus(tmp_path, lengths)
@@ -98,7 +99,7 @@ def test_samples_match_independent_reference(tmp_path, num_samples, expect_separ
     for i in range(len(ds)):
         j = int(shuffle[i])
         item = ds[i]
-        want = stream[j * s:j * s + s + 1]
+        want = stream[j * s : j * s + s + 1]
         assert item["text"].tolist() == want.tolist()
         assert item["tokens"].tolist() == want[:-1].tolist()
         assert item["labels"].tolist() == want[1:].tolist()
@@ -109,13 +110,18 @@ def test_samples_match_independent_reference(tmp_path, num_samples, expect_separ
 
 def test_item_format_and_eod_loss_mask(tmp_path):
     prefix, _ = _corpus(tmp_path, [4, 6, 3, 9, 5])
-    ds = GPTDataset(IndexedDataset(prefix), np.arange(5), None, seq_length=8, seed=3, eod=EOD,
-                    eod_mask_loss=True)
+    ds = GPTDataset(
+        IndexedDataset(prefix), np.arange(5), None, seq_length=8, seed=3, eod=EOD, eod_mask_loss=True
+    )
     item = ds[0]
     assert {k: (tuple(v.shape), v.dtype) for k, v in item.items()} == {
-        "tokens": ((8,), torch.int64), "labels": ((8,), torch.int64),
-        "loss_mask": ((8,), torch.float32), "position_ids": ((8,), torch.int64),
-        "text": ((9,), torch.int64), "sample_idx": ((), torch.int64)}
+        "tokens": ((8,), torch.int64),
+        "labels": ((8,), torch.int64),
+        "loss_mask": ((8,), torch.float32),
+        "position_ids": ((8,), torch.int64),
+        "text": ((9,), torch.int64),
+        "sample_idx": ((), torch.int64),
+    }
     for i in range(len(ds)):
         it = ds[i]
         np.testing.assert_array_equal(it["loss_mask"].numpy(), (it["tokens"] != EOD).float().numpy())
@@ -139,11 +145,15 @@ def test_index_cache_is_written_once_and_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(GPTDataset, "_build", no_build)
     second = GPTDataset(IndexedDataset(prefix), np.arange(6), 50, **kw)
     assert second.cache_hit and sorted(os.listdir(cache)) == files
-    for a, b in [(first.document_index, second.document_index), (first.sample_index, second.sample_index),
-                 (first.shuffle_index, second.shuffle_index)]:
+    for a, b in [
+        (first.document_index, second.document_index),
+        (first.sample_index, second.sample_index),
+        (first.shuffle_index, second.shuffle_index),
+    ]:
         np.testing.assert_array_equal(a, b)
-    assert [second[i]["text"].tolist() for i in range(len(second))] == \
-           [first[i]["text"].tolist() for i in range(len(first))]
+    assert [second[i]["text"].tolist() for i in range(len(second))] == [
+        first[i]["text"].tolist() for i in range(len(first))
+    ]
     # a different seed or sample count is a different cache entry (and must build)
     with pytest.raises(AssertionError, match="rebuilt"):
         GPTDataset(IndexedDataset(prefix), np.arange(6), 50, **{**kw, "seed": 8})

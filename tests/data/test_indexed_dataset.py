@@ -14,8 +14,16 @@ from megadlms.data import DTYPE_CODES, IndexedDataset, IndexedDatasetBuilder
 
 MAGIC = b"MMIDIDX\x00\x00"
 # Megatron-core's DType enum, written out here independently of the package.
-MEGATRON_CODES = {np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5,
-                  np.float64: 6, np.float32: 7, np.uint16: 8}
+MEGATRON_CODES = {
+    np.uint8: 1,
+    np.int8: 2,
+    np.int16: 3,
+    np.int32: 4,
+    np.int64: 5,
+    np.float64: 6,
+    np.float32: 7,
+    np.uint16: 8,
+}
 
 
 def _hand_built(docs_of_seqs, dtype):
@@ -48,8 +56,9 @@ def _write(tmp_path, name, idx_bytes, bin_bytes):
 
 
 def test_dtype_codes_are_megatrons():
-    assert {np.dtype(t): c for c, t in DTYPE_CODES.items()} == \
-        {np.dtype(t): c for t, c in MEGATRON_CODES.items()}
+    assert {np.dtype(t): c for c, t in DTYPE_CODES.items()} == {
+        np.dtype(t): c for t, c in MEGATRON_CODES.items()
+    }
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32, np.uint8, np.int64, np.float32])
@@ -135,9 +144,13 @@ _GOOD_IDX, _GOOD_BIN = _hand_built([[[1, 2, 3]], [[4, 5]], [[]], [[6]]], np.uint
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(kind=st.sampled_from(["truncate", "magic", "version", "dtype", "counts", "garbage"]),
-       cut=st.integers(0, len(_GOOD_IDX) - 1), byte=st.integers(0, 255),
-       value=st.integers(0, 2**64 - 1), junk=st.binary(min_size=0, max_size=80))
+@given(
+    kind=st.sampled_from(["truncate", "magic", "version", "dtype", "counts", "garbage"]),
+    cut=st.integers(0, len(_GOOD_IDX) - 1),
+    byte=st.integers(0, 255),
+    value=st.integers(0, 2**64 - 1),
+    junk=st.binary(min_size=0, max_size=80),
+)
 def test_corrupted_headers_give_clear_errors(tmp_path, kind, cut, byte, value, junk):
     idx = bytearray(_GOOD_IDX)
     if kind == "truncate":
@@ -157,9 +170,9 @@ def test_corrupted_headers_give_clear_errors(tmp_path, kind, cut, byte, value, j
         idx[17] = byte
     elif kind == "counts":
         pos = 18 if cut % 2 else 26
-        if value == struct.unpack("<Q", idx[pos:pos + 8])[0]:
+        if value == struct.unpack("<Q", idx[pos : pos + 8])[0]:
             value += 1
-        idx[pos:pos + 8] = struct.pack("<Q", value % 2**64)
+        idx[pos : pos + 8] = struct.pack("<Q", value % 2**64)
     else:
         idx = bytearray(junk)
         if bytes(idx) == _GOOD_IDX:
@@ -169,7 +182,11 @@ def test_corrupted_headers_give_clear_errors(tmp_path, kind, cut, byte, value, j
         IndexedDataset(prefix)
     msg = str(err.value)
     assert os.path.basename(prefix) + ".idx" in msg
-    want = {"truncate": "truncated", "magic": "not a Megatron", "version": "version",
-            "dtype": "dtype code"}.get(kind)
+    want = {
+        "truncate": "truncated",
+        "magic": "not a Megatron",
+        "version": "version",
+        "dtype": "dtype code",
+    }.get(kind)
     if want:
         assert want in msg

@@ -18,8 +18,12 @@ from megatron.core.datasets.gpt_dataset import GPTDataset as MegatronGPTDataset 
 from megatron.core.datasets.gpt_dataset import GPTDatasetConfig  # noqa: E402
 from megatron.core.datasets.utils import get_blend_from_list  # noqa: E402
 
-from megadlms.data import (ByteTokenizer, IndexedDataset, IndexedDatasetBuilder,  # noqa: E402
-                           build_pretraining_datasets)
+from megadlms.data import (
+    ByteTokenizer,
+    IndexedDataset,
+    IndexedDatasetBuilder,  # noqa: E402
+    build_pretraining_datasets,
+)
 
 
 def _corpus(tmp_path, name, seed):
@@ -49,14 +53,29 @@ def test_files_and_samples_identical_to_megatron(tmp_path):
     mtok = types.SimpleNamespace(eod=256, pad=258, vocab_size=259, unique_identifiers={"class": "Byte"})
     sizes = [3000, 200, 50]
     for blend in ([a], ["0.3", a, "0.7", b]):
-        cfg = GPTDatasetConfig(random_seed=1234, sequence_length=32, blend=get_blend_from_list(blend),
-                               split="90,8,2", tokenizer=mtok, reset_position_ids=False,
-                               reset_attention_mask=False, eod_mask_loss=True, path_to_cache=None)
+        cfg = GPTDatasetConfig(
+            random_seed=1234,
+            sequence_length=32,
+            blend=get_blend_from_list(blend),
+            split="90,8,2",
+            tokenizer=mtok,
+            reset_position_ids=False,
+            reset_attention_mask=False,
+            eod_mask_loss=True,
+            path_to_cache=None,
+        )
         megatron = BlendedMegatronDatasetBuilder(MegatronGPTDataset, sizes, lambda: True, cfg).build()
-        mine = build_pretraining_datasets(data_path=blend, split="90,8,2", seq_length=32, seed=1234,
-                                          train_samples=sizes[0], valid_samples=sizes[1],
-                                          test_samples=sizes[2], tokenizer=ByteTokenizer(),
-                                          eod_mask_loss=True)
+        mine = build_pretraining_datasets(
+            data_path=blend,
+            split="90,8,2",
+            seq_length=32,
+            seed=1234,
+            train_samples=sizes[0],
+            valid_samples=sizes[1],
+            test_samples=sizes[2],
+            tokenizer=ByteTokenizer(),
+            eod_mask_loss=True,
+        )
         for m, o in zip(megatron, mine):
             assert len(m) == len(o)
             for i in range(len(o)):

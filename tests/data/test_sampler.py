@@ -12,10 +12,10 @@ def _megatron_sampler(total, consumed, mbs, rank, dp, drop_last):
     for idx in range(consumed, total):
         batch.append(idx)
         if len(batch) == mbs * dp:
-            out.append(batch[rank * mbs:(rank + 1) * mbs])
+            out.append(batch[rank * mbs : (rank + 1) * mbs])
             batch = []
     if len(batch) > 0 and not drop_last:
-        part = batch[rank * mbs:(rank + 1) * mbs]
+        part = batch[rank * mbs : (rank + 1) * mbs]
         if part:
             out.append(part)
     return out
@@ -63,8 +63,9 @@ def test_bad_arguments():
 def test_data_loader_batches_carry_global_sample_idx():
     ds = MockGPTDataset(40, seq_length=8, seed=0, vocab_size=20, eod=19, mask=18)
     for rank in range(3):
-        loader = build_pretraining_data_loader(ds, consumed_samples=6, micro_batch_size=2,
-                                               data_parallel_rank=rank, data_parallel_size=3)
+        loader = build_pretraining_data_loader(
+            ds, consumed_samples=6, micro_batch_size=2, data_parallel_rank=rank, data_parallel_size=3
+        )
         want = _megatron_sampler(40, 6, 2, rank, 3, True)
         batches = list(loader)
         assert len(batches) == len(want)

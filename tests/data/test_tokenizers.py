@@ -39,11 +39,13 @@ def test_byte_tokenizer_ids_and_mask_flag():
 
 def _word_level_json(path, specials):
     from tokenizers import Tokenizer, models, pre_tokenizers
+
     words = ["[UNK]", "in", "the", "beginning", "god", "created", "heaven", "and", "earth", "."]
     vocab = {w: i for i, w in enumerate(words)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     from tokenizers import decoders
+
     tok.decoder = decoders.WordPiece(cleanup=False)  # joins words with spaces
     tok.add_special_tokens(specials)
     tok.save(str(path))

@@ -15,4 +15,4 @@ def uniform(seed, tag, *keys):
     h = mix(h ^ tag)
     for k in keys:
         h = mix(h ^ (k & M64))
-    return (h >> 11) * 2.0 ** -53
+    return (h >> 11) * 2.0**-53

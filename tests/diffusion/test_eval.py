@@ -33,7 +33,7 @@ def test_nelbo_deterministic_split_invariant_and_equals_hand_computation():
     r1 = validation_nelbo(model, [batch], cfg, num_mc_samples=K)
     r2 = validation_nelbo(model, [batch], cfg, num_mc_samples=K)
     assert r1 == r2 and model.training  # deterministic; training flag restored
-    halves = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
+    halves = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
     r3 = validation_nelbo(model, halves, cfg, num_mc_samples=K)
     assert r3["nelbo"] == pytest.approx(r1["nelbo"], rel=1e-6)
     # hand computation from the reference hash

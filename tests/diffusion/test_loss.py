@@ -6,8 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from megadlms.diffusion import (DiffusionConfig, ar_loss, compute_loss, diffusion_loss,
-                                forward_process, varilen_length)
+from megadlms.diffusion import (
+    DiffusionConfig,
+    ar_loss,
+    compute_loss,
+    diffusion_loss,
+    forward_process,
+    varilen_length,
+)
 from megadlms.diffusion.noise import TAG_MASK, TAG_TIME
 from megadlms.models import GPTModel, TransformerConfig
 
@@ -24,9 +30,17 @@ class UniformModel(nn.Module):
 
 
 def _tiny(attention="bidirectional", **kw):
-    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=V,
-                            seq_length=16, position_embedding_type="rope", hidden_dropout=0.0,
-                            attention_dropout=0.0, **kw)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=V,
+        seq_length=16,
+        position_embedding_type="rope",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **kw,
+    )
     torch.manual_seed(0)
     return GPTModel(cfg, attention=attention)
 
@@ -36,9 +50,13 @@ def _batch(n, S=16, first_idx=0):
     text = torch.randint(0, MASK, (n, S + 1), generator=g)
     loss_mask = torch.ones(n, S)
     loss_mask[0, 3] = 0.0
-    return {"tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": loss_mask,
-            "position_ids": torch.arange(S).expand(n, S),
-            "sample_idx": torch.arange(first_idx, first_idx + n)}
+    return {
+        "tokens": text[:, :-1],
+        "labels": text[:, 1:],
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(S).expand(n, S),
+        "sample_idx": torch.arange(first_idx, first_idx + n),
+    }
 
 
 def test_uniform_model_gets_log_v_sampled_mode():
@@ -47,8 +65,12 @@ def test_uniform_model_gets_log_v_sampled_mode():
     tokens = torch.randint(0, MASK, (n, S))
     _, masked, p = forward_process(tokens, torch.arange(n), cfg)
     logits = torch.zeros(n, S, V)
-    per_row = torch.stack([diffusion_loss(logits[i:i + 1], tokens[i:i + 1], masked[i:i + 1],
-                                          p[i:i + 1])[0] / S for i in range(0, n)])
+    per_row = torch.stack(
+        [
+            diffusion_loss(logits[i : i + 1], tokens[i : i + 1], masked[i : i + 1], p[i : i + 1])[0] / S
+            for i in range(0, n)
+        ]
+    )
     se = per_row.std().item() / math.sqrt(n)
     assert abs(per_row.mean().item() - math.log(V)) < 4 * se
     total, count = diffusion_loss(logits, tokens, masked, p)
@@ -57,8 +79,7 @@ def test_uniform_model_gets_log_v_sampled_mode():
 
 
 def test_uniform_model_realised_mode_is_exact():
-    cfg = DiffusionConfig(mask_token_id=MASK, seed=2, mask_eps=0.0, p_mask="realised",
-                          varilen_prob=0.0)
+    cfg = DiffusionConfig(mask_token_id=MASK, seed=2, mask_eps=0.0, p_mask="realised", varilen_prob=0.0)
     batch = _batch(64)
     loss_sum, num, _ = compute_loss(UniformModel(), batch, cfg, iteration=0)
     # every row contributes exactly (#loss tokens) * log V
@@ -106,7 +127,9 @@ def test_compute_loss_matches_hand_built_dlm_loss():
         for j in range(16):
             if ref_uniform(seed, TAG_MASK, s_idx, 0, j) < p:
                 noisy[b, j] = MASK
-                weights[(b, j)] = batch["loss_mask"][b, j].item() / torch.tensor(p, dtype=torch.float32).item()
+                weights[(b, j)] = (
+                    batch["loss_mask"][b, j].item() / torch.tensor(p, dtype=torch.float32).item()
+                )
     logp = torch.log_softmax(model(noisy).double(), -1)
     for (b, j), w in weights.items():
         want += -w * logp[b, j, clean[b, j]].item()
@@ -133,7 +156,7 @@ def test_micro_batching_gives_the_same_loss_and_gradient():
     (loss / num).backward()
     full_grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    parts = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2)]
+    parts = [{k: v[i : i + 2] for k, v in batch.items()} for i in (0, 2)]
     outs = [compute_loss(model, part, cfg, iteration=3) for part in parts]
     total_tokens = sum(o[1] for o in outs)
     for o in outs:

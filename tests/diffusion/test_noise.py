@@ -14,8 +14,8 @@ MASK = 99
 
 
 def test_counter_uniform_matches_python_splitmix64():
-    seeds = [0, 1234, 2 ** 63 + 5, -7]
-    idx = torch.tensor([0, 1, 17, 2 ** 40 + 3, -1])
+    seeds = [0, 1234, 2**63 + 5, -7]
+    idx = torch.tensor([0, 1, 17, 2**40 + 3, -1])
     for seed in seeds:
         got = counter_uniform(seed, 2, idx[:, None], 3, torch.arange(4)[None, :])
         for i, s in enumerate(idx.tolist()):
@@ -125,7 +125,7 @@ def test_config_errors():
 def test_noise_identical_on_cpu_and_gpu():
     cfg = DiffusionConfig(mask_token_id=MASK, seed=77, p_mask="realised")
     tokens = torch.randint(0, 50, (5, 300))
-    idx = torch.tensor([0, 9, 2 ** 35, 4, 123456789])
+    idx = torch.tensor([0, 9, 2**35, 4, 123456789])
     cpu = forward_process(tokens, idx, cfg)
     gpu = forward_process(tokens.cuda(), idx.cuda(), cfg)
     for a, b in zip(cpu, gpu):

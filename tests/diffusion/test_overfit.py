@@ -12,12 +12,26 @@ def test_tiny_model_overfits_one_batch():
     # learned positions: a row that is entirely [MASK] (t near 1) gives a RoPE-only model no
     # way to tell positions apart (identical tokens, relative rotations only), so it could not
     # memorise that row.
-    model = GPTModel(TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4,
-                                       vocab_size=V, seq_length=S, position_embedding_type="learned_absolute",
-                                       hidden_dropout=0.0, attention_dropout=0.0))
+    model = GPTModel(
+        TransformerConfig(
+            num_layers=2,
+            hidden_size=64,
+            num_attention_heads=4,
+            vocab_size=V,
+            seq_length=S,
+            position_embedding_type="learned_absolute",
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+    )
     text = torch.randint(0, mask, (4, S + 1))
-    batch = {"tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": torch.ones(4, S),
-             "position_ids": torch.arange(S).expand(4, S), "sample_idx": torch.arange(4)}
+    batch = {
+        "tokens": text[:, :-1],
+        "labels": text[:, 1:],
+        "loss_mask": torch.ones(4, S),
+        "position_ids": torch.arange(S).expand(4, S),
+        "sample_idx": torch.arange(4),
+    }
     # fixed iteration + sample indices: the same noisy batch every step (pure memorisation)
     cfg = DiffusionConfig(mask_token_id=mask, seed=0, varilen_prob=0.0)
     opt = torch.optim.Adam(model.parameters(), lr=3e-3)

@@ -24,8 +24,14 @@ class Recorder(nn.Module):
 
 def _model():
     torch.manual_seed(0)
-    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=V,
-                            seq_length=32, position_embedding_type="rope")
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=16,
+        num_attention_heads=2,
+        vocab_size=V,
+        seq_length=32,
+        position_embedding_type="rope",
+    )
     return GPTModel(cfg)
 
 
@@ -39,8 +45,8 @@ def test_fills_every_mask_in_block_order():
     for c, x in enumerate(rec.calls):
         block = c // 2
         start, end = 5 + 4 * block, 5 + 4 * (block + 1)
-        assert not (x[:, :start] == MASK).any()          # earlier blocks are complete
-        assert (x[:, end:] == MASK).all()                 # later blocks untouched
+        assert not (x[:, :start] == MASK).any()  # earlier blocks are complete
+        assert (x[:, end:] == MASK).all()  # later blocks untouched
         assert ((x[:, start:end] == MASK).sum(1) == (4 if c % 2 == 0 else 2)).all()
     assert rec.inner.training  # mode restored
 
@@ -70,20 +76,24 @@ class Peaked(nn.Module):
 
 def test_low_confidence_commits_most_confident_first():
     rec = Recorder(Peaked())
-    out = generate(rec, torch.zeros(1, 2, dtype=torch.int64), mask_token_id=MASK, gen_length=4,
-                   steps=4, block_length=4)
+    out = generate(
+        rec, torch.zeros(1, 2, dtype=torch.int64), mask_token_id=MASK, gen_length=4, steps=4, block_length=4
+    )
     assert out[0, 2:].tolist() == [2, 3, 4, 0]
     # after step 1 the last position is filled, then the one before it, ...
     masks_per_call = [c[0, 2:].eq(MASK).tolist() for c in rec.calls]
-    assert masks_per_call == [[True] * 4, [True, True, True, False], [True, True, False, False],
-                              [True, False, False, False]]
+    assert masks_per_call == [
+        [True] * 4,
+        [True, True, True, False],
+        [True, True, False, False],
+        [True, False, False, False],
+    ]
 
 
 def test_classifier_free_guidance_masks_the_prompt_in_the_unconditional_copy():
     rec = Recorder(_model())
     prompt = torch.randint(0, MASK, (2, 4))
-    out = generate(rec, prompt, mask_token_id=MASK, gen_length=4, steps=2, block_length=4,
-                   cfg_scale=1.5)
+    out = generate(rec, prompt, mask_token_id=MASK, gen_length=4, steps=2, block_length=4, cfg_scale=1.5)
     assert not (out == MASK).any()
     first = rec.calls[0]
     assert first.shape == (4, 8)
@@ -120,8 +130,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="steps"):
         generate(model, prompt, mask_token_id=MASK, gen_length=8, block_length=4, steps=3)
     with pytest.raises(ValueError, match="remasking"):
-        generate(model, prompt, mask_token_id=MASK, gen_length=4, block_length=4, steps=4,
-                 remasking="top_k")
+        generate(model, prompt, mask_token_id=MASK, gen_length=4, block_length=4, steps=4, remasking="top_k")
     with pytest.raises(ValueError, match="--mask-token"):
         generate(model, prompt, mask_token_id=V, gen_length=4, block_length=4, steps=4)
 

@@ -63,6 +63,7 @@ def _grad_errors(rank, ws, cfg):
     """Max |ours - torch DDP| over two steps (all params; shard only for the dist. optimizer).
     Step 0 accumulates into the param.grad buffer views, step 1 into separate grads."""
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     ours_m, ref_m = _models()
     ddp = DistributedDataParallel(ours_m, DistributedDataParallelConfig(**cfg))
     ref = torch.nn.parallel.DistributedDataParallel(ref_m, find_unused_parameters=True)
@@ -70,21 +71,22 @@ def _grad_errors(rank, ws, cfg):
     for step in range(2):
         ids, tgt = _batch(rank, step)
         ddp.zero_grad_buffer()
-        if step == 1:   # as torch.optim's zero_grad would: separate grads, folded by accumulate_into
+        if step == 1:  # as torch.optim's zero_grad would: separate grads, folded by accumulate_into
             for p in ours_m.parameters():
                 p.grad = None
         ref.zero_grad()
         _loss(ddp(ids), tgt).backward()
         ddp.finish_grad_sync()
         _loss(ref(ids), tgt).backward()
-        ref_grad = {n: (q.grad if q.grad is not None else torch.zeros_like(q))
-                    for n, q in ref_m.named_parameters()}
+        ref_grad = {
+            n: (q.grad if q.grad is not None else torch.zeros_like(q)) for n, q in ref_m.named_parameters()
+        }
         assert ours_m.frozen.weight.grad is None and not hasattr(ours_m.frozen.weight, "main_grad")
         if cfg.get("use_distributed_optimizer"):
             for bucket in ddp.buckets:
                 full = torch.zeros_like(bucket.grad_data)
                 for name, off in zip(bucket.names, bucket.offsets):
-                    full[off:off + ref_grad[name].numel()] = ref_grad[name].reshape(-1)
+                    full[off : off + ref_grad[name].numel()] = ref_grad[name].reshape(-1)
                 lo, hi = bucket.shard_range(rank, ws)
                 err = max(err, (bucket.grad_data[lo:hi] - full[lo:hi]).abs().max().item())
         else:
@@ -96,11 +98,14 @@ def _grad_errors(rank, ws, cfg):
 
 def _no_sync_error(rank, ws, freeze_unused):
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     ours_m, ref_m = _models()
-    if freeze_unused:   # then every bucket completes (and launches) during the last backward
+    if freeze_unused:  # then every bucket completes (and launches) during the last backward
         ours_m.unused.requires_grad_(False)
         ref_m.unused.requires_grad_(False)
-    ddp = DistributedDataParallel(ours_m, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=30))
+    ddp = DistributedDataParallel(
+        ours_m, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=30)
+    )
     ref = torch.nn.parallel.DistributedDataParallel(ref_m, find_unused_parameters=True)
     mbs = [_batch(rank, 10 + i, rows=3) for i in range(4)]
     ddp.zero_grad_buffer()
@@ -113,34 +118,42 @@ def _no_sync_error(rank, ws, freeze_unused):
     big_ids = torch.cat([m[0] for m in mbs])
     big_tgt = torch.cat([m[1] for m in mbs])
     _loss(ref(big_ids), big_tgt).backward()
-    return max((p.grad - (q.grad if q.grad is not None else 0)).abs().max().item()
-               for p, q in zip(ours_m.parameters(), ref_m.parameters()) if p.requires_grad)
+    return max(
+        (p.grad - (q.grad if q.grad is not None else 0)).abs().max().item()
+        for p, q in zip(ours_m.parameters(), ref_m.parameters())
+        if p.requires_grad
+    )
 
 
 def _launches_before_backward_returns(overlap: bool) -> int:
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     m, _ = _models()
     # An unused parameter keeps its bucket (and, launching in order, every later one) until
     # finish_grad_sync; freeze it here so every bucket can complete during backward.
     m.unused.requires_grad_(False)
-    ddp = DistributedDataParallel(m, DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=20))
+    ddp = DistributedDataParallel(
+        m, DistributedDataParallelConfig(overlap_grad_reduce=overlap, bucket_size=20)
+    )
     log = []
     real = ddp.comm.all_reduce
 
     def recording_all_reduce(*a, **k):
         log.append("launch")
         return real(*a, **k)
+
     ddp.comm.all_reduce = recording_all_reduce
     ids, tgt = _batch(0, 0)
     _loss(ddp(ids), tgt).backward()
     launched_during_backward = len(log)
     ddp.finish_grad_sync()
-    assert len(log) == len(ddp.buckets)   # every bucket exactly once
+    assert len(log) == len(ddp.buckets)  # every bucket exactly once
     return launched_during_backward
 
 
 def _nan_message(rank):
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     m, _ = _models()
     ddp = DistributedDataParallel(m, DistributedDataParallelConfig(check_for_nan_in_grad=True))
     m.fc2.weight.register_hook(lambda g: g * float("nan"))
@@ -157,11 +170,13 @@ def _bf16_errors(rank, ws):
     """bf16 params, fp32 grad buffer: vs (a) the same bf16 model run on every rank's batch and
     averaged in fp32 here, (b) fp32 torch DDP."""
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig, Float16Module
+
     ours_m, ref_m = _models()
     local_bf16 = copy.deepcopy(ours_m).to(torch.bfloat16)
-    ddp = DistributedDataParallel(Float16Module(ours_m, dtype=torch.bfloat16),
-                                  DistributedDataParallelConfig(grad_reduce_in_fp32=True,
-                                                                overlap_grad_reduce=True, bucket_size=40))
+    ddp = DistributedDataParallel(
+        Float16Module(ours_m, dtype=torch.bfloat16),
+        DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=40),
+    )
     ids, tgt = _batch(rank, 3)
     _loss(ddp(ids), tgt).backward()
     ddp.finish_grad_sync()
@@ -190,6 +205,7 @@ def _bf16_errors(rank, ws):
 
 def _nccl_ext_error():
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     try:
         DistributedDataParallel(TiedNet(), DistributedDataParallelConfig(comm_backend="nccl_ext"))
     except RuntimeError as exc:
@@ -197,10 +213,14 @@ def _nccl_ext_error():
     return None
 
 
-CONFIGS = [dict(overlap_grad_reduce=o, average_in_collective=a, bucket_size=b)
-           for o, a, b in itertools.product((False, True), (False, True), (None, 40))]
-CONFIGS += [dict(use_distributed_optimizer=True, bucket_size=40),
-            dict(use_distributed_optimizer=True, overlap_grad_reduce=True, average_in_collective=True)]
+CONFIGS = [
+    dict(overlap_grad_reduce=o, average_in_collective=a, bucket_size=b)
+    for o, a, b in itertools.product((False, True), (False, True), (None, 40))
+]
+CONFIGS += [
+    dict(use_distributed_optimizer=True, bucket_size=40),
+    dict(use_distributed_optimizer=True, overlap_grad_reduce=True, average_in_collective=True),
+]
 
 
 def _world(rank, ws):
@@ -222,21 +242,24 @@ def test_ddp_matches_torch_ddp(world_size):
         for cfg, (err, n_buckets) in zip(CONFIGS, res["grads"]):
             assert err <= 1e-6, (cfg, err)
             if cfg.get("bucket_size") == 40:
-                assert n_buckets > 2, (cfg, n_buckets)   # tiny buckets really split the model
+                assert n_buckets > 2, (cfg, n_buckets)  # tiny buckets really split the model
         assert res["no_sync"] <= 1e-6
         # Overlap: with tiny buckets most collectives start while backward is still running.
         assert res["overlap_on"] >= 3 and res["overlap_off"] == 0, (res["overlap_on"], res["overlap_off"])
         msg = res["nan"]
         assert msg is not None and f"rank {rank}" in msg and "bucket 0" in msg and "fc2.weight" in msg, msg
         err_same, rel_fp32 = res["bf16"]
-        assert err_same <= 1e-6, err_same          # fp32 reduction of bf16 grads: exact up to fp32 rounding
-        assert rel_fp32 <= 1e-2, rel_fp32          # bf16 forward/backward vs fp32: stated tolerance 1% (measured 0.3-0.4%)
+        assert err_same <= 1e-6, err_same  # fp32 reduction of bf16 grads: exact up to fp32 rounding
+        assert rel_fp32 <= 1e-2, (
+            rel_fp32
+        )  # bf16 forward/backward vs fp32: stated tolerance 1% (measured 0.3-0.4%)
         assert res["nccl_ext"] is not None and "comm_backend='nccl_ext'" in res["nccl_ext"]
 
 
 def _nccl_ext_world(rank, ws):
     """comm_backend='nccl_ext' on CUDA vs every rank's batch run locally and averaged."""
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
     torch.cuda.set_device(rank)
     ours_m, local = (m.cuda() for m in _models())
     out = {}
@@ -259,8 +282,10 @@ def _nccl_ext_world(rank, ws):
         for bucket in ddp.buckets:
             full = torch.zeros_like(bucket.grad_data)
             for name, off in zip(bucket.names, bucket.offsets):
-                full[off:off + ref[name].numel()] = ref[name].reshape(-1)
-            lo, hi = bucket.shard_range(rank, ws) if cfg.get("use_distributed_optimizer") else (0, full.numel())
+                full[off : off + ref[name].numel()] = ref[name].reshape(-1)
+            lo, hi = (
+                bucket.shard_range(rank, ws) if cfg.get("use_distributed_optimizer") else (0, full.numel())
+            )
             err = max(err, (bucket.grad_data[lo:hi] - full[lo:hi]).abs().max().item())
         out[str(cfg)] = err
     return out

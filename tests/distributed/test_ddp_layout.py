@@ -34,8 +34,10 @@ def test_layout_bucket_boundaries():
 class _Chain(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)])
-        self.tied = self.layers[0]                   # same params under a second name: once
+        self.layers = torch.nn.ModuleList(
+            [torch.nn.Linear(4, 3), torch.nn.Linear(3, 2), torch.nn.Linear(2, 2)]
+        )
+        self.tied = self.layers[0]  # same params under a second name: once
 
     def forward(self, x):
         for layer in self.layers:
@@ -49,9 +51,9 @@ class _Chain(torch.nn.Module):
 def test_ddp_buffer_views_reverse_order_frozen_tied():
     torch.manual_seed(0)
     net = _Chain()
-    net[2].requires_grad_(False)                     # frozen: excluded
+    net[2].requires_grad_(False)  # frozen: excluded
     ddp = DistributedDataParallel(net)
-    assert len(ddp.buffers_) == 1 and len(ddp.buckets) == 1   # no overlap -> one bucket
+    assert len(ddp.buffers_) == 1 and len(ddp.buckets) == 1  # no overlap -> one bucket
     buf = ddp.buffers_[0]
     # registration order 0.weight(12) 0.bias(3) 1.weight(6) 1.bias(2), laid out reversed:
     # 1.bias@0, 1.weight@2, 0.bias@8, 0.weight@11 -> 23 elements.
@@ -65,13 +67,17 @@ def test_ddp_buffer_views_reverse_order_frozen_tied():
     ddp(x).sum().backward()
     ddp.finish_grad_sync()
     ref = torch.nn.Sequential(*[torch.nn.Linear(a, b) for a, b in ((4, 3), (3, 2), (2, 2))])
-    ref.load_state_dict({k[len("layers."):]: v for k, v in net.state_dict().items() if k.startswith("layers.")})
+    ref.load_state_dict(
+        {k[len("layers.") :]: v for k, v in net.state_dict().items() if k.startswith("layers.")}
+    )
     ref(x).sum().backward()
-    for p, q in zip(list(net[0].parameters()) + list(net[1].parameters()),
-                    list(ref[0].parameters()) + list(ref[1].parameters())):
+    for p, q in zip(
+        list(net[0].parameters()) + list(net[1].parameters()),
+        list(ref[0].parameters()) + list(ref[1].parameters()),
+    ):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=1e-6)
-        assert p.grad.data_ptr() == p.main_grad.data_ptr()   # param.grad is the reduced buffer
-    assert set(ddp.state_dict()) == set(net.state_dict())     # no wrapper prefix
+        assert p.grad.data_ptr() == p.main_grad.data_ptr()  # param.grad is the reduced buffer
+    assert set(ddp.state_dict()) == set(net.state_dict())  # no wrapper prefix
 
 
 def test_ddp_buffers_per_dtype_and_default_bucket_size():
@@ -79,10 +85,13 @@ def test_ddp_buffers_per_dtype_and_default_bucket_size():
     net[1].to(torch.bfloat16)
     ddp = DistributedDataParallel(net, DistributedDataParallelConfig(overlap_grad_reduce=True))
     assert {(b.param_dtype, b.grad_dtype) for b in ddp.buffers_} == {
-        (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)}
-    assert ddp.ddp_config.bucket_size == 40_000_000           # max(40M, 1M x dp), dp = 1
-    ddp32 = DistributedDataParallel(torch.nn.Linear(2, 2).to(torch.bfloat16),
-                                    DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+    }
+    assert ddp.ddp_config.bucket_size == 40_000_000  # max(40M, 1M x dp), dp = 1
+    ddp32 = DistributedDataParallel(
+        torch.nn.Linear(2, 2).to(torch.bfloat16), DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    )
     assert ddp32.buffers_[0].grad_dtype == torch.float32 and ddp32.ddp_config.bucket_size is None
 
 
@@ -100,7 +109,7 @@ def test_distributed_optimizer_param_buffer_single_rank():
 def test_no_grad_param_does_not_hang_and_reused_grad_errors():
     net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 3))
     ddp = DistributedDataParallel(net, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1))
-    net[0](torch.randn(2, 3)).sum().backward()               # net[1] gets no gradient
+    net[0](torch.randn(2, 3)).sum().backward()  # net[1] gets no gradient
     ddp.finish_grad_sync()
     assert torch.count_nonzero(net[1].weight.grad) == 0 and torch.count_nonzero(net[0].weight.grad) > 0
 
@@ -120,16 +129,16 @@ def test_scale_gradients_zero_grad_buffer_and_bf16_grad_publication():
     x = torch.randn(4, 3)
     ddp(x).sum().backward()
     ddp.finish_grad_sync()
-    expected = torch.ones(4, 2).t() @ x                 # d(sum(xW^T+b))/dW, computed by hand
+    expected = torch.ones(4, 2).t() @ x  # d(sum(xW^T+b))/dW, computed by hand
     torch.testing.assert_close(net.weight.grad, expected)
     ddp.scale_gradients(0.5)
-    torch.testing.assert_close(net.weight.grad, 0.5 * expected)   # p.grad is the buffer view
+    torch.testing.assert_close(net.weight.grad, 0.5 * expected)  # p.grad is the buffer view
     ddp.zero_grad_buffer()
     # same dtype: param.grad stays the (zeroed) buffer view, so autograd accumulates in place
     assert net.weight.grad.data_ptr() == net.weight.main_grad.data_ptr()
     assert torch.count_nonzero(net.weight.main_grad) == 0
-    net.weight.grad = None                              # e.g. torch.optim's zero_grad()
-    ddp(x).sum().backward()                             # a separate grad: folded into the buffer
+    net.weight.grad = None  # e.g. torch.optim's zero_grad()
+    ddp(x).sum().backward()  # a separate grad: folded into the buffer
     ddp.finish_grad_sync()
     torch.testing.assert_close(net.weight.main_grad, expected)
     assert net.weight.grad.data_ptr() == net.weight.main_grad.data_ptr()
@@ -141,4 +150,6 @@ def test_scale_gradients_zero_grad_buffer_and_bf16_grad_publication():
     ddp16.finish_grad_sync()
     assert half.weight.grad is None and half.weight.main_grad.dtype == torch.float32
     # the autograd grad itself is bf16 (rounded), hence the bf16-level tolerance
-    torch.testing.assert_close(half.weight.main_grad, torch.ones(4, 2).t() @ x.bfloat16().float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        half.weight.main_grad, torch.ones(4, 2).t() @ x.bfloat16().float(), rtol=1e-2, atol=1e-2
+    )

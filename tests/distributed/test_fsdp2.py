@@ -7,8 +7,6 @@ Each spawned world runs every scenario so process start-up is paid once per worl
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -35,8 +33,9 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / (100.0 ** (torch.arange(0, HIDDEN, 2) / HIDDEN)),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq", 1.0 / (100.0 ** (torch.arange(0, HIDDEN, 2) / HIDDEN)), persistent=False
+        )
 
     def forward(self, seq_len):
         pos = torch.arange(seq_len, dtype=self.inv_freq.dtype)
@@ -121,7 +120,7 @@ def train(model, data, rank, steps, lr=1e-2, wrapped=True):
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     losses = []
     for tokens in data[:steps]:
-        local = tokens[rank * MICRO:(rank + 1) * MICRO]
+        local = tokens[rank * MICRO : (rank + 1) * MICRO]
         if wrapped:
             model.zero_grad_buffer()
         else:
@@ -145,11 +144,15 @@ def fsdp_world(rank, world):
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    from megadlms.distributed import (ALL_MODULE_WRAPPER_CLASSNAMES, DistributedDataParallel,
-                                      TorchFullyShardedDataParallel, unwrap_model)
-    from megadlms.optimizer import OptimizerConfig, get_optimizer
+    from megadlms.distributed import (
+        ALL_MODULE_WRAPPER_CLASSNAMES,
+        DistributedDataParallel,
+        TorchFullyShardedDataParallel,
+        unwrap_model,
+    )
     from megadlms.distributed import fsdp2 as fsdp2_mod
     from megadlms.distributed.fsdp2 import mixed_precision_policy
+    from megadlms.optimizer import OptimizerConfig, get_optimizer
 
     out = {}
     data = batches(10, world)
@@ -173,14 +176,14 @@ def fsdp_world(rank, world):
 
     # --- gradients are averaged (value check against the full-batch gradient) -------
     tokens = data[0]
-    local = tokens[rank * MICRO:(rank + 1) * MICRO]
+    local = tokens[rank * MICRO : (rank + 1) * MICRO]
     lm_loss(model(local), local).backward()
     model.finish_grad_sync()
     ref = reference_grads(tokens)
-    out["grad_err"] = max((full(p.grad) - ref[n]).abs().max().item()
-                          for n, p in base.named_parameters())
-    out["grad_scale_ratio"] = (full(base.output_layer.weight.grad).norm()
-                               / ref["output_layer.weight"].norm()).item()
+    out["grad_err"] = max((full(p.grad) - ref[n]).abs().max().item() for n, p in base.named_parameters())
+    out["grad_scale_ratio"] = (
+        full(base.output_layer.weight.grad).norm() / ref["output_layer.weight"].norm()
+    ).item()
     # scale_gradients multiplies the shards; zero_grad_buffer drops them
     before = full(base.decoder.final_layernorm.weight.grad).clone()
     model.scale_gradients(0.5)
@@ -198,36 +201,50 @@ def fsdp_world(rank, world):
     lm_loss(forced(local), local).backward()
     forced.finish_grad_sync()
     out["forced_corrected"] = forced.avg_corrected
-    out["forced_grad_err"] = max((full(p.grad) - ref[n]).abs().max().item()
-                                 for n, p in forced.module.named_parameters())
+    out["forced_grad_err"] = max(
+        (full(p.grad) - ref[n]).abs().max().item() for n, p in forced.module.named_parameters()
+    )
 
     # --- tied embeddings: the embedding stays in the root unit, grads still right ----
     tied = TorchFullyShardedDataParallel(make_model(tied=True))
-    out["tied_units"] = sorted(n for n, m in tied.module.named_modules()
-                              if any(m is u for u in tied.fsdp_units))
+    out["tied_units"] = sorted(
+        n for n, m in tied.module.named_modules() if any(m is u for u in tied.fsdp_units)
+    )
     lm_loss(tied(local), local).backward()
     tied.finish_grad_sync()
     ref_tied = reference_grads(tokens, tied=True)
-    out["tied_grad_err"] = max((full(p.grad) - ref_tied[n]).abs().max().item()
-                               for n, p in tied.module.named_parameters())
+    out["tied_grad_err"] = max(
+        (full(p.grad) - ref_tied[n]).abs().max().item() for n, p in tied.module.named_parameters()
+    )
 
     # --- no_sync over 4 micro-batches == one large batch ------------------------------
     acc = TorchFullyShardedDataParallel(make_model())
     big = torch.cat(data[1:5])  # 4 micro-steps, each world*MICRO rows
     for i in range(4):
-        mb = data[1 + i][rank * MICRO:(rank + 1) * MICRO]
+        mb = data[1 + i][rank * MICRO : (rank + 1) * MICRO]
         ctx = acc.no_sync() if i < 3 else torch.enable_grad()
         with ctx:
             (lm_loss(acc(mb), mb) / 4).backward()
     acc.finish_grad_sync()
     ref_big = make_model()
     # the reference weights each micro-step's global mean equally, as the loop above does
-    sum(lm_loss(ref_big(big[i * world * MICRO:(i + 1) * world * MICRO]),
-                big[i * world * MICRO:(i + 1) * world * MICRO]) for i in range(4)).div(4).backward()
-    out["no_sync_err"] = max((full(p.grad) - q.grad).abs().max().item()
-                             for (n, p), q in zip(acc.module.named_parameters(), ref_big.parameters()))
-    out["sync_restored"] = all(g.reduce_grads for m in acc.module.modules() if isinstance(m, FSDPModule)
-                               for g in m._get_fsdp_state()._fsdp_param_groups)
+    sum(
+        lm_loss(
+            ref_big(big[i * world * MICRO : (i + 1) * world * MICRO]),
+            big[i * world * MICRO : (i + 1) * world * MICRO],
+        )
+        for i in range(4)
+    ).div(4).backward()
+    out["no_sync_err"] = max(
+        (full(p.grad) - q.grad).abs().max().item()
+        for (n, p), q in zip(acc.module.named_parameters(), ref_big.parameters())
+    )
+    out["sync_restored"] = all(
+        g.reduce_grads
+        for m in acc.module.modules()
+        if isinstance(m, FSDPModule)
+        for g in m._get_fsdp_state()._fsdp_param_groups
+    )
 
     # --- 10 AdamW steps: FSDP2 fp32 vs torch DDP vs single-process full batch --------
     fsdp_losses = train(TorchFullyShardedDataParallel(fsdp := make_model()), data, rank, 10)
@@ -251,7 +268,7 @@ def fsdp_world(rank, world):
         opt = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=1.0), wrapped)
         losses = []
         for tokens in data:
-            local_mb = tokens[rank * MICRO:(rank + 1) * MICRO]
+            local_mb = tokens[rank * MICRO : (rank + 1) * MICRO]
             wrapped.zero_grad_buffer()
             opt.zero_grad()
             loss = lm_loss(wrapped(local_mb), local_mb)
@@ -260,8 +277,10 @@ def fsdp_world(rank, world):
             opt.step()
             losses.append(global_mean(loss.item()))
         out["getopt_losses"][name] = losses
-    out["final_param_err"] = max((full(p).detach() - q.detach()).abs().max().item()
-                                 for p, q in zip(fsdp.parameters(), ddp_base.parameters()))
+    out["final_param_err"] = max(
+        (full(p).detach() - q.detach()).abs().max().item()
+        for p, q in zip(fsdp.parameters(), ddp_base.parameters())
+    )
 
     # --- state_dict: unwrapped keys, DTensor values; full-tensor load round trip -----
     sd = TorchFullyShardedDataParallel(fsdp2 := make_model(seed=7)).state_dict()
@@ -270,12 +289,14 @@ def fsdp_world(rank, world):
     target = TorchFullyShardedDataParallel(make_model(seed=8))
     source = make_model(seed=7)
     target.load_state_dict(source.state_dict())
-    out["load_full_err"] = max((full(v) - source.state_dict()[k]).abs().max().item()
-                               for k, v in target.state_dict().items())
+    out["load_full_err"] = max(
+        (full(v) - source.state_dict()[k]).abs().max().item() for k, v in target.state_dict().items()
+    )
     target2 = TorchFullyShardedDataParallel(make_model(seed=9))
     target2.load_state_dict(sd)  # DTensor -> DTensor
-    out["load_dtensor_err"] = max((full(v) - full(sd[k])).abs().max().item()
-                                  for k, v in target2.state_dict().items())
+    out["load_dtensor_err"] = max(
+        (full(v) - full(sd[k])).abs().max().item() for k, v in target2.state_dict().items()
+    )
     del fsdp2
 
     # --- per-rank model-state bytes (local shards) vs a replicated copy -------------
@@ -285,9 +306,12 @@ def fsdp_world(rank, world):
     mem_model.finish_grad_sync()
     opt.step()
     state = mem_model.local_model_state_bytes()
-    state["optim"] = sum(v.to_local().numel() * v.to_local().element_size()
-                         for s in opt.state.values() for v in s.values()
-                         if isinstance(v, DTensor))
+    state["optim"] = sum(
+        v.to_local().numel() * v.to_local().element_size()
+        for s in opt.state.values()
+        for v in s.values()
+        if isinstance(v, DTensor)
+    )
     out["local_bytes"] = state
     rows_bound = 0  # the most a rank can hold: ceil(dim0 / world) rows of every parameter
     for p in make_model().parameters():

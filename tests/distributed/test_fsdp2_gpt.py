@@ -20,11 +20,23 @@ def make_gpt(untie=True, seed=5):
     from megadlms.models import GPTModel, TransformerConfig
 
     torch.manual_seed(seed)
-    cfg = TransformerConfig(num_layers=2, hidden_size=24, num_attention_heads=4, num_query_groups=2,
-                            vocab_size=VOCAB, seq_length=SEQ, ffn_hidden_size=40, swiglu=True,
-                            normalization="RMSNorm", qk_layernorm=True, position_embedding_type="rope",
-                            add_bias_linear=False, untie_embeddings_and_output_weights=untie,
-                            attention_dropout=0.0, hidden_dropout=0.0)
+    cfg = TransformerConfig(
+        num_layers=2,
+        hidden_size=24,
+        num_attention_heads=4,
+        num_query_groups=2,
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        ffn_hidden_size=40,
+        swiglu=True,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        position_embedding_type="rope",
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=untie,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
     return GPTModel(cfg, attention="bidirectional")
 
 
@@ -44,12 +56,13 @@ def gpt_world(rank, world):
     out = {}
     for untie in (True, False):
         model = TorchFullyShardedDataParallel(make_gpt(untie))
-        out[f"units_{untie}"] = sorted(n for n, m in model.module.named_modules()
-                                       if any(m is u for u in model.fsdp_units))
+        out[f"units_{untie}"] = sorted(
+            n for n, m in model.module.named_modules() if any(m is u for u in model.fsdp_units)
+        )
         opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
         losses = []
         for tokens in data:
-            local = tokens[rank * MICRO:(rank + 1) * MICRO]
+            local = tokens[rank * MICRO : (rank + 1) * MICRO]
             model.zero_grad_buffer()
             loss = loss_fn(model, local)
             loss.backward()
@@ -68,11 +81,12 @@ def gpt_world(rank, world):
             ref_opt.step()
             ref_losses.append(loss.item())
         out[f"loss_err_{untie}"] = max(abs(a - b) for a, b in zip(losses, ref_losses))
-        out[f"param_err_{untie}"] = max((p.full_tensor() - q).abs().max().item()
-                                        for p, q in zip(model.parameters(), ref.parameters()))
+        out[f"param_err_{untie}"] = max(
+            (p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())
+        )
         out[f"falls_{untie}"] = losses[-1] < losses[0]
     mp = TorchFullyShardedDataParallel(make_gpt(), mixed_precision=mixed_precision_policy(True))
-    local = data[0][rank * MICRO:(rank + 1) * MICRO]
+    local = data[0][rank * MICRO : (rank + 1) * MICRO]
     logits = mp(local)
     out["bf16_dtype"] = str(logits.dtype)
     ref_logits = make_gpt()(local)

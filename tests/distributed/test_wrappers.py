@@ -21,20 +21,28 @@ class Net(nn.Module):
 
 def _named_wrapper(name):
     """A minimal wrapper class called `name` (like ours: holds the model in .module)."""
+
     def init(self, module):
         nn.Module.__init__(self)
         self.module = module
+
     return type(name, (nn.Module,), {"__init__": init, "forward": lambda self, *a: self.module(*a)})
 
 
 def test_wrapper_classnames():
-    assert set(ALL_MODULE_WRAPPER_CLASSNAMES) == {"DistributedDataParallel", "TorchFullyShardedDataParallel",
-                                                  "Float16Module"}
+    assert set(ALL_MODULE_WRAPPER_CLASSNAMES) == {
+        "DistributedDataParallel",
+        "TorchFullyShardedDataParallel",
+        "Float16Module",
+    }
 
 
 def test_unwrap_peels_any_stack_and_maps_lists():
     net = Net()
-    ddp_cls, fsdp_cls = _named_wrapper("DistributedDataParallel"), _named_wrapper("TorchFullyShardedDataParallel")
+    ddp_cls, fsdp_cls = (
+        _named_wrapper("DistributedDataParallel"),
+        _named_wrapper("TorchFullyShardedDataParallel"),
+    )
     stacked = ddp_cls(Float16Module(fsdp_cls(net), dtype=torch.bfloat16))
     assert unwrap_model(stacked) is net
     assert unwrap_model(net) is net  # nothing to peel
@@ -43,8 +51,10 @@ def test_unwrap_peels_any_stack_and_maps_lists():
     assert unwrap_model((stacked,)) == (net,)
     # module_instances restricts what is peeled; classes work as well as names (Megatron passes classes)
     assert type(unwrap_model(stacked, (ddp_cls,))).__name__ == "Float16Module"
-    assert unwrap_model(stacked, ["DistributedDataParallel", "Float16Module",
-                                  "TorchFullyShardedDataParallel"]) is net
+    assert (
+        unwrap_model(stacked, ["DistributedDataParallel", "Float16Module", "TorchFullyShardedDataParallel"])
+        is net
+    )
 
 
 def test_unwrap_real_ddp_over_float16module():
@@ -78,7 +88,9 @@ def test_float16module_matches_hand_cast(dtype):
     assert out.dtype == torch.float32 and torch.equal(out, expected)
     # tuple outputs: floating members cast back, others untouched; kwargs are cast too
     y, count = wrapped(x, scale=torch.tensor(2.0))
-    assert y.dtype == torch.float32 and torch.equal(y, (reference(x.to(dtype)) * torch.tensor(2.0, dtype=dtype)).float())
+    assert y.dtype == torch.float32 and torch.equal(
+        y, (reference(x.to(dtype)) * torch.tensor(2.0, dtype=dtype)).float()
+    )
     assert count.dtype == torch.int64
     # state_dict keys are the inner module's (checkpoints do not depend on the wrapper)
     assert list(wrapped.state_dict()) == ["fc.weight", "fc.bias"]

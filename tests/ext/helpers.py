@@ -37,14 +37,14 @@ def packed_offsets(tensors, gaps=None):
 def expect_flatten(tensors, offsets, numel, dtype, scale, base=None):
     out = torch.zeros(numel, dtype=dtype) if base is None else base.clone()
     for o, t in zip(offsets, tensors):
-        out[o:o + t.numel()] = (t.float().reshape(-1) * scale).to(dtype)
+        out[o : o + t.numel()] = (t.float().reshape(-1) * scale).to(dtype)
     return out
 
 
 def expect_accumulate(flat, tensors, offsets, scale):
     out = flat.clone()
     for o, t in zip(offsets, tensors):
-        seg = out[o:o + t.numel()]
+        seg = out[o : o + t.numel()]
         seg.copy_((seg.float() + t.float().reshape(-1) * scale).to(flat.dtype))
     return out
 

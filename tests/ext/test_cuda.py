@@ -55,7 +55,8 @@ def test_cuda_large_aligned_and_one_launch():
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             megadlm_ext.flatten(gpu, out)
             torch.cuda.synchronize()
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-               and "megadlm" in e.name]
+    kernels = [
+        e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "megadlm" in e.name
+    ]
     assert len(kernels) == 1, [e.name for e in kernels]
     assert torch.equal(out, torch.cat([t.float().reshape(-1) for t in gpu]))

@@ -31,12 +31,35 @@ def emu(tmp_path_factory):
     if cxx is None:
         pytest.skip("no C++ compiler to build the CUDA-kernel emulation")
     lib = tmp_path_factory.mktemp("emu") / "cuda_emu.so"
-    subprocess.run([cxx, "-std=c++17", "-O2", "-fno-strict-aliasing", "-ffp-contract=off",
-                    "-Wno-unknown-pragmas", "-shared", "-fPIC", "-I", os.path.join(ROOT, "csrc", "include"),
-                    os.path.join(ROOT, "tests", "ext", "cuda_emu.cpp"), "-o", str(lib)], check=True)
+    subprocess.run(
+        [
+            cxx,
+            "-std=c++17",
+            "-O2",
+            "-fno-strict-aliasing",
+            "-ffp-contract=off",
+            "-Wno-unknown-pragmas",
+            "-shared",
+            "-fPIC",
+            "-I",
+            os.path.join(ROOT, "csrc", "include"),
+            os.path.join(ROOT, "tests", "ext", "cuda_emu.cpp"),
+            "-o",
+            str(lib),
+        ],
+        check=True,
+    )
     so = ctypes.CDLL(str(lib))
-    so.emu_run.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_float,
-                           ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_int)]
+    so.emu_run.argtypes = [
+        ctypes.c_int,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_float,
+        ctypes.c_int,
+        ctypes.POINTER(ctypes.c_double),
+        ctypes.POINTER(ctypes.c_int),
+    ]
     return so
 
 
@@ -45,8 +68,15 @@ def table(srcs, dsts):
     rows, start = [], 0
     for s, d in zip(srcs, dsts):
         if s.numel():
-            rows.append((s.data_ptr(), 0 if d is None else d.data_ptr(), start, CODE[s.dtype],
-                         CODE[(d if d is not None else s).dtype]))
+            rows.append(
+                (
+                    s.data_ptr(),
+                    0 if d is None else d.data_ptr(),
+                    start,
+                    CODE[s.dtype],
+                    CODE[(d if d is not None else s).dtype],
+                )
+            )
             start += s.numel()
     return np.array(rows, dtype=SEG), start
 
@@ -54,7 +84,12 @@ def table(srcs, dsts):
 def run(emu, op, srcs, dsts, scale=1.0, grid=5):
     segs, total = table(srcs, dsts)
     s, f = ctypes.c_double(), ctypes.c_int()
-    assert emu.emu_run(OPS[op], segs.ctypes.data, len(segs), total, scale, grid, ctypes.byref(s), ctypes.byref(f)) == 0
+    assert (
+        emu.emu_run(
+            OPS[op], segs.ctypes.data, len(segs), total, scale, grid, ctypes.byref(s), ctypes.byref(f)
+        )
+        == 0
+    )
     return s.value, bool(f.value)
 
 
@@ -65,7 +100,7 @@ def test_emulated_cuda_kernels(emu, flat_dtype, grid):
     ts = random_list(g, 1500, 300) + [torch.randn(70_001, generator=g)]  # one spans chunks
     offs, numel = packed_offsets(ts, [i % 3 for i in range(len(ts))])  # misaligned starts
     flat = torch.zeros(numel, dtype=flat_dtype)
-    views = [flat[o:o + t.numel()] for o, t in zip(offs, ts)]
+    views = [flat[o : o + t.numel()] for o, t in zip(offs, ts)]
 
     run(emu, "copy", ts, views, scale=0.25, grid=grid)
     assert torch.equal(flat, expect_flatten(ts, offs, numel, flat_dtype, 0.25))
@@ -94,6 +129,6 @@ def test_emulated_same_dtype_raw_copy(emu):
         ts = [torch.randn(n, generator=g).to(dt) for n in (8, 16, 1024, 4099, 33)]
         out = torch.full((sum(t.numel() for t in ts) + 64,), -1.0, dtype=dt)
         offs, _ = packed_offsets(ts, [0, 8, 16, 5, 0])
-        run(emu, "copy", ts, [out[o:o + t.numel()] for o, t in zip(offs, ts)], grid=3)
+        run(emu, "copy", ts, [out[o : o + t.numel()] for o, t in zip(offs, ts)], grid=3)
         for o, t in zip(offs, ts):
-            assert torch.equal(out[o:o + t.numel()], t)
+            assert torch.equal(out[o : o + t.numel()], t)

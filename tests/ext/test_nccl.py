@@ -30,6 +30,7 @@ def test_loader_reports_every_candidate(monkeypatch, tmp_path):
     if not megadlm_ext.backend_info()["compiled"]:
         pytest.fail("megadlm_ext._C was not built")
     from megadlm_ext import _C
+
     if _C.nccl_loaded():
         pytest.skip("libnccl already loaded in this process")
     bogus = tmp_path / "libnccl.so.2"

@@ -9,11 +9,20 @@ from hypothesis import strategies as st
 
 import megadlm_ext
 
-from .helpers import (DTYPES, ROUTES, expect_accumulate, expect_flatten, expect_norm,
-                      packed_offsets, random_list, route)
+from .helpers import (
+    DTYPES,
+    ROUTES,
+    expect_accumulate,
+    expect_flatten,
+    expect_norm,
+    packed_offsets,
+    random_list,
+    route,
+)
 
-SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=30, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 dtype_st = st.sampled_from(DTYPES)
 # Sizes stress the vector paths: 0, 1, odd, around the 8-lane and 32-lane boundaries.
@@ -36,8 +45,14 @@ def test_extension_is_compiled():
 
 @pytest.mark.parametrize("name", ROUTES)
 @SETTINGS
-@given(spec=list_st, out_dtype=dtype_st, scale=scale_st, gaps=st.booleans(), given_out=st.booleans(),
-       seed=st.integers(0, 2**16))
+@given(
+    spec=list_st,
+    out_dtype=dtype_st,
+    scale=scale_st,
+    gaps=st.booleans(),
+    given_out=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
 def test_flatten(name, spec, out_dtype, scale, gaps, given_out, seed):
     ts = make(spec, seed)
     offs, numel = packed_offsets(ts, [i % 3 for i in range(len(ts))] if gaps else None)
@@ -74,7 +89,7 @@ def test_unflatten(name, spec, flat_dtype, scale, gaps, seed):
     with route(name):
         megadlm_ext.unflatten(flat, ts, offsets=offs if gaps else None, scale=scale)
     for o, t in zip(offs, ts):
-        want = (flat[o:o + t.numel()].float() * scale).to(t.dtype).reshape(t.shape)
+        want = (flat[o : o + t.numel()].float() * scale).to(t.dtype).reshape(t.shape)
         assert torch.equal(t, want)
 
 
@@ -155,16 +170,39 @@ def test_ten_thousand_tensors_round_trip(name):
         outs = [torch.empty_like(t) for t in ts]
         megadlm_ext.unflatten(flat, outs, offsets=offs)
         for o, t, r in zip(offs, ts, outs):
-            assert torch.equal(r.reshape(-1), flat[o:o + t.numel()].to(t.dtype))
+            assert torch.equal(r.reshape(-1), flat[o : o + t.numel()].to(t.dtype))
         assert math.isclose(float(megadlm_ext.l2_norm(ts)), expect_norm(ts), rel_tol=2e-6)
 
 
 def _special_fp32():
-    vals = [0.0, -0.0, 1.0, -1.0, 65504.0, 65519.99, 65520.0, 65536.0, 1e30, -1e30, 3.4e38,
-            6.1e-5, 6.0e-5, 5.96e-8, 2.98e-8, 2.99e-8, 1e-40, -1e-45, float("inf"), float("-inf"),
-            1.00390625, 1.01171875, 1.0009765625, 1.0029296875]  # bf16 / fp16 ties
+    vals = [
+        0.0,
+        -0.0,
+        1.0,
+        -1.0,
+        65504.0,
+        65519.99,
+        65520.0,
+        65536.0,
+        1e30,
+        -1e30,
+        3.4e38,
+        6.1e-5,
+        6.0e-5,
+        5.96e-8,
+        2.98e-8,
+        2.99e-8,
+        1e-40,
+        -1e-45,
+        float("inf"),
+        float("-inf"),
+        1.00390625,
+        1.01171875,
+        1.0009765625,
+        1.0029296875,
+    ]  # bf16 / fp16 ties
     g = torch.Generator().manual_seed(3)
-    rnd = torch.cat([torch.randn(4000, generator=g) * 10.0 ** e for e in (-9, -6, -3, 0, 3, 6)])
+    rnd = torch.cat([torch.randn(4000, generator=g) * 10.0**e for e in (-9, -6, -3, 0, 3, 6)])
     bits = torch.randint(0, 2**31 - 1, (4000,), generator=g, dtype=torch.int64).to(torch.int32)
     return torch.cat([torch.tensor(vals), rnd, bits.view(torch.float32).nan_to_num(0.0)])
 
@@ -174,6 +212,7 @@ def cpu_isa(request):
     """Run a test with the detected CPU kernels and with the portable ones (whose scalar
     conversions are the same code the CUDA kernels use)."""
     from megadlm_ext import _C
+
     _C._set_cpu_isa(request.param)
     yield request.param
     _C._set_cpu_isa("auto")
@@ -236,7 +275,7 @@ def test_generic_kernels_all_ops(cpu_isa):
             outs = [torch.empty_like(t) for t in ts]
             megadlm_ext.unflatten(flat, outs, offsets=offs, scale=3.0)
             for o, t, r in zip(offs, ts, outs):
-                assert torch.equal(r.reshape(-1), (flat[o:o + t.numel()].float() * 3.0).to(t.dtype))
+                assert torch.equal(r.reshape(-1), (flat[o : o + t.numel()].float() * 3.0).to(t.dtype))
         assert math.isclose(float(megadlm_ext.l2_norm(ts)), expect_norm(ts), rel_tol=2e-6)
         assert megadlm_ext.has_nonfinite(ts) is False
         ts[-1].view(-1)[-1] = float("inf") if ts[-1].numel() else 0.0

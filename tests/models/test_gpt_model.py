@@ -11,8 +11,16 @@ V, S = 37, 12
 
 
 def _config(**kw):
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=V, seq_length=S,
-                attention_dropout=0.0, hidden_dropout=0.0, params_dtype=torch.float64)
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=V,
+        seq_length=S,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        params_dtype=torch.float64,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 
@@ -37,7 +45,7 @@ def _rope_complex(x, pos, base):
     D = x.shape[-1]
     theta = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
     angle = pos[:, None, None].double() * theta
-    z = torch.complex(x[..., : D // 2], x[..., D // 2:]) * torch.polar(torch.ones_like(angle), angle)
+    z = torch.complex(x[..., : D // 2], x[..., D // 2 :]) * torch.polar(torch.ones_like(angle), angle)
     return torch.cat([z.real, z.imag], dim=-1)
 
 
@@ -59,11 +67,11 @@ def reference_forward(model, ids, causal):
             per = N // G
             qs, ks, vs = [], [], []
             for g in range(G):  # Megatron layout: [q_g0 .. q_g(per-1), k_g, v_g] per group
-                blk = qkv[:, g * (per + 2) * D:(g + 1) * (per + 2) * D]
+                blk = qkv[:, g * (per + 2) * D : (g + 1) * (per + 2) * D]
                 for j in range(per):
-                    qs.append(blk[:, j * D:(j + 1) * D])
-                ks.append(blk[:, per * D:(per + 1) * D])
-                vs.append(blk[:, (per + 1) * D:(per + 2) * D])
+                    qs.append(blk[:, j * D : (j + 1) * D])
+                ks.append(blk[:, per * D : (per + 1) * D])
+                vs.append(blk[:, (per + 1) * D : (per + 2) * D])
             q, k, v = torch.stack(qs, 1), torch.stack(ks, 1), torch.stack(vs, 1)
             if c.qk_layernorm:
                 q = _norm(q, sd, p + "self_attention.q_layernorm", c)
@@ -80,7 +88,7 @@ def reference_forward(model, ids, causal):
             x = x + _lin(torch.cat(heads, -1), sd, p + "self_attention.linear_proj")
             h = _lin(_norm(x, sd, p + "pre_mlp_layernorm", c), sd, p + "mlp.linear_fc1")
             if c.swiglu:
-                a, b = h[:, : c.ffn_hidden_size], h[:, c.ffn_hidden_size:]
+                a, b = h[:, : c.ffn_hidden_size], h[:, c.ffn_hidden_size :]
                 h = a * torch.sigmoid(a) * b
             else:
                 h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
@@ -92,10 +100,15 @@ def reference_forward(model, ids, causal):
 
 
 CONFIGS = {
-    "rope_gqa_swiglu_rms_qkln_untied": dict(position_embedding_type="rope", num_query_groups=2,
-                                             swiglu=True, normalization="RMSNorm", qk_layernorm=True,
-                                             add_bias_linear=False,
-                                             untie_embeddings_and_output_weights=True),
+    "rope_gqa_swiglu_rms_qkln_untied": dict(
+        position_embedding_type="rope",
+        num_query_groups=2,
+        swiglu=True,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=True,
+    ),
     "learned_gelu_layernorm_bias_tied": dict(position_embedding_type="learned_absolute"),
     "rope_mqa_causal": dict(position_embedding_type="rope", num_query_groups=1, rotary_base=500),
 }
@@ -104,8 +117,7 @@ CONFIGS = {
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_matches_hand_written_reference(name):
     torch.manual_seed(0)
-    model = GPTModel(_config(**CONFIGS[name]),
-                     attention="causal" if "causal" in name else "bidirectional")
+    model = GPTModel(_config(**CONFIGS[name]), attention="causal" if "causal" in name else "bidirectional")
     # perturb norms and biases away from (1, 0) so they are really exercised
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -171,8 +183,8 @@ def test_gqa_shapes_and_mha_equivalence():
             blk = slice(g * (per + 2) * D, (g + 1) * (per + 2) * D)
             wg, bg = w[blk], bias[blk]
             for j in range(per):  # each MHA group: one q head then the copied k, v
-                new_w += [wg[j * D:(j + 1) * D], wg[per * D:(per + 2) * D]]
-                new_b += [bg[j * D:(j + 1) * D], bg[per * D:(per + 2) * D]]
+                new_w += [wg[j * D : (j + 1) * D], wg[per * D : (per + 2) * D]]
+                new_b += [bg[j * D : (j + 1) * D], bg[per * D : (per + 2) * D]]
         sd[key + ".weight"], sd[key + ".bias"] = torch.cat(new_w), torch.cat(new_b)
     mha.load_state_dict(sd)
     ids = torch.randint(0, V, (2, S))
@@ -180,8 +192,15 @@ def test_gqa_shapes_and_mha_equivalence():
 
 
 def test_init_megatron_scaled_and_no_rotary_state():
-    c = TransformerConfig(num_layers=8, hidden_size=256, num_attention_heads=4, vocab_size=512,
-                          seq_length=16, position_embedding_type="rope", init_method_std=0.02)
+    c = TransformerConfig(
+        num_layers=8,
+        hidden_size=256,
+        num_attention_heads=4,
+        vocab_size=512,
+        seq_length=16,
+        position_embedding_type="rope",
+        init_method_std=0.02,
+    )
     model = GPTModel(c)
     layer = model.decoder.layers[0]
     assert abs(layer.self_attention.linear_qkv.weight.std().item() - 0.02) < 1e-3
@@ -202,19 +221,42 @@ def test_params_dtype_and_forward_dtype():
 
 def test_config_errors_name_the_flags():
     with pytest.raises(ValueError, match="--seq-length.*--max-position-embeddings"):
-        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=5,
-                          seq_length=64, max_position_embeddings=32)
+        TransformerConfig(
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=2,
+            vocab_size=5,
+            seq_length=64,
+            max_position_embeddings=32,
+        )
     with pytest.raises(ValueError, match="--num-query-groups"):
-        TransformerConfig(num_layers=1, hidden_size=12, num_attention_heads=6, vocab_size=5,
-                          seq_length=4, num_query_groups=4)
+        TransformerConfig(
+            num_layers=1,
+            hidden_size=12,
+            num_attention_heads=6,
+            vocab_size=5,
+            seq_length=4,
+            num_query_groups=4,
+        )
     with pytest.raises(ValueError, match="--normalization"):
-        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=5,
-                          seq_length=4, normalization="BatchNorm")
-    c = TransformerConfig(num_layers=1, hidden_size=96, num_attention_heads=2, vocab_size=5,
-                          seq_length=4, swiglu=True)
+        TransformerConfig(
+            num_layers=1,
+            hidden_size=8,
+            num_attention_heads=2,
+            vocab_size=5,
+            seq_length=4,
+            normalization="BatchNorm",
+        )
+    c = TransformerConfig(
+        num_layers=1, hidden_size=96, num_attention_heads=2, vocab_size=5, seq_length=4, swiglu=True
+    )
     assert c.ffn_hidden_size == 256 and c.num_query_groups == 2 and c.kv_channels == 48
-    assert TransformerConfig(num_layers=1, hidden_size=96, num_attention_heads=2, vocab_size=5,
-                             seq_length=4).ffn_hidden_size == 384
+    assert (
+        TransformerConfig(
+            num_layers=1, hidden_size=96, num_attention_heads=2, vocab_size=5, seq_length=4
+        ).ffn_hidden_size
+        == 384
+    )
     model = GPTModel(_config())
     with pytest.raises(ValueError, match="max-position-embeddings"):
         model(torch.zeros(1, S + 1, dtype=torch.int64))

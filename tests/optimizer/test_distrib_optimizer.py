@@ -43,7 +43,7 @@ def _data(step, rank=0, ws=1):
     g = torch.Generator().manual_seed(step)
     x, y = torch.randn(ROWS, DIN, generator=g), torch.randn(ROWS, DIN, generator=g)
     per = ROWS // ws
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
 def _base():
@@ -54,7 +54,9 @@ def _base():
 def _torch_adamw(model):
     decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
     no_decay = [p for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR
+    )
 
 
 def _reference(rank, ws, steps, module=None, opt_state=None):
@@ -64,8 +66,11 @@ def _reference(rank, ws, steps, module=None, opt_state=None):
     if opt_state is not None:
         names = dict(model.named_parameters())
         for fqn, st in opt_state["state"].items():
-            opt.state[names[fqn]] = {"step": torch.tensor(float(opt_state["step"])),
-                                     "exp_avg": st["exp_avg"].clone(), "exp_avg_sq": st["exp_avg_sq"].clone()}
+            opt.state[names[fqn]] = {
+                "step": torch.tensor(float(opt_state["step"])),
+                "exp_avg": st["exp_avg"].clone(),
+                "exp_avg_sq": st["exp_avg_sq"].clone(),
+            }
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     norms = []
     for s in steps:
@@ -78,19 +83,31 @@ def _reference(rank, ws, steps, module=None, opt_state=None):
 
 
 def _build(kind, bf16=False, module=None, clip=CLIP):
-    from megadlms.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                      Float16Module, TorchFullyShardedDataParallel)
+    from megadlms.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        Float16Module,
+        TorchFullyShardedDataParallel,
+    )
     from megadlms.optimizer import OptimizerConfig, get_optimizer
+
     module = module if module is not None else _base()
-    cfg = OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=clip, bf16=bf16,
-                          use_distributed_optimizer=kind.startswith("dist"))
+    cfg = OptimizerConfig(
+        lr=LR, weight_decay=WD, clip_grad=clip, bf16=bf16, use_distributed_optimizer=kind.startswith("dist")
+    )
     if kind == "fsdp2":
         model = TorchFullyShardedDataParallel(module)
     else:
-        ddp_cfg = {"replica": dict(overlap_grad_reduce=True, bucket_size=30000),
-                   "dist1": dict(use_distributed_optimizer=True),
-                   "distN": dict(use_distributed_optimizer=True, overlap_grad_reduce=True,
-                                 overlap_param_gather=True, bucket_size=30000)}[kind]
+        ddp_cfg = {
+            "replica": dict(overlap_grad_reduce=True, bucket_size=30000),
+            "dist1": dict(use_distributed_optimizer=True),
+            "distN": dict(
+                use_distributed_optimizer=True,
+                overlap_grad_reduce=True,
+                overlap_param_gather=True,
+                bucket_size=30000,
+            ),
+        }[kind]
         if bf16:
             module = Float16Module(module, dtype=torch.bfloat16)
             ddp_cfg["grad_reduce_in_fp32"] = True
@@ -114,7 +131,8 @@ def _train(model, opt, rank, ws, steps):
 
 def _max_param_err(model, ref):
     from megadlms.distributed import unwrap_model
-    sd = unwrap_model(model).state_dict()   # with overlap_param_gather: waits for the gathers
+
+    sd = unwrap_model(model).state_dict()  # with overlap_param_gather: waits for the gathers
     errs = []
     for n, q in ref.state_dict().items():
         v = sd[n]
@@ -128,7 +146,7 @@ def _full(t):
 
 
 def _sd_diff(a, b):
-    assert set(a["state"]) == set(b["state"]), (set(a["state"]) ^ set(b["state"]))
+    assert set(a["state"]) == set(b["state"]), set(a["state"]) ^ set(b["state"])
     d = 0.0
     for fqn in a["state"]:
         assert set(a["state"][fqn]) == set(b["state"][fqn]), fqn
@@ -143,6 +161,7 @@ def _sd_diff(a, b):
 
 def _five_steps(rank, ws):
     from megadlms.distributed import unwrap_model
+
     ref, ref_norms = _reference(rank, ws, range(5))
     out = {"param_err": {}, "norm_err": {}}
     opts = {}
@@ -153,7 +172,9 @@ def _five_steps(rank, ws):
         out["norm_err"][kind] = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
         opts[kind] = (model, opt)
     # The issue's criterion: distributed optimizer == the plain (replicated) optimizer.
-    out["vs_plain"] = {k: _max_param_err(opts[k][0], unwrap_model(opts["replica"][0])) for k in ("dist1", "distN")}
+    out["vs_plain"] = {
+        k: _max_param_err(opts[k][0], unwrap_model(opts["replica"][0])) for k in ("dist1", "distN")
+    }
     out["bytes"] = {k: opts[k][1].state_bytes() for k in ("replica", "dist1")}
     out["elements"] = sum(e.main.numel() for e in opts["dist1"][1].layout.entries)
     sds = {k: opts[k][1].state_dict() for k in opts}
@@ -174,7 +195,7 @@ def _world2(rank, ws):
     out, sd, model_sd = _five_steps(rank, ws)
     if rank != 0:
         return out, None
-    buf = io.BytesIO()   # bytes, not tensors: shared-memory tensors die with the worker
+    buf = io.BytesIO()  # bytes, not tensors: shared-memory tensors die with the worker
     torch.save((sd, model_sd), buf)
     return out, buf.getvalue()
 
@@ -189,13 +210,13 @@ def _world3(rank, ws, ckpt):
     fsdp_sd = None
     for kind in ("replica", "distN", "fsdp2"):
         module = _base()
-        module.load_state_dict(saved_model)            # model state first, then optimizer
+        module.load_state_dict(saved_model)  # model state first, then optimizer
         model, opt = _build(kind, module=module)
         opt.load_state_dict(copy.deepcopy(saved_opt))
         re = opt.state_dict()
         out["reexport_diff"][kind] = _sd_diff(saved_opt, re)
         if kind == "fsdp2":
-            fsdp_sd = copy.deepcopy(re)   # state_dict values reference the live state
+            fsdp_sd = copy.deepcopy(re)  # state_dict values reference the live state
             assert all(hasattr(v, "full_tensor") for st in re["state"].values() for v in st.values())
         _train(model, opt, rank, ws, [5])
         out["resume_err"][kind] = _max_param_err(model, ref)
@@ -217,9 +238,9 @@ def _check_five(out, ws):
         assert err <= 5e-6, (kind, err)
         assert out["norm_err"][kind] <= 1e-5, (kind, out["norm_err"][kind])
     total = sum(p.numel() for p in _base().parameters())
-    assert out["bytes"]["replica"] == 8 * total                     # exp_avg + exp_avg_sq, fp32
+    assert out["bytes"]["replica"] == 8 * total  # exp_avg + exp_avg_sq, fp32
     share = out["bytes"]["dist1"] / (out["bytes"]["replica"] / ws)
-    assert abs(share - 1) <= 0.02, share                            # 1/dp of the state, within 2%
+    assert abs(share - 1) <= 0.02, share  # 1/dp of the state, within 2%
     assert out["sd_diff"] <= 1e-6 and out["bf16_diff"] <= 1e-6
     return out["elements"]
 
@@ -228,7 +249,7 @@ def _check_five(out, ws):
 def test_distributed_optimizer_and_checkpoints_dp2_to_dp3():
     r2 = run_distributed(_world2, 2)
     elements = [_check_five(out, 2) for out, _ in r2]
-    assert sum(elements) == sum(p.numel() for p in _base().parameters())   # shards partition the params
+    assert sum(elements) == sum(p.numel() for p in _base().parameters())  # shards partition the params
     ckpt = r2[0][1]
     r3 = run_distributed(_world3, 3, args=(ckpt,))
     elements = [_check_five(out, 3) for out in r3]
@@ -237,4 +258,4 @@ def test_distributed_optimizer_and_checkpoints_dp2_to_dp3():
         assert out["reexport_diff"]["replica"] == 0.0 and out["reexport_diff"]["distN"] == 0.0
         assert out["reexport_diff"]["fsdp2"] == 0.0 and out["fsdp_to_dist"] == 0.0
         assert out["resume_err"]["replica"] <= 5e-6 and out["resume_err"]["distN"] <= 5e-6, out["resume_err"]
-        assert out["resume_err"]["fsdp2"] <= 1e-5, out["resume_err"]   # FSDP2's own reduction order
+        assert out["resume_err"]["fsdp2"] <= 1e-5, out["resume_err"]  # FSDP2's own reduction order

@@ -10,12 +10,17 @@ import pytest
 import torch
 
 from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig, Float16Module
-from megadlms.optimizer import (DynamicGradScaler, OptimizerConfig, clip_grads_with_norm_,
-                                get_grad_norm_fp32, get_optimizer)
+from megadlms.optimizer import (
+    DynamicGradScaler,
+    OptimizerConfig,
+    clip_grads_with_norm_,
+    get_grad_norm_fp32,
+    get_optimizer,
+)
 
 
 def test_dynamic_scaler_hand_simulated():
-    s = DynamicGradScaler(2.0 ** 32, 1.0, growth_interval=3, hysteresis=2)
+    s = DynamicGradScaler(2.0**32, 1.0, growth_interval=3, hysteresis=2)
     # found_inf sequence and the scale after each update, worked out by hand:
     #  T: hysteresis 2->1, keep | T: 1->0, halve | F F F: third clean step grows, hysteresis
     #  refilled | T: 2->1 keep | T: 1->0 halve | T: -1, halve again | F: keep
@@ -30,7 +35,7 @@ def test_dynamic_scaler_hand_simulated():
     low = DynamicGradScaler(2.0, 1.0, hysteresis=1)
     for _ in range(3):
         low.update(True)
-    assert low.scale == 1.0                        # never below min_loss_scale
+    assert low.scale == 1.0  # never below min_loss_scale
     assert DynamicGradScaler().scale == 2.0**32 and DynamicGradScaler().growth_interval == 1000
 
 
@@ -64,19 +69,25 @@ class _Net(torch.nn.Module):
 def _reference_adamw(model, lr, wd):
     decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
     no_decay = [p for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": wd},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+    )
 
 
 def test_adamw_steps_match_torch_and_weight_decay_groups():
     torch.manual_seed(0)
     model = _Net()
     ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=50))
+    ddp = DistributedDataParallel(
+        model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=50)
+    )
     opt = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.5), ddp)
     ref_opt = _reference_adamw(ref, 1e-2, 0.1)
     groups = {g["weight_decay"]: g["params"] for g in opt.state_dict()["param_groups"]}
-    assert groups == {0.1: ["fc1.weight", "fc2.weight"], 0.0: ["fc1.bias", "norm.weight", "norm.bias", "fc2.bias"]}
+    assert groups == {
+        0.1: ["fc1.weight", "fc2.weight"],
+        0.0: ["fc1.bias", "norm.weight", "norm.bias", "fc2.bias"],
+    }
     for step in range(5):
         x = torch.randn(8, 6, generator=torch.Generator().manual_seed(step))
         opt.zero_grad()
@@ -90,7 +101,7 @@ def test_adamw_steps_match_torch_and_weight_decay_groups():
         assert ok and abs(norm - ref_norm) <= 1e-5 * ref_norm
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
-    opt.param_groups[0]["lr"] = 0.123                   # the LR scheduler writes here
+    opt.param_groups[0]["lr"] = 0.123  # the LR scheduler writes here
     assert opt.state_dict()["param_groups"][0]["lr"] == 0.123
 
 
@@ -99,10 +110,12 @@ def test_fp16_skips_overflow_and_backs_off(distopt):
     torch.manual_seed(0)
     base = _Net()
     model = Float16Module(copy.deepcopy(base), dtype=torch.float16)
-    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=distopt))
-    cfg = OptimizerConfig(lr=1e-2, fp16=True, clip_grad=0.0, initial_loss_scale=2.0**10,
-                          use_distributed_optimizer=distopt)
+    ddp = DistributedDataParallel(
+        model, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distopt)
+    )
+    cfg = OptimizerConfig(
+        lr=1e-2, fp16=True, clip_grad=0.0, initial_loss_scale=2.0**10, use_distributed_optimizer=distopt
+    )
     opt = get_optimizer(cfg, ddp)
     x = torch.randn(8, 6, generator=torch.Generator().manual_seed(0))
 
@@ -119,10 +132,10 @@ def test_fp16_skips_overflow_and_backs_off(distopt):
         return opt.step()
 
     before = {n: p.detach().clone() for n, p in model.module.named_parameters()}
-    assert run(True) == (False, float("inf")) and opt.get_loss_scale() == 2.0**10   # hysteresis 2
-    assert run(True)[0] is False and opt.get_loss_scale() == 2.0**9                 # backoff x0.5
+    assert run(True) == (False, float("inf")) and opt.get_loss_scale() == 2.0**10  # hysteresis 2
+    assert run(True)[0] is False and opt.get_loss_scale() == 2.0**9  # backoff x0.5
     for n, p in model.module.named_parameters():
-        assert torch.equal(p, before[n])                                             # skipped: untouched
+        assert torch.equal(p, before[n])  # skipped: untouched
     # A clean step: fp32 master = fp16 params, grad = fp16 model grad / scale, one AdamW step.
     master = {n: p.detach().float().clone().requires_grad_() for n, p in model.module.named_parameters()}
     ok, _ = run(False)
@@ -135,7 +148,9 @@ def test_fp16_skips_overflow_and_backs_off(distopt):
     sd = opt.state_dict()
     for n, m in master.items():
         torch.testing.assert_close(sd["state"][n]["fp32_param"], m.detach(), rtol=0, atol=1e-6)
-        torch.testing.assert_close(dict(model.module.named_parameters())[n].float(), m.detach().half().float())
+        torch.testing.assert_close(
+            dict(model.module.named_parameters())[n].float(), m.detach().half().float()
+        )
     assert sd["grad_scaler"]["scale"] == 2.0**9 and sd["step"] == 1
 
 
@@ -156,14 +171,14 @@ def test_state_dict_round_trip_and_mismatch_message():
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     cfg = OptimizerConfig(lr=1e-2, bf16=True)
     opt = get_optimizer(cfg, ddp)
-    for step in range(2):
+    for _step in range(2):
         opt.zero_grad()
         ddp(torch.randn(4, 6)).sum().backward()
         ddp.finish_grad_sync()
         assert opt.step()[0]
     sd = opt.state_dict()
     assert set(sd) == {"state", "step", "param_groups", "grad_scaler"} and sd["grad_scaler"] is None
-    assert set(sd["state"]) == set(model.module.state_dict())          # unwrapped names
+    assert set(sd["state"]) == set(model.module.state_dict())  # unwrapped names
     for fqn, st in sd["state"].items():
         assert set(st) == {"exp_avg", "exp_avg_sq", "fp32_param"}
         assert st["exp_avg"].shape == dict(model.module.named_parameters())[fqn].shape
@@ -184,7 +199,7 @@ def test_state_dict_round_trip_and_mismatch_message():
         d.finish_grad_sync()
         o.step()
     for p, q in zip(model.parameters(), model2.parameters()):
-        assert torch.equal(p, q)                                          # bitwise resume
+        assert torch.equal(p, q)  # bitwise resume
     bad = copy.deepcopy(sd)
     del bad["state"]["fc1.weight"]
     with pytest.raises(RuntimeError, match="fc1.weight"):
@@ -205,10 +220,18 @@ def test_distributed_optimizer_single_rank_matches_torch():
     torch.manual_seed(0)
     model = _Net()
     ref = copy.deepcopy(model)
-    ddp = DistributedDataParallel(model, DistributedDataParallelConfig(
-        use_distributed_optimizer=True, overlap_grad_reduce=True, overlap_param_gather=True, bucket_size=100))
-    opt = get_optimizer(OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0,
-                                        use_distributed_optimizer=True), ddp)
+    ddp = DistributedDataParallel(
+        model,
+        DistributedDataParallelConfig(
+            use_distributed_optimizer=True,
+            overlap_grad_reduce=True,
+            overlap_param_gather=True,
+            bucket_size=100,
+        ),
+    )
+    opt = get_optimizer(
+        OptimizerConfig(lr=1e-2, weight_decay=0.1, clip_grad=0.0, use_distributed_optimizer=True), ddp
+    )
     ref_opt = _reference_adamw(ref, 1e-2, 0.1)
     assert len(ddp.buckets) > 1
     for step in range(3):
@@ -230,7 +253,7 @@ def test_reload_model_params_refreshes_fp32_main():
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     opt = get_optimizer(OptimizerConfig(lr=1e-2, bf16=True), ddp)
     new = _Net()
-    model.load_state_dict(new.state_dict())               # weights loaded after the optimizer
+    model.load_state_dict(new.state_dict())  # weights loaded after the optimizer
     opt.reload_model_params()
     for fqn, st in opt.state_dict()["state"].items():
         torch.testing.assert_close(st["fp32_param"], new.state_dict()[fqn].bfloat16().float(), rtol=0, atol=0)

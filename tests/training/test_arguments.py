@@ -15,8 +15,12 @@ import pytest
 
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.optimizer import OptimizerConfig
-from megadlms.training.arguments import (build_parser, config_from_args, fsdp_mixed_precision_from_args,
-                                         parse_args)
+from megadlms.training.arguments import (
+    build_parser,
+    config_from_args,
+    fsdp_mixed_precision_from_args,
+    parse_args,
+)
 
 GPT_MODEL_ARGS = """
     --seq-length 64 --attention-backend flash --attention-softmax-in-fp32
@@ -56,16 +60,38 @@ EVAL_AND_LOGGING_ARGS = """
 def seed_ddp_tp2() -> list:
     """Reference command 1: the 1.7b script with MODEL_PARALLEL_SIZE=2 (4 ranks -> dp 2)."""
     parallel = "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 1"
-    return shlex.split(" ".join([GPT_MODEL_ARGS, TRAINING_ARGS_COMMON, DISTOPT_ARGS, parallel,
-                                 DATA_ARGS, EVAL_AND_LOGGING_ARGS, PLMT_ARGS]))
+    return shlex.split(
+        " ".join(
+            [
+                GPT_MODEL_ARGS,
+                TRAINING_ARGS_COMMON,
+                DISTOPT_ARGS,
+                parallel,
+                DATA_ARGS,
+                EVAL_AND_LOGGING_ARGS,
+                PLMT_ARGS,
+            ]
+        )
+    )
 
 
 def seed_fsdp2() -> list:
     """Reference command 2: FSDP2 instead of the distributed optimizer, TP=PP=1."""
     parallel = "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1"
     fsdp = "--use-torch-fsdp2 --ckpt-format=torch_dist --untie-embeddings-and-output-weights"
-    return shlex.split(" ".join([GPT_MODEL_ARGS, TRAINING_ARGS_COMMON, parallel, DATA_ARGS,
-                                 EVAL_AND_LOGGING_ARGS, PLMT_ARGS, fsdp]))
+    return shlex.split(
+        " ".join(
+            [
+                GPT_MODEL_ARGS,
+                TRAINING_ARGS_COMMON,
+                parallel,
+                DATA_ARGS,
+                EVAL_AND_LOGGING_ARGS,
+                PLMT_ARGS,
+                fsdp,
+            ]
+        )
+    )
 
 
 def test_seed_fsdp2_command_passes_as_written():
@@ -77,7 +103,12 @@ def test_seed_fsdp2_command_passes_as_written():
         assert args.num_query_groups == 4 and args.ffn_hidden_size == 192 and args.kv_channels == 16
         # speed/logging-only flags are accepted and reported, never silently dropped
         reported = " ".join(args.flags_without_effect)
-        for flag in ("--attention-backend", "--rerun-mode", "--wandb-project", "--non-persistent-save-interval"):
+        for flag in (
+            "--attention-backend",
+            "--rerun-mode",
+            "--wandb-project",
+            "--non-persistent-save-interval",
+        ):
             assert flag in reported
     # Megatron's own FSDP2 recipe adds --no-gradient-accumulation-fusion: also fine
     assert parse_args(seed_fsdp2() + ["--no-gradient-accumulation-fusion"], world_size=2).use_torch_fsdp2
@@ -90,85 +121,230 @@ def test_seed_ddp_tp2_command_fails_with_not_supported_yet():
     assert "--tensor-model-parallel-size 2 is not supported yet" in msg
     assert "1 problem" in msg  # nothing else in the MegaDLMs script is rejected
     # the same script at TP=1 is a valid DDP + distributed-optimizer run
-    argv = [a if a != "2" or prev != "--tensor-model-parallel-size" else "1"
-            for prev, a in zip([""] + seed_ddp_tp2(), seed_ddp_tp2())]
+    argv = [
+        a if a != "2" or prev != "--tensor-model-parallel-size" else "1"
+        for prev, a in zip([""] + seed_ddp_tp2(), seed_ddp_tp2())
+    ]
     args = parse_args(argv, world_size=4)
     assert args.use_distributed_optimizer and args.data_parallel_size == 4
 
 
 # A valid small command; each row below breaks exactly one rule and names its fix.
-BASE = shlex.split("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
-                   "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 --mock-data")
+BASE = shlex.split(
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+    "--micro-batch-size 2 --global-batch-size 8 --train-iters 10 --lr 1e-3 --mock-data"
+)
 FSDP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
 
 # (id, extra flags that break a rule, world size, substrings the message must contain,
 #  valid neighbour flags: same intent, fixed)
 RULES = [
-    ("fsdp2_tp", FSDP + ["--tensor-model-parallel-size", "2"], 4,
-     ["--use-torch-fsdp2 requires --tensor-model-parallel-size 1"], FSDP),
-    ("fsdp2_pp", FSDP + ["--pipeline-model-parallel-size", "2"], 4,
-     ["--use-torch-fsdp2 requires --pipeline-model-parallel-size 1"], FSDP),
-    ("fsdp2_ep", FSDP + ["--expert-model-parallel-size", "2"], 2,
-     ["--use-torch-fsdp2 requires --expert-model-parallel-size 1"], FSDP),
-    ("fsdp2_distopt", FSDP + ["--use-distributed-optimizer"], 2,
-     ["--use-torch-fsdp2 is incompatible with --use-distributed-optimizer", "drop --use-distributed-optimizer"],
-     ["--use-distributed-optimizer"]),
-    ("fsdp2_ckpt", FSDP + ["--ckpt-format", "torch"], 2,
-     ["--use-torch-fsdp2 requires --ckpt-format torch_dist"], FSDP + ["--ckpt-format", "torch_dist"]),
-    ("fsdp2_tied", ["--use-torch-fsdp2"], 2,
-     ["--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"], FSDP),
-    ("fsdp2_fp16", FSDP + ["--fp16"], 2,
-     ["--use-torch-fsdp2 is incompatible with --fp16: use --bf16 or drop --use-torch-fsdp2"], FSDP + ["--bf16"]),
+    (
+        "fsdp2_tp",
+        FSDP + ["--tensor-model-parallel-size", "2"],
+        4,
+        ["--use-torch-fsdp2 requires --tensor-model-parallel-size 1"],
+        FSDP,
+    ),
+    (
+        "fsdp2_pp",
+        FSDP + ["--pipeline-model-parallel-size", "2"],
+        4,
+        ["--use-torch-fsdp2 requires --pipeline-model-parallel-size 1"],
+        FSDP,
+    ),
+    (
+        "fsdp2_ep",
+        FSDP + ["--expert-model-parallel-size", "2"],
+        2,
+        ["--use-torch-fsdp2 requires --expert-model-parallel-size 1"],
+        FSDP,
+    ),
+    (
+        "fsdp2_distopt",
+        FSDP + ["--use-distributed-optimizer"],
+        2,
+        [
+            "--use-torch-fsdp2 is incompatible with --use-distributed-optimizer",
+            "drop --use-distributed-optimizer",
+        ],
+        ["--use-distributed-optimizer"],
+    ),
+    (
+        "fsdp2_ckpt",
+        FSDP + ["--ckpt-format", "torch"],
+        2,
+        ["--use-torch-fsdp2 requires --ckpt-format torch_dist"],
+        FSDP + ["--ckpt-format", "torch_dist"],
+    ),
+    (
+        "fsdp2_tied",
+        ["--use-torch-fsdp2"],
+        2,
+        ["--use-torch-fsdp2 requires --untie-embeddings-and-output-weights"],
+        FSDP,
+    ),
+    (
+        "fsdp2_fp16",
+        FSDP + ["--fp16"],
+        2,
+        ["--use-torch-fsdp2 is incompatible with --fp16: use --bf16 or drop --use-torch-fsdp2"],
+        FSDP + ["--bf16"],
+    ),
     ("fp16_bf16", ["--fp16", "--bf16"], 2, ["--fp16 and --bf16 are exclusive"], ["--bf16"]),
-    ("overlap_pg_no_distopt", ["--overlap-param-gather", "--overlap-grad-reduce"], 2,
-     ["--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"],
-     ["--overlap-param-gather", "--overlap-grad-reduce", "--use-distributed-optimizer"]),
-    ("overlap_pg_no_overlap_grad", ["--overlap-param-gather", "--use-distributed-optimizer"], 2,
-     ["--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"],
-     ["--overlap-param-gather", "--overlap-grad-reduce", "--use-distributed-optimizer"]),
-    ("global_batch", ["--global-batch-size", "10"], 2,
-     ["--global-batch-size 10 is not a multiple of --micro-batch-size 2 x data-parallel size 2"],
-     ["--global-batch-size", "12"]),
-    ("global_batch_3ranks", [], 3,
-     ["--global-batch-size 8 is not a multiple of --micro-batch-size 2 x data-parallel size 3"],
-     ["--global-batch-size", "12"]),
-    ("dp_size", ["--data-parallel-size", "4"], 2,
-     ["--data-parallel-size 4 != world size 2", "launch 4 ranks"], ["--data-parallel-size", "2"]),
-    ("world_not_divisible", ["--pipeline-model-parallel-size", "2"], 3,
-     ["world size 3 is not divisible by --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2"], []),
-    ("tp_not_supported", ["--tensor-model-parallel-size", "2"], 4,
-     ["--tensor-model-parallel-size 2 is not supported yet"], ["--tensor-model-parallel-size", "1"]),
-    ("sp_tp", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], 4,
-     ["--tensor-model-parallel-size 2 is not supported yet"], ["--sequence-parallel"]),
-    ("recompute", ["--recompute-granularity", "full"], 2, ["--recompute-granularity full is not supported yet"], []),
+    (
+        "overlap_pg_no_distopt",
+        ["--overlap-param-gather", "--overlap-grad-reduce"],
+        2,
+        ["--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"],
+        ["--overlap-param-gather", "--overlap-grad-reduce", "--use-distributed-optimizer"],
+    ),
+    (
+        "overlap_pg_no_overlap_grad",
+        ["--overlap-param-gather", "--use-distributed-optimizer"],
+        2,
+        ["--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce"],
+        ["--overlap-param-gather", "--overlap-grad-reduce", "--use-distributed-optimizer"],
+    ),
+    (
+        "global_batch",
+        ["--global-batch-size", "10"],
+        2,
+        ["--global-batch-size 10 is not a multiple of --micro-batch-size 2 x data-parallel size 2"],
+        ["--global-batch-size", "12"],
+    ),
+    (
+        "global_batch_3ranks",
+        [],
+        3,
+        ["--global-batch-size 8 is not a multiple of --micro-batch-size 2 x data-parallel size 3"],
+        ["--global-batch-size", "12"],
+    ),
+    (
+        "dp_size",
+        ["--data-parallel-size", "4"],
+        2,
+        ["--data-parallel-size 4 != world size 2", "launch 4 ranks"],
+        ["--data-parallel-size", "2"],
+    ),
+    (
+        "world_not_divisible",
+        ["--pipeline-model-parallel-size", "2"],
+        3,
+        [
+            "world size 3 is not divisible by --tensor-model-parallel-size 1 x --pipeline-model-parallel-size 2"
+        ],
+        [],
+    ),
+    (
+        "tp_not_supported",
+        ["--tensor-model-parallel-size", "2"],
+        4,
+        ["--tensor-model-parallel-size 2 is not supported yet"],
+        ["--tensor-model-parallel-size", "1"],
+    ),
+    (
+        "sp_tp",
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        4,
+        ["--tensor-model-parallel-size 2 is not supported yet"],
+        ["--sequence-parallel"],
+    ),
+    (
+        "recompute",
+        ["--recompute-granularity", "full"],
+        2,
+        ["--recompute-granularity full is not supported yet"],
+        [],
+    ),
     ("fp8", ["--fp8-format", "hybrid"], 2, ["--fp8-format hybrid is not supported yet"], []),
-    ("ckpt_format", ["--ckpt-format", "torch_dcp"], 2, ["--ckpt-format torch_dcp is not supported yet"],
-     ["--ckpt-format", "torch"]),
-    ("block_causal", ["--attention-mask-type", "block_causal"], 2, ["--attention-mask-type block_causal"],
-     ["--attention-mask-type", "causal_bottom_right"]),
-    ("heads", ["--num-attention-heads", "5"], 2, ["--hidden-size 32 is not divisible by --num-attention-heads 5"],
-     ["--num-attention-heads", "8"]),
-    ("gqa", ["--group-query-attention", "--num-query-groups", "3"], 2,
-     ["--num-attention-heads 4 must be a multiple of --num-query-groups 3"],
-     ["--group-query-attention", "--num-query-groups", "2"]),
-    ("seq_vs_pos", ["--max-position-embeddings", "8"], 2, ["--seq-length 16 exceeds --max-position-embeddings 8"],
-     ["--max-position-embeddings", "16"]),
+    (
+        "ckpt_format",
+        ["--ckpt-format", "torch_dcp"],
+        2,
+        ["--ckpt-format torch_dcp is not supported yet"],
+        ["--ckpt-format", "torch"],
+    ),
+    (
+        "block_causal",
+        ["--attention-mask-type", "block_causal"],
+        2,
+        ["--attention-mask-type block_causal"],
+        ["--attention-mask-type", "causal_bottom_right"],
+    ),
+    (
+        "heads",
+        ["--num-attention-heads", "5"],
+        2,
+        ["--hidden-size 32 is not divisible by --num-attention-heads 5"],
+        ["--num-attention-heads", "8"],
+    ),
+    (
+        "gqa",
+        ["--group-query-attention", "--num-query-groups", "3"],
+        2,
+        ["--num-attention-heads 4 must be a multiple of --num-query-groups 3"],
+        ["--group-query-attention", "--num-query-groups", "2"],
+    ),
+    (
+        "seq_vs_pos",
+        ["--max-position-embeddings", "8"],
+        2,
+        ["--seq-length 16 exceeds --max-position-embeddings 8"],
+        ["--max-position-embeddings", "16"],
+    ),
     ("min_lr", ["--min-lr", "1e-2"], 2, ["--min-lr 0.01 exceeds --lr 0.001"], ["--min-lr", "1e-4"]),
-    ("wsd_iters", ["--lr-decay-style", "WSD"], 2, ["--lr-decay-style WSD needs --lr-wsd-decay-iters"],
-     ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "3"]),
-    ("warmup", ["--lr-warmup-iters", "10"], 2, ["--lr-warmup-iters 10 must be smaller than --lr-decay-iters 10"],
-     ["--lr-warmup-iters", "2"]),
+    (
+        "wsd_iters",
+        ["--lr-decay-style", "WSD"],
+        2,
+        ["--lr-decay-style WSD needs --lr-wsd-decay-iters"],
+        ["--lr-decay-style", "WSD", "--lr-wsd-decay-iters", "3"],
+    ),
+    (
+        "warmup",
+        ["--lr-warmup-iters", "10"],
+        2,
+        ["--lr-warmup-iters 10 must be smaller than --lr-decay-iters 10"],
+        ["--lr-warmup-iters", "2"],
+    ),
     ("two_sources", ["--data-path", "/x"], 2, ["use one data source"], []),
-    ("hf_tokenizer", ["--tokenizer-type", "HuggingFaceTokenizer"], 2, ["needs --tokenizer-model PATH"],
-     ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/t.json"]),
-    ("save_interval", ["--save", "/ckpt"], 2, ["--save needs --save-interval N"],
-     ["--save", "/ckpt", "--save-interval", "5"]),
+    (
+        "hf_tokenizer",
+        ["--tokenizer-type", "HuggingFaceTokenizer"],
+        2,
+        ["needs --tokenizer-model PATH"],
+        ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/t.json"],
+    ),
+    (
+        "save_interval",
+        ["--save", "/ckpt"],
+        2,
+        ["--save needs --save-interval N"],
+        ["--save", "/ckpt", "--save-interval", "5"],
+    ),
     ("finetune", ["--finetune"], 2, ["--finetune needs --load DIR"], ["--finetune", "--load", "/ckpt"]),
-    ("mask_eps", ["--difflm-mask-eps", "1.0"], 2, ["--difflm-mask-eps must be in [0, 1)"],
-     ["--difflm-mask-eps", "0"]),
-    ("nan_limit", ["--nan-skip-limit", "-1"], 2, ["--nan-skip-limit must be >= 0"], ["--nan-skip-limit", "0"]),
-    ("eval_k", ["--difflm-eval-mc-samples", "0"], 2, ["--difflm-eval-mc-samples must be >= 1"],
-     ["--difflm-eval-mc-samples", "1"]),
+    (
+        "mask_eps",
+        ["--difflm-mask-eps", "1.0"],
+        2,
+        ["--difflm-mask-eps must be in [0, 1)"],
+        ["--difflm-mask-eps", "0"],
+    ),
+    (
+        "nan_limit",
+        ["--nan-skip-limit", "-1"],
+        2,
+        ["--nan-skip-limit must be >= 0"],
+        ["--nan-skip-limit", "0"],
+    ),
+    (
+        "eval_k",
+        ["--difflm-eval-mc-samples", "0"],
+        2,
+        ["--difflm-eval-mc-samples must be >= 1"],
+        ["--difflm-eval-mc-samples", "1"],
+    ),
 ]
 
 
@@ -204,8 +380,15 @@ def test_gradient_accumulation_fusion_rule():
 def test_missing_required_flags_are_all_listed():
     with pytest.raises(ValueError) as exc:
         parse_args(["--mock-data"], world_size=1)
-    for flag in ("--num-layers", "--hidden-size", "--num-attention-heads", "--seq-length",
-                 "--micro-batch-size", "--train-iters", "--lr"):
+    for flag in (
+        "--num-layers",
+        "--hidden-size",
+        "--num-attention-heads",
+        "--seq-length",
+        "--micro-batch-size",
+        "--train-iters",
+        "--lr",
+    ):
         assert f"{flag} is required" in str(exc.value)
 
 
@@ -223,8 +406,19 @@ def test_derived_values_follow_megatron():
     assert (a.data_parallel_size, a.num_micro_batches, a.max_position_embeddings) == (2, 2, 16)
     assert (a.ffn_hidden_size, a.num_query_groups, a.kv_channels, a.lr_decay_iters) == (128, 4, 8, 10)
     assert a.attention_mask_type == "no_mask" and a.distributed_backend in ("gloo", "nccl")
-    a = parse_args(BASE + ["--swiglu", "--hidden-size", "96", "--model-running-mode", "vanilla",
-                           "--lr-warmup-fraction", "0.2"], world_size=1)
+    a = parse_args(
+        BASE
+        + [
+            "--swiglu",
+            "--hidden-size",
+            "96",
+            "--model-running-mode",
+            "vanilla",
+            "--lr-warmup-fraction",
+            "0.2",
+        ],
+        world_size=1,
+    )
     assert a.ffn_hidden_size == int(4 * 96 * 2 / 3 / 64) * 64 == 256  # Megatron's swiglu rule
     assert a.attention_mask_type == "causal" and a.lr_warmup_iters == 2 and a.global_batch_size == 8
     a = parse_args(BASE + ["--attention-mask-type", "causal_bottom_right"], world_size=2)
@@ -242,19 +436,47 @@ def test_every_flag_has_help():
 
 
 def test_configs_from_args():
-    a = parse_args(BASE + ["--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather",
-                           "--ddp-bucket-size", "1000", "--bf16", "--clip-grad", "0.5", "--adam-beta2", "0.95",
-                           "--optimizer", "sgd"], world_size=2)
+    a = parse_args(
+        BASE
+        + [
+            "--use-distributed-optimizer",
+            "--overlap-grad-reduce",
+            "--overlap-param-gather",
+            "--ddp-bucket-size",
+            "1000",
+            "--bf16",
+            "--clip-grad",
+            "0.5",
+            "--adam-beta2",
+            "0.95",
+            "--optimizer",
+            "sgd",
+        ],
+        world_size=2,
+    )
     ddp = config_from_args(a, "ddp")
     assert isinstance(ddp, DistributedDataParallelConfig)
-    assert (ddp.use_distributed_optimizer, ddp.overlap_grad_reduce, ddp.overlap_param_gather,
-            ddp.bucket_size, ddp.grad_reduce_in_fp32, ddp.comm_backend) == (True, True, True, 1000, True, "torch")
+    assert (
+        ddp.use_distributed_optimizer,
+        ddp.overlap_grad_reduce,
+        ddp.overlap_param_gather,
+        ddp.bucket_size,
+        ddp.grad_reduce_in_fp32,
+        ddp.comm_backend,
+    ) == (True, True, True, 1000, True, "torch")
     opt = config_from_args(a, "optimizer")
     assert isinstance(opt, OptimizerConfig)
-    assert (opt.lr, opt.clip_grad, opt.adam_beta2, opt.bf16, opt.optimizer, opt.use_distributed_optimizer) == \
-        (1e-3, 0.5, 0.95, True, "sgd", True)
+    assert (
+        opt.lr,
+        opt.clip_grad,
+        opt.adam_beta2,
+        opt.bf16,
+        opt.optimizer,
+        opt.use_distributed_optimizer,
+    ) == (1e-3, 0.5, 0.95, True, "sgd", True)
     policy = fsdp_mixed_precision_from_args(a)
     import torch
+
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
     assert fsdp_mixed_precision_from_args(parse_args(BASE, world_size=2)) is None
     with pytest.raises(ValueError, match="kind must be one of"):

@@ -31,8 +31,16 @@ def _trained(seed):
 
 def _save(root, it, seed, fmt="torch_dist"):
     m, opt = _trained(seed)
-    ck.save_checkpoint(root, it, model=m, optimizer=opt, ckpt_format=fmt, consumed_samples=8 * it,
-                       args={"seed": seed}, model_config={"hidden_size": 5})
+    ck.save_checkpoint(
+        root,
+        it,
+        model=m,
+        optimizer=opt,
+        ckpt_format=fmt,
+        consumed_samples=8 * it,
+        args={"seed": seed},
+        model_config={"hidden_size": 5},
+    )
     return m, opt
 
 
@@ -95,7 +103,7 @@ def _crash_child(root, where):
     torch.set_num_threads(1)
     m, _ = _save(root, 1, seed=1)
     torch.save(m.state_dict(), os.path.join(root, "reference_weights.pt"))  # what iter 1 holds
-    if where == "tensors":   # half-way through writing the DCP data files
+    if where == "tensors":  # half-way through writing the DCP data files
         from torch.distributed.checkpoint import filesystem
 
         real = filesystem.FileSystemWriter.write_data
@@ -103,14 +111,15 @@ def _crash_child(root, where):
         def dying(self, plan, planner):
             real(self, plan, planner).wait()
             os.kill(os.getpid(), signal.SIGKILL)
+
         filesystem.FileSystemWriter.write_data = dying
-    else:                    # data written, common.json being written
-        real_write = ck._write_atomic
+    else:  # data written, common.json being written
 
         def dying_write(path, data):
             with open(path + ".tmp.partial", "w") as f:
                 f.write(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
+
         ck._write_atomic = dying_write
     _save(root, 2, seed=2)
 
@@ -122,7 +131,7 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, where):
     p.start()
     p.join(120)
     assert p.exitcode == -signal.SIGKILL
-    assert os.path.isdir(os.path.join(root, "iter_0000002.tmp"))    # the torn save
+    assert os.path.isdir(os.path.join(root, "iter_0000002.tmp"))  # the torn save
     assert not os.path.exists(os.path.join(root, "iter_0000002"))
     assert ck.read_latest_iteration(root) == 1
     ref = torch.load(os.path.join(root, "reference_weights.pt"), weights_only=True)
@@ -143,7 +152,7 @@ def test_resave_same_iteration_and_missing_dirs(tmp_path):
     root = str(tmp_path)
     assert ck.resolve_checkpoint(root) is None
     _save(root, 4, seed=1)
-    m2, _ = _save(root, 4, seed=2)          # replaces iteration 4 in place
+    m2, _ = _save(root, 4, seed=2)  # replaces iteration 4 in place
     m = _model(9)
     ck.load_model_state(ck.resolve_checkpoint(root), m)
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), m2.state_dict().values()))

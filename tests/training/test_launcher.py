@@ -16,16 +16,33 @@ from tests.training.test_arguments import seed_fsdp2
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Flags of the seed command that point at files of the author's cluster or size the run.
-_VALUE_SWAPS = {"--vocab-size": "512", "--mask-token": "257", "--train-iters": "6",
-                "--lr-decay-iters": "6", "--lr-warmup-iters": "1", "--lr-wsd-decay-iters": "2",
-                "--save-interval": "3", "--eval-interval": "3", "--eval-iters": "1", "--log-interval": "1"}
-_DROP_WITH_VALUE = {"--train-data-path", "--valid-data-path", "--data-cache-path", "--tokenizer-model",
-                    "--tokenizer-type", "--tensorboard-dir", "--save", "--load"}
+_VALUE_SWAPS = {
+    "--vocab-size": "512",
+    "--mask-token": "257",
+    "--train-iters": "6",
+    "--lr-decay-iters": "6",
+    "--lr-warmup-iters": "1",
+    "--lr-wsd-decay-iters": "2",
+    "--save-interval": "3",
+    "--eval-interval": "3",
+    "--eval-iters": "1",
+    "--log-interval": "1",
+}
+_DROP_WITH_VALUE = {
+    "--train-data-path",
+    "--valid-data-path",
+    "--data-cache-path",
+    "--tokenizer-model",
+    "--tokenizer-type",
+    "--tensorboard-dir",
+    "--save",
+    "--load",
+}
 
 
 def _tiny_seed_fsdp2(tmp) -> list:
     argv, out, skip = seed_fsdp2(), [], False
-    for i, a in enumerate(argv):
+    for _i, a in enumerate(argv):
         if skip:
             skip = False
             continue
@@ -36,24 +53,43 @@ def _tiny_seed_fsdp2(tmp) -> list:
         if a in _VALUE_SWAPS:
             out.append(_VALUE_SWAPS[a])
             skip = True
-    return out + ["--mock-data", "--tokenizer-type", "ByteTokenizer", "--num-workers", "0",
-                  "--save", os.path.join(tmp, "ckpt"), "--load", os.path.join(tmp, "ckpt"),
-                  "--metrics-jsonl", os.path.join(tmp, "metrics.jsonl")]
+    return out + [
+        "--mock-data",
+        "--tokenizer-type",
+        "ByteTokenizer",
+        "--num-workers",
+        "0",
+        "--save",
+        os.path.join(tmp, "ckpt"),
+        "--load",
+        os.path.join(tmp, "ckpt"),
+        "--metrics-jsonl",
+        os.path.join(tmp, "metrics.jsonl"),
+    ]
 
 
 def test_torchrun_fsdp2_seed_command_then_generate(tmp_path, capsys):
     argv = _tiny_seed_fsdp2(str(tmp_path))
     assert "--use-torch-fsdp2" in argv and "--bf16" in argv and "--lr-decay-style" in argv
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT, os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "pretrain_difflm.py")] + argv
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.join(ROOT, "pretrain_difflm.py"),
+    ] + argv
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "TorchFullyShardedDataParallel | 2 rank(s), gloo" in out    # the wrapper, logged once
+    assert "TorchFullyShardedDataParallel | 2 rank(s), gloo" in out  # the wrapper, logged once
     assert "iter 6/6 (100%)" in out and "bf16" in out
-    assert "note: --attention-backend" in out                          # flags without effect: said
+    assert "note: --attention-backend" in out  # flags without effect: said
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "6"
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in records if r["event"] == "train"] == [1, 2, 3, 4, 5, 6]
@@ -62,8 +98,23 @@ def test_torchrun_fsdp2_seed_command_then_generate(tmp_path, capsys):
     from megadlms.generate import main as generate_main
 
     capsys.readouterr()
-    assert generate_main(["--load", str(tmp_path / "ckpt"), "--prompt", "In the beginning",
-                          "--gen-length", "16", "--steps", "8", "--block-length", "8"]) == 0
+    assert (
+        generate_main(
+            [
+                "--load",
+                str(tmp_path / "ckpt"),
+                "--prompt",
+                "In the beginning",
+                "--gen-length",
+                "16",
+                "--steps",
+                "8",
+                "--block-length",
+                "8",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert printed.startswith("In the beginning")
     # a missing checkpoint is a one-line error, exit status 2
@@ -76,18 +127,30 @@ def test_generate_is_deterministic_and_loads_both_formats(tmp_path, fmt):
     """megadlms-generate on a single-process checkpoint of either format; the same seed gives
     the same text and the model equals the saved one."""
     import torch
+
     from megadlms.generate import generate_text, load_for_inference
     from megadlms.models import GPTModel, TransformerConfig
     from megadlms.training import checkpointing
     from megadlms.training.builders import model_config_dict
 
-    cfg = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=384,
-                            seq_length=32, position_embedding_type="rope")
+    cfg = TransformerConfig(
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=384,
+        seq_length=32,
+        position_embedding_type="rope",
+    )
     torch.manual_seed(0)
     model = GPTModel(cfg, attention="bidirectional")
-    checkpointing.save_checkpoint(str(tmp_path), 1, model=model, ckpt_format=fmt,
-                                  args={"tokenizer_type": "ByteTokenizer"},
-                                  model_config=model_config_dict(cfg, "bidirectional"))
+    checkpointing.save_checkpoint(
+        str(tmp_path),
+        1,
+        model=model,
+        ckpt_format=fmt,
+        args={"tokenizer_type": "ByteTokenizer"},
+        model_config=model_config_dict(cfg, "bidirectional"),
+    )
     loaded, tok, common = load_for_inference(str(tmp_path), torch.device("cpu"))
     for a, b in zip(model.state_dict().values(), loaded.state_dict().values()):
         assert torch.equal(a, b)
@@ -104,10 +167,16 @@ def test_example_1p7b_script_flags_parse(fsdp2):
     from megadlms.training.arguments import parse_args
 
     env = dict(os.environ, DRY_RUN="1", USE_FSDP2=fsdp2, GPUS_PER_NODE="8", NUM_NODES="1")
-    out = subprocess.run(["bash", os.path.join(ROOT, "examples", "dlm_pretrain_1.7b.sh")], env=env,
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+    out = subprocess.run(
+        ["bash", os.path.join(ROOT, "examples", "dlm_pretrain_1.7b.sh")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
     argv = shlex.split(out)
-    argv = argv[argv.index("pretrain_difflm.py") + 1:]
+    argv = argv[argv.index("pretrain_difflm.py") + 1 :]
     args = parse_args(argv, world_size=8)
     assert args.num_layers == 28 and args.hidden_size == 2048 and args.lr_decay_style == "WSD"
     assert args.micro_batch_size == 4 and args.global_batch_size == 256

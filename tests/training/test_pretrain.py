@@ -18,18 +18,21 @@ import pytest
 
 from tests.dist_utils import run_distributed
 
-TINY = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
-        "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
-        "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 2 --global-batch-size 12 "
-        "--train-iters 20 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 3 "
-        "--weight-decay 0.1 --clip-grad 1.0 --seed 7 --mock-data --num-workers 0 --log-interval 1 "
-        "--eval-interval 10 --eval-iters 1 --difflm-eval-mc-samples 2 --difflm-varilen-prob 0.2").split()
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+    "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 2 --global-batch-size 12 "
+    "--train-iters 20 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 3 "
+    "--weight-decay 0.1 --clip-grad 1.0 --seed 7 --mock-data --num-workers 0 --log-interval 1 "
+    "--eval-interval 10 --eval-iters 1 --difflm-eval-mc-samples 2 --difflm-varilen-prob 0.2"
+).split()
 FSDP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 
 
 def _run(argv):
     from megadlms.pretrain import run
+
     return run(TINY + list(argv))
 
 
@@ -43,8 +46,9 @@ def _ddp_world(rank, world, tmp):
     out["straight"] = _run(UNTIED + ["--metrics-jsonl", os.path.join(tmp, "m.jsonl")])
     for fmt in ("torch_dist", "torch"):
         save = os.path.join(tmp, f"ddp_{fmt}")
-        out[f"part_{fmt}"] = _run(UNTIED + ["--save", save, "--save-interval", "100",
-                                            "--exit-interval", "10", "--ckpt-format", fmt])
+        out[f"part_{fmt}"] = _run(
+            UNTIED + ["--save", save, "--save-interval", "100", "--exit-interval", "10", "--ckpt-format", fmt]
+        )
         out[f"resume_{fmt}"] = _run(UNTIED + ["--load", save, "--ckpt-format", fmt])
     return out
 
@@ -76,8 +80,16 @@ def test_ddp_resume_is_bitwise_and_metrics_parse(ddp_runs):
     evals = [m for m in records if m["event"] == "eval"]
     assert [m["iteration"] for m in train] == list(range(1, 21))
     for m in train:
-        for key in ("iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", "loss_scale",
-                    "skipped", "tokens_per_sec"):
+        for key in (
+            "iteration",
+            "consumed_samples",
+            "lm_loss",
+            "lr",
+            "grad_norm",
+            "loss_scale",
+            "skipped",
+            "tokens_per_sec",
+        ):
             assert key in m
         assert m["consumed_samples"] == 12 * m["iteration"] and m["tokens_per_sec"] > 0
         assert m["lm_loss"] == pytest.approx(straight.losses[m["iteration"]], rel=1e-12)
@@ -90,11 +102,13 @@ def test_ddp_resume_is_bitwise_and_metrics_parse(ddp_runs):
 # ------------------------------------------------------------------ world 2: FSDP2, 2 ranks
 def _fsdp_world(rank, world, tmp, ddp_torch_ckpt):
     save = os.path.join(tmp, "fsdp")
-    return {"straight": _run(FSDP),
-            "part": _run(FSDP + ["--save", save, "--save-interval", "5", "--exit-interval", "10"]),
-            "resume": _run(FSDP + ["--load", save]),
-            # a DDP checkpoint in the single-file torch format, read into DTensor shards
-            "from_ddp_torch": _run(FSDP + ["--load", ddp_torch_ckpt])}
+    return {
+        "straight": _run(FSDP),
+        "part": _run(FSDP + ["--save", save, "--save-interval", "5", "--exit-interval", "10"]),
+        "resume": _run(FSDP + ["--load", save]),
+        # a DDP checkpoint in the single-file torch format, read into DTensor shards
+        "from_ddp_torch": _run(FSDP + ["--load", ddp_torch_ckpt]),
+    }
 
 
 def _ddp3_world(rank, world, tmp):
@@ -141,8 +155,9 @@ def _ddp3_world(rank, world, tmp):
 
     train.train_step = sigterm_step
     try:
-        out["signal"] = _run(UNTIED + ["--exit-signal-handler", "--save", os.path.join(tmp, "sig"),
-                                       "--save-interval", "100"])
+        out["signal"] = _run(
+            UNTIED + ["--exit-signal-handler", "--save", os.path.join(tmp, "sig"), "--save-interval", "100"]
+        )
     finally:
         train.train_step = real_step
     return out
@@ -150,11 +165,15 @@ def _ddp3_world(rank, world, tmp):
 
 def _distopt_world(rank, world, tmp):
     fsdp = os.path.join(tmp, "fsdp")
-    out = {"resume": _run(UNTIED + ["--load", fsdp, "--use-distributed-optimizer"]),
-           "finetune": _run(UNTIED + ["--load", fsdp, "--finetune", "--train-iters", "4"]),
-           "duration": _run(UNTIED + ["--exit-duration-in-mins", "0", "--save",
-                                      os.path.join(tmp, "dur"), "--save-interval", "100"]),
-           "vanilla": _run(["--model-running-mode", "vanilla", "--train-iters", "4"])}
+    out = {
+        "resume": _run(UNTIED + ["--load", fsdp, "--use-distributed-optimizer"]),
+        "finetune": _run(UNTIED + ["--load", fsdp, "--finetune", "--train-iters", "4"]),
+        "duration": _run(
+            UNTIED
+            + ["--exit-duration-in-mins", "0", "--save", os.path.join(tmp, "dur"), "--save-interval", "100"]
+        ),
+        "vanilla": _run(["--model-running-mode", "vanilla", "--train-iters", "4"]),
+    }
     try:
         _run(UNTIED + ["--load", fsdp, "--hidden-size", "64"])
         out["mismatch"] = None

@@ -13,9 +13,20 @@ from .sampler import PretrainingSampler, build_pretraining_data_loader
 from .tokenizers import ByteTokenizer, HuggingFaceTokenizer, build_tokenizer
 
 __all__ = [
-    "ByteTokenizer", "HuggingFaceTokenizer", "build_tokenizer",
-    "IndexedDataset", "IndexedDatasetBuilder", "DTYPE_CODES",
-    "GPTDataset", "BlendedDataset", "MockGPTDataset", "build_blending_indices",
-    "build_pretraining_datasets", "parse_blend", "parse_split",
-    "PretrainingSampler", "build_pretraining_data_loader", "kjv_jsonl_path",
+    "ByteTokenizer",
+    "HuggingFaceTokenizer",
+    "build_tokenizer",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "DTYPE_CODES",
+    "GPTDataset",
+    "BlendedDataset",
+    "MockGPTDataset",
+    "build_blending_indices",
+    "build_pretraining_datasets",
+    "parse_blend",
+    "parse_split",
+    "PretrainingSampler",
+    "build_pretraining_data_loader",
+    "kjv_jsonl_path",
 ]

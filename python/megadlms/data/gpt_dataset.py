@@ -40,8 +40,9 @@ logger = logging.getLogger(__name__)
 _FINAL_EPOCH_THRESHOLD = 0.80  # Megatron's: separate the final epoch if used < 80 %
 
 
-def _build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState,
-                          separate_final_epoch: bool) -> np.ndarray:
+def _build_document_index(
+    documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
+) -> np.ndarray:
     if not separate_final_epoch or num_epochs == 1:
         doc_idx = np.tile(np.asarray(documents), num_epochs).astype(np.int32)
         rng.shuffle(doc_idx)
@@ -51,8 +52,9 @@ def _build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random
     return np.concatenate((first, last))
 
 
-def _build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_length: int,
-                        num_samples: int) -> np.ndarray:
+def _build_sample_index(
+    sizes: np.ndarray, document_index: np.ndarray, seq_length: int, num_samples: int
+) -> np.ndarray:
     """Vectorised form of Megatron's helpers.build_sample_idx (drop_last_partial_sequence)."""
     doc_lengths = np.asarray(sizes, dtype=np.int64)[document_index]
     ends = np.cumsum(doc_lengths)  # exclusive end token of each document-index entry
@@ -66,8 +68,7 @@ def _build_sample_index(sizes: np.ndarray, document_index: np.ndarray, seq_lengt
     return np.stack([pos, offsets], axis=1).astype(dtype)
 
 
-def _build_shuffle_index(num_samples: int, total_size: int,
-                         rng: np.random.RandomState) -> np.ndarray:
+def _build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
     dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
     first = np.arange(0, num_samples, dtype=dtype)
     rng.shuffle(first)
@@ -84,7 +85,9 @@ def _atomic_save(path: str, array: np.ndarray) -> None:
     os.replace(tmp, path)  # concurrent builders (several ranks) write identical bytes
 
 
-def _make_item(text: np.ndarray, idx: int, eod: Optional[int], eod_mask_loss: bool) -> Dict[str, torch.Tensor]:
+def _make_item(
+    text: np.ndarray, idx: int, eod: Optional[int], eod_mask_loss: bool
+) -> Dict[str, torch.Tensor]:
     text_t = torch.from_numpy(np.ascontiguousarray(text, dtype=np.int64))
     tokens, labels = text_t[:-1].clone(), text_t[1:].clone()
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
@@ -115,10 +118,19 @@ class GPTDataset(torch.utils.data.Dataset):
         data_cache_path: directory for the index caches (None: build in memory only).
     """
 
-    def __init__(self, indexed: IndexedDataset, document_ids: np.ndarray,
-                 num_samples: Optional[int], *, seq_length: int, seed: int, eod: Optional[int],
-                 eod_mask_loss: bool = False, split_name: str = "train",
-                 data_cache_path: Optional[str] = None):
+    def __init__(
+        self,
+        indexed: IndexedDataset,
+        document_ids: np.ndarray,
+        num_samples: Optional[int],
+        *,
+        seq_length: int,
+        seed: int,
+        eod: Optional[int],
+        eod_mask_loss: bool = False,
+        split_name: str = "train",
+        data_cache_path: Optional[str] = None,
+    ):
         if seq_length < 1:
             raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
         n_seq, n_doc = len(indexed.sequence_lengths), len(indexed.document_indices) - 1
@@ -126,7 +138,8 @@ class GPTDataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"{indexed.path_prefix}: {n_doc} documents made of {n_seq} sequences (sentence-split "
                 "data); GPT samples need one sequence per document: re-run preprocessing without "
-                "--split-sentences")
+                "--split-sentences"
+            )
         self.indexed = indexed
         self.document_ids = np.asarray(document_ids, dtype=np.int64)
         if eod_mask_loss and eod is None:
@@ -139,15 +152,23 @@ class GPTDataset(torch.utils.data.Dataset):
             raise ValueError(
                 f"{indexed.path_prefix} ({split_name} split): {self.tokens_per_epoch} tokens in "
                 f"{len(self.document_ids)} documents, fewer than one sample of --seq-length "
-                f"{seq_length} + 1; use more data, a smaller --seq-length, or another --split")
+                f"{seq_length} + 1; use more data, a smaller --seq-length, or another --split"
+            )
         idx_stat = os.stat(indexed.path_prefix + ".idx")
         # Everything the indices depend on; a rewritten .idx (new size/mtime) is a new key.
-        self.description = json.dumps({
-            "class": "GPTDataset", "path_prefix": os.path.abspath(indexed.path_prefix),
-            "index_file": [idx_stat.st_size, idx_stat.st_mtime_ns], "split": split_name,
-            "documents": hashlib.md5(self.document_ids.tobytes()).hexdigest(),
-            "num_samples": num_samples, "seq_length": self.seq_length, "seed": self.seed,
-        }, sort_keys=True)
+        self.description = json.dumps(
+            {
+                "class": "GPTDataset",
+                "path_prefix": os.path.abspath(indexed.path_prefix),
+                "index_file": [idx_stat.st_size, idx_stat.st_mtime_ns],
+                "split": split_name,
+                "documents": hashlib.md5(self.document_ids.tobytes()).hexdigest(),
+                "num_samples": num_samples,
+                "seq_length": self.seq_length,
+                "seed": self.seed,
+            },
+            sort_keys=True,
+        )
         self.cache_hit = False
         self.document_index, self.sample_index, self.shuffle_index = self._load_or_build(data_cache_path)
 
@@ -194,8 +215,10 @@ class GPTDataset(torch.utils.data.Dataset):
                 f.write(self.description)
             os.replace(tmp, f"{base}-description.txt")
         except OSError as exc:
-            raise RuntimeError(f"--data-cache-path {cache_dir}: cannot write the dataset index "
-                               f"cache ({exc}); pass a writable directory") from exc
+            raise RuntimeError(
+                f"--data-cache-path {cache_dir}: cannot write the dataset index "
+                f"cache ({exc}); pass a writable directory"
+            ) from exc
         return arrays
 
     def __len__(self) -> int:
@@ -228,12 +251,23 @@ class MockGPTDataset(torch.utils.data.Dataset):
     2 test): a function of (seed, stream, i) only.
     """
 
-    def __init__(self, num_samples: int, *, seq_length: int, seed: int, vocab_size: int,
-                 eod: Optional[int], mask: Optional[int] = None, eod_mask_loss: bool = False,
-                 stream: int = 0):
+    def __init__(
+        self,
+        num_samples: int,
+        *,
+        seq_length: int,
+        seed: int,
+        vocab_size: int,
+        eod: Optional[int],
+        mask: Optional[int] = None,
+        eod_mask_loss: bool = False,
+        stream: int = 0,
+    ):
         if num_samples < 0 or seq_length < 1 or vocab_size < 2:
-            raise ValueError(f"MockGPTDataset: need num_samples >= 0, seq_length >= 1, vocab_size >= 2 "
-                             f"(got {num_samples}, {seq_length}, {vocab_size})")
+            raise ValueError(
+                f"MockGPTDataset: need num_samples >= 0, seq_length >= 1, vocab_size >= 2 "
+                f"(got {num_samples}, {seq_length}, {vocab_size})"
+            )
         self.num_samples, self.seq_length, self.seed = int(num_samples), int(seq_length), int(seed)
         if eod_mask_loss and eod is None:
             raise ValueError("--eod-mask-loss needs a tokenizer with an end-of-document token")

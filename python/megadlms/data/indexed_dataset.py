@@ -86,8 +86,10 @@ class _Index:
             head = f.read(_HEADER_BYTES)
         where = f"index file {idx_path}"
         if len(head) < 9 and _INDEX_HEADER.startswith(head):
-            raise ValueError(f"{where} is truncated: {size} bytes, the header alone needs "
-                             f"{_HEADER_BYTES}; re-run the preprocessing that wrote it")
+            raise ValueError(
+                f"{where} is truncated: {size} bytes, the header alone needs "
+                f"{_HEADER_BYTES}; re-run the preprocessing that wrote it"
+            )
         if head[:9] != _INDEX_HEADER:
             raise ValueError(
                 f"{where} is not a Megatron indexed dataset: magic bytes {head[:9]!r} != "
@@ -95,27 +97,36 @@ class _Index:
                 "(or Megatron's tools/preprocess_data.py)"
             )
         if len(head) < _HEADER_BYTES:
-            raise ValueError(f"{where} is truncated: {size} bytes, the header alone needs "
-                             f"{_HEADER_BYTES}; re-run the preprocessing that wrote it")
+            raise ValueError(
+                f"{where} is truncated: {size} bytes, the header alone needs "
+                f"{_HEADER_BYTES}; re-run the preprocessing that wrote it"
+            )
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
         if version != 1:
-            raise ValueError(f"{where} has format version {version}; only version 1 "
-                             "(Megatron-core's) is supported")
+            raise ValueError(
+                f"{where} has format version {version}; only version 1 (Megatron-core's) is supported"
+            )
         if code not in DTYPE_CODES:
-            raise ValueError(f"{where} has unknown dtype code {code}; valid codes are 1..8 "
-                             "(uint8,int8,int16,int32,int64,float64,float32,uint16)")
+            raise ValueError(
+                f"{where} has unknown dtype code {code}; valid codes are 1..8 "
+                "(uint8,int8,int16,int32,int64,float64,float32,uint16)"
+            )
         self.dtype = np.dtype(DTYPE_CODES[code])
         expected = _HEADER_BYTES + n_seq * (4 + 8) + n_doc * 8
         if size < expected:
             raise ValueError(
                 f"{where} is truncated: header declares {n_seq} sequences and {n_doc - 1 if n_doc else 0} "
-                f"documents ({expected} bytes) but the file has {size} bytes")
+                f"documents ({expected} bytes) but the file has {size} bytes"
+            )
         if size not in (expected, expected + n_seq):  # + n_seq: Megatron's multimodal modes
-            raise ValueError(f"{where} has {size - expected} unexpected trailing bytes after "
-                             f"the document indices; it was not written by a Megatron-compatible tool")
+            raise ValueError(
+                f"{where} has {size - expected} unexpected trailing bytes after "
+                f"the document indices; it was not written by a Megatron-compatible tool"
+            )
         if n_doc < 1:
-            raise ValueError(f"{where} declares 0 document indices; a valid index holds at "
-                             "least the leading 0")
+            raise ValueError(
+                f"{where} declares 0 document indices; a valid index holds at least the leading 0"
+            )
         buf = _mmap(idx_path)
         off = _HEADER_BYTES
         self.sequence_lengths = np.frombuffer(buf, np.int32, n_seq, off)
@@ -126,8 +137,10 @@ class _Index:
         self._buf = buf
         docs = self.document_indices
         if docs[0] != 0 or docs[-1] != n_seq or (n_doc > 1 and np.any(np.diff(docs) < 0)):
-            raise ValueError(f"{where} is corrupt: document indices must rise from 0 to the "
-                             f"sequence count {n_seq} (got first={docs[0]}, last={docs[-1]})")
+            raise ValueError(
+                f"{where} is corrupt: document indices must rise from 0 to the "
+                f"sequence count {n_seq} (got first={docs[0]}, last={docs[-1]})"
+            )
         if n_seq:
             if self.sequence_lengths.min() < 0:
                 raise ValueError(f"{where} is corrupt: negative sequence length")
@@ -135,7 +148,8 @@ class _Index:
             if self.sequence_pointers[0] != 0 or end > bin_size:
                 raise ValueError(
                     f"{where} does not match its .bin: the last sequence ends at byte {end} but "
-                    f"the .bin has {bin_size} bytes (truncated .bin or index of another file)")
+                    f"the .bin has {bin_size} bytes (truncated .bin or index of another file)"
+                )
 
 
 class IndexedDataset:
@@ -156,7 +170,8 @@ class IndexedDataset:
         if missing:
             raise FileNotFoundError(
                 f"indexed dataset {path_prefix!r}: missing {', '.join(missing)}; --data-path takes "
-                "the prefix without .bin/.idx (e.g. data/kjv_text_document)")
+                "the prefix without .bin/.idx (e.g. data/kjv_text_document)"
+            )
         self.index = _Index(idx_path, os.path.getsize(bin_path))
         self._bin = _mmap(bin_path)
 
@@ -191,8 +206,10 @@ class IndexedDataset:
         if length is None:
             length = seq_len - offset
         if offset < 0 or length < 0 or offset + length > seq_len:
-            raise IndexError(f"{self.path_prefix}: tokens [{offset}, {offset + length}) are "
-                             f"outside sequence {idx} of length {seq_len}")
+            raise IndexError(
+                f"{self.path_prefix}: tokens [{offset}, {offset + length}) are "
+                f"outside sequence {idx} of length {seq_len}"
+            )
         ptr = int(self.index.sequence_pointers[idx]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, self.dtype, length, ptr)
 
@@ -242,7 +259,8 @@ class IndexedDatasetBuilder:
             if lo < info.min or hi > info.max:
                 raise ValueError(
                     f"{self.bin_path}: token ids span [{lo}, {hi}] but the dataset dtype "
-                    f"{self.dtype.name} holds [{info.min}, {info.max}]; use a wider dtype")
+                    f"{self.dtype.name} holds [{info.min}, {info.max}]; use a wider dtype"
+                )
         return np.ascontiguousarray(arr.reshape(-1), dtype=self.dtype)
 
     def add_item(self, tokens) -> None:
@@ -259,8 +277,9 @@ class IndexedDatasetBuilder:
         arr = self._as_array(tokens)
         lengths = [int(n) for n in lengths]
         if sum(lengths) != arr.size or any(n < 0 for n in lengths):
-            raise ValueError(f"{self.bin_path}: document has {arr.size} tokens but lengths "
-                             f"{lengths} sum to {sum(lengths)}")
+            raise ValueError(
+                f"{self.bin_path}: document has {arr.size} tokens but lengths {lengths} sum to {sum(lengths)}"
+            )
         self._file.write(arr.tobytes(order="C"))
         self.sequence_lengths.extend(lengths)
         self.document_indices.append(len(self.sequence_lengths))
@@ -269,8 +288,9 @@ class IndexedDatasetBuilder:
         """Append a whole existing dataset (same dtype), as Megatron's merge tool does."""
         other = IndexedDataset(path_prefix)
         if other.dtype != self.dtype:
-            raise ValueError(f"cannot merge {path_prefix} ({other.dtype.name}) into "
-                             f"{self.bin_path} ({self.dtype.name})")
+            raise ValueError(
+                f"cannot merge {path_prefix} ({other.dtype.name}) into {self.bin_path} ({self.dtype.name})"
+            )
         base = len(self.sequence_lengths)
         self.sequence_lengths.extend(int(n) for n in other.sequence_lengths)
         self.document_indices.extend(int(d) + base for d in other.document_indices[1:])
@@ -287,8 +307,9 @@ class IndexedDatasetBuilder:
         self._file.close()
         lengths = np.asarray(self.sequence_lengths, dtype=np.int64)
         if lengths.size and lengths.max() > np.iinfo(np.int32).max:
-            raise ValueError(f"{self.bin_path}: a sequence has {lengths.max()} tokens; the .idx "
-                             "stores lengths as int32")
+            raise ValueError(
+                f"{self.bin_path}: a sequence has {lengths.max()} tokens; the .idx stores lengths as int32"
+            )
         pointers = np.zeros(lengths.size, dtype=np.int64)
         if lengths.size > 1:
             np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])

@@ -30,11 +30,21 @@ from .tokenizers import SUPPORTED_TOKENIZERS, build_tokenizer
 _worker_state: Dict[str, object] = {}
 
 
-def _init_worker(tokenizer_type: str, tokenizer_model: Optional[str], json_keys: Sequence[str],
-                 append_eod: bool, input_path: str) -> None:
+def _init_worker(
+    tokenizer_type: str,
+    tokenizer_model: Optional[str],
+    json_keys: Sequence[str],
+    append_eod: bool,
+    input_path: str,
+) -> None:
     tok = build_tokenizer(tokenizer_type, tokenizer_model)
-    _worker_state.update(tok=tok, keys=list(json_keys), append_eod=append_eod, input=input_path,
-                         eod=tok.eod if append_eod else None)
+    _worker_state.update(
+        tok=tok,
+        keys=list(json_keys),
+        append_eod=append_eod,
+        input=input_path,
+        eod=tok.eod if append_eod else None,
+    )
 
 
 def _encode(item: Tuple[int, str]) -> Tuple[int, Dict[str, np.ndarray]]:
@@ -61,30 +71,43 @@ def _encode(item: Tuple[int, str]) -> Tuple[int, Dict[str, np.ndarray]]:
 
 
 def _lines(path: str):
-    with open(path, "r", encoding="utf-8") as f:
+    with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if line.strip():
                 yield lineno, line
 
 
 def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="megadlms-preprocess", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="megadlms-preprocess",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     g = p.add_argument_group("input data")
     g.add_argument("--input", required=True, help="JSON-lines file, one document per line")
-    g.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys of the JSON objects to tokenize (one output dataset each)")
+    g.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="keys of the JSON objects to tokenize (one output dataset each)",
+    )
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", default="ByteTokenizer", choices=SUPPORTED_TOKENIZERS,
-                   help="tokenizer to use (default ByteTokenizer)")
-    g.add_argument("--tokenizer-model", default=None,
-                   help="tokenizer.json (or its directory) for HuggingFaceTokenizer")
+    g.add_argument(
+        "--tokenizer-type",
+        default="ByteTokenizer",
+        choices=SUPPORTED_TOKENIZERS,
+        help="tokenizer to use (default ByteTokenizer)",
+    )
+    g.add_argument(
+        "--tokenizer-model", default=None, help="tokenizer.json (or its directory) for HuggingFaceTokenizer"
+    )
     g.add_argument("--append-eod", action="store_true", help="append the eod token to every document")
     g = p.add_argument_group("output data")
-    g.add_argument("--output-prefix", required=True,
-                   help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument("--output-prefix", required=True, help="writes {prefix}_{key}_document.bin/.idx")
     g = p.add_argument_group("runtime")
-    g.add_argument("--workers", type=int, default=1, help="tokenizer processes (output is identical for any value)")
+    g.add_argument(
+        "--workers", type=int, default=1, help="tokenizer processes (output is identical for any value)"
+    )
     g.add_argument("--log-interval", type=int, default=10000, help="report progress every N documents")
     args = p.parse_args(argv)
     if args.workers < 1:
@@ -122,8 +145,11 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
                 builders[k].add_document(ids, [ids.size])
             if n % args.log_interval == 0:
                 dt = max(time.time() - t0, 1e-9)
-                print(f"processed {n} documents ({n / dt:.0f} docs/s, {total_bytes / dt / 2**20:.2f} MB/s)",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"processed {n} documents ({n / dt:.0f} docs/s, {total_bytes / dt / 2**20:.2f} MB/s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
     except BaseException:
         for k, b in builders.items():  # leave no half-written .bin behind
             b.close()
@@ -135,8 +161,12 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
             pool.terminate()
     for k, b in builders.items():
         b.finalize(prefixes[k] + ".idx")
-    print(f"wrote {n} documents to {', '.join(p + '.bin/.idx' for p in prefixes.values())} "
-          f"({time.time() - t0:.1f} s)", file=sys.stderr, flush=True)
+    print(
+        f"wrote {n} documents to {', '.join(p + '.bin/.idx' for p in prefixes.values())} "
+        f"({time.time() - t0:.1f} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     return prefixes
 
 

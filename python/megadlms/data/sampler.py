@@ -18,13 +18,22 @@ import torch
 class PretrainingSampler:
     """Yields this rank's micro-batches as lists of global sample indices (a batch_sampler)."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
-                 data_parallel_rank: int, data_parallel_size: int, drop_last: bool = True):
+    def __init__(
+        self,
+        total_samples: int,
+        consumed_samples: int,
+        micro_batch_size: int,
+        data_parallel_rank: int,
+        data_parallel_size: int,
+        drop_last: bool = True,
+    ):
         if total_samples <= 0:
             raise ValueError(f"PretrainingSampler: no samples to draw (total_samples={total_samples})")
         if not 0 <= consumed_samples < total_samples:
-            raise ValueError(f"PretrainingSampler: consumed_samples {consumed_samples} must be in "
-                             f"[0, {total_samples}) (the dataset is exhausted; build more samples)")
+            raise ValueError(
+                f"PretrainingSampler: consumed_samples {consumed_samples} must be in "
+                f"[0, {total_samples}) (the dataset is exhausted; build more samples)"
+            )
         if micro_batch_size <= 0:
             raise ValueError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
         if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
@@ -51,22 +60,37 @@ class PretrainingSampler:
             start += self._global
         if not self.drop_last and start < self.total_samples:
             # Megatron yields this rank's slice of the final partial global batch (may be empty)
-            batch = list(range(start, self.total_samples))[lo:lo + self.micro_batch_size]
+            batch = list(range(start, self.total_samples))[lo : lo + self.micro_batch_size]
             if batch:
                 yield batch
 
 
-def build_pretraining_data_loader(dataset, consumed_samples: int, micro_batch_size: int,
-                                  data_parallel_rank: int, data_parallel_size: int,
-                                  num_workers: int = 0, drop_last: bool = True,
-                                  total_samples: Optional[int] = None):
+def build_pretraining_data_loader(
+    dataset,
+    consumed_samples: int,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    num_workers: int = 0,
+    drop_last: bool = True,
+    total_samples: Optional[int] = None,
+):
     """A DataLoader over ``dataset`` with PretrainingSampler; batches are dicts of stacked
     tensors including ``sample_idx`` int64[b]. None if ``dataset`` is None."""
     if dataset is None:
         return None
-    sampler = PretrainingSampler(len(dataset) if total_samples is None else total_samples,
-                                 consumed_samples, micro_batch_size, data_parallel_rank,
-                                 data_parallel_size, drop_last)
-    return torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=num_workers,
-                                       pin_memory=torch.cuda.is_available(),
-                                       persistent_workers=num_workers > 0)
+    sampler = PretrainingSampler(
+        len(dataset) if total_samples is None else total_samples,
+        consumed_samples,
+        micro_batch_size,
+        data_parallel_rank,
+        data_parallel_size,
+        drop_last,
+    )
+    return torch.utils.data.DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=num_workers,
+        pin_memory=torch.cuda.is_available(),
+        persistent_workers=num_workers > 0,
+    )

@@ -29,11 +29,15 @@ def _resolve_mask(mask_token: Union[str, int], token_to_id, vocab_size: int, whe
         if text.lstrip("-").isdigit():
             tid = int(text)
             if not 0 <= tid < vocab_size:
-                raise ValueError(f"--mask-token {mask_token!r}: id {tid} is outside the vocabulary "
-                                 f"of {where} (ids 0..{vocab_size - 1})")
+                raise ValueError(
+                    f"--mask-token {mask_token!r}: id {tid} is outside the vocabulary "
+                    f"of {where} (ids 0..{vocab_size - 1})"
+                )
         else:
-            raise ValueError(f"--mask-token {mask_token!r} is not a token of {where}; pass a token "
-                             "string that is in its vocabulary or a token id")
+            raise ValueError(
+                f"--mask-token {mask_token!r} is not a token of {where}; pass a token "
+                "string that is in its vocabulary or a token id"
+            )
     return int(tid)
 
 
@@ -46,8 +50,7 @@ class ByteTokenizer:
     def __init__(self, mask_token: Optional[Union[str, int]] = None):
         self._mask = self.MASK
         if mask_token is not None:
-            self._mask = _resolve_mask(mask_token, self._SPECIAL.get, self.vocab_size,
-                                       "ByteTokenizer")
+            self._mask = _resolve_mask(mask_token, self._SPECIAL.get, self.vocab_size, "ByteTokenizer")
 
     @property
     def vocab_size(self) -> int:
@@ -94,12 +97,14 @@ class HuggingFaceTokenizer:
         if not path or not os.path.isfile(path):
             raise FileNotFoundError(
                 f"--tokenizer-model {tokenizer_json_path!r}: no tokenizer.json there; pass the "
-                "path of a Hugging Face tokenizer.json (or the directory that holds it)")
+                "path of a Hugging Face tokenizer.json (or the directory that holds it)"
+            )
         try:
             from tokenizers import Tokenizer
         except ImportError as exc:  # pragma: no cover - install-time guard
-            raise RuntimeError("HuggingFaceTokenizer needs the `tokenizers` package: "
-                               "pip install tokenizers") from exc
+            raise RuntimeError(
+                "HuggingFaceTokenizer needs the `tokenizers` package: pip install tokenizers"
+            ) from exc
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as exc:  # tokenizers raises a bare Exception on parse errors
@@ -137,8 +142,10 @@ class HuggingFaceTokenizer:
     @property
     def eod(self) -> int:
         if self._eod is None:
-            raise RuntimeError(f"{self.path} has none of the end-of-document tokens {_EOD_NAMES}; "
-                               "add one to the tokenizer (needed by --append-eod and eod masking)")
+            raise RuntimeError(
+                f"{self.path} has none of the end-of-document tokens {_EOD_NAMES}; "
+                "add one to the tokenizer (needed by --append-eod and eod masking)"
+            )
         return self._eod
 
     eos = eod
@@ -150,20 +157,27 @@ class HuggingFaceTokenizer:
     @property
     def mask(self) -> int:
         if self._mask is None:
-            raise RuntimeError(f"{self.path} has none of the mask tokens {_MASK_NAMES}; a diffusion "
-                               "LM needs one: pass --mask-token TOKEN_OR_ID")
+            raise RuntimeError(
+                f"{self.path} has none of the mask tokens {_MASK_NAMES}; a diffusion "
+                "LM needs one: pass --mask-token TOKEN_OR_ID"
+            )
         return self._mask
 
     mask_token_id = mask
 
     def __repr__(self) -> str:
-        return (f"HuggingFaceTokenizer({self.path!r}, vocab_size={self._vocab_size}, "
-                f"eod={self._eod}, mask={self._mask}, pad={self._pad})")
+        return (
+            f"HuggingFaceTokenizer({self.path!r}, vocab_size={self._vocab_size}, "
+            f"eod={self._eod}, mask={self._mask}, pad={self._pad})"
+        )
 
 
-def build_tokenizer(tokenizer_type: str = "ByteTokenizer", tokenizer_model: Optional[str] = None,
-                    mask_token: Optional[Union[str, int]] = None,
-                    vocab_size: Optional[int] = None):
+def build_tokenizer(
+    tokenizer_type: str = "ByteTokenizer",
+    tokenizer_model: Optional[str] = None,
+    mask_token: Optional[Union[str, int]] = None,
+    vocab_size: Optional[int] = None,
+):
     """Tokenizer from Megatron-style flags (--tokenizer-type, --tokenizer-model, --mask-token).
 
     ``vocab_size`` (--vocab-size), when given, must hold every id of the tokenizer; the model
@@ -173,15 +187,20 @@ def build_tokenizer(tokenizer_type: str = "ByteTokenizer", tokenizer_model: Opti
         tok = ByteTokenizer(mask_token=mask_token)
     elif tokenizer_type == "HuggingFaceTokenizer":
         if tokenizer_model is None:
-            raise ValueError("--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model "
-                             "PATH/TO/tokenizer.json")
+            raise ValueError(
+                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/TO/tokenizer.json"
+            )
         tok = HuggingFaceTokenizer(tokenizer_model, mask_token=mask_token)
     else:
-        raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not supported; use one of "
-                         f"{', '.join(SUPPORTED_TOKENIZERS)} (Megatron's GPT2BPETokenizer / "
-                         "HuggingFace models: export their tokenizer.json and use "
-                         "HuggingFaceTokenizer)")
+        raise ValueError(
+            f"--tokenizer-type {tokenizer_type!r} is not supported; use one of "
+            f"{', '.join(SUPPORTED_TOKENIZERS)} (Megatron's GPT2BPETokenizer / "
+            "HuggingFace models: export their tokenizer.json and use "
+            "HuggingFaceTokenizer)"
+        )
     if vocab_size is not None and vocab_size < tok.vocab_size:
-        raise ValueError(f"--vocab-size {vocab_size} is smaller than the {tokenizer_type}'s "
-                         f"{tok.vocab_size} ids; drop --vocab-size or raise it")
+        raise ValueError(
+            f"--vocab-size {vocab_size} is smaller than the {tokenizer_type}'s "
+            f"{tok.vocab_size} ids; drop --vocab-size or raise it"
+        )
     return tok

@@ -49,9 +49,19 @@ from .noise import counter_uniform, forward_process, varilen_length
 from .sampler import add_gumbel_noise, generate, get_num_transfer_tokens
 
 __all__ = [
-    "DiffusionConfig", "MODEL_RUNNING_MODES", "P_MASK_MODES",
-    "forward_process", "varilen_length", "counter_uniform",
-    "diffusion_loss", "ar_loss", "compute_loss", "check_model_for_mode",
-    "validation_nelbo", "validation_times",
-    "generate", "get_num_transfer_tokens", "add_gumbel_noise",
+    "DiffusionConfig",
+    "MODEL_RUNNING_MODES",
+    "P_MASK_MODES",
+    "forward_process",
+    "varilen_length",
+    "counter_uniform",
+    "diffusion_loss",
+    "ar_loss",
+    "compute_loss",
+    "check_model_for_mode",
+    "validation_nelbo",
+    "validation_times",
+    "generate",
+    "get_num_transfer_tokens",
+    "add_gumbel_noise",
 ]

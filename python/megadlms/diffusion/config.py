@@ -32,8 +32,9 @@ class DiffusionConfig:
 
     def __post_init__(self) -> None:
         if self.model_running_mode not in MODEL_RUNNING_MODES:
-            raise ValueError(f"--model-running-mode must be one of {MODEL_RUNNING_MODES}, "
-                             f"got {self.model_running_mode!r}")
+            raise ValueError(
+                f"--model-running-mode must be one of {MODEL_RUNNING_MODES}, got {self.model_running_mode!r}"
+            )
         if self.p_mask not in P_MASK_MODES:
             raise ValueError(f"--difflm-p-mask must be one of {P_MASK_MODES}, got {self.p_mask!r}")
         if not 0.0 <= self.mask_eps < 1.0:
@@ -41,13 +42,17 @@ class DiffusionConfig:
         if not 0.0 <= self.varilen_prob <= 1.0:
             raise ValueError(f"--difflm-varilen-prob must be in [0, 1], got {self.varilen_prob}")
         if self.model_running_mode == "difflm-noshift" and self.mask_token_id < 0:
-            raise ValueError("difflm-noshift needs the [MASK] token id (--mask-token / the "
-                             f"tokenizer's mask id), got mask_token_id={self.mask_token_id}")
+            raise ValueError(
+                "difflm-noshift needs the [MASK] token id (--mask-token / the "
+                f"tokenizer's mask id), got mask_token_id={self.mask_token_id}"
+            )
         if not isinstance(self.seed, int):
             raise ValueError(f"--seed must be an integer, got {self.seed!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if the [MASK] id cannot be embedded by a model with ``vocab_size`` rows."""
         if self.model_running_mode == "difflm-noshift" and not 0 <= self.mask_token_id < vocab_size:
-            raise ValueError(f"mask token id {self.mask_token_id} (--mask-token) is outside the "
-                             f"model vocabulary [0, {vocab_size}); check --vocab-size/--mask-token")
+            raise ValueError(
+                f"mask token id {self.mask_token_id} (--mask-token) is outside the "
+                f"model vocabulary [0, {vocab_size}); check --vocab-size/--mask-token"
+            )

@@ -13,8 +13,12 @@ from .loss import ar_loss, check_model_for_mode, diffusion_loss
 from .noise import TAG_VALID_TIME, counter_uniform, forward_process
 
 
-def validation_times(seed: int, sample_idx: torch.Tensor, draw: int, num_mc_samples: int,
-                     ) -> torch.Tensor:
+def validation_times(
+    seed: int,
+    sample_idx: torch.Tensor,
+    draw: int,
+    num_mc_samples: int,
+) -> torch.Tensor:
     """Stratified t of Monte Carlo draw k: (k + u(seed, sample, k)) / K, float64 [b].
 
     Each of the K strata of [0, 1) gets exactly one t per sample, which removes most of the
@@ -25,9 +29,13 @@ def validation_times(seed: int, sample_idx: torch.Tensor, draw: int, num_mc_samp
 
 
 @torch.no_grad()
-def validation_nelbo(model: torch.nn.Module, batches: Iterable[Dict[str, torch.Tensor]],
-                     config: DiffusionConfig, num_mc_samples: int = 8,
-                     seed: Optional[int] = None) -> Dict[str, float]:
+def validation_nelbo(
+    model: torch.nn.Module,
+    batches: Iterable[Dict[str, torch.Tensor]],
+    config: DiffusionConfig,
+    num_mc_samples: int = 8,
+    seed: Optional[int] = None,
+) -> Dict[str, float]:
     """Per-token negative ELBO over ``batches`` (dicts as for ``compute_loss``).
 
     difflm-noshift: for every sample K masked copies with stratified t (see
@@ -66,16 +74,18 @@ def validation_nelbo(model: torch.nn.Module, batches: Iterable[Dict[str, torch.T
                 t = validation_times(seed, sample_idx, k, num_mc_samples)
                 # draw k+1: training uses draw 0, so validation masks never alias training ones.
                 noisy, masked, p_mask = forward_process(
-                    clean, sample_idx, config, loss_mask, t=t, draw=k + 1, p_mask_mode="sampled")
-                loss_sum, num_tokens = diffusion_loss(model(noisy, position_ids), clean, masked,
-                                                      p_mask, loss_mask)
+                    clean, sample_idx, config, loss_mask, t=t, draw=k + 1, p_mask_mode="sampled"
+                )
+                loss_sum, num_tokens = diffusion_loss(
+                    model(noisy, position_ids), clean, masked, p_mask, loss_mask
+                )
                 total += loss_sum.double().item() / num_mc_samples
             count += num_tokens.double().item()
     finally:
         model.train(was_training)
     if count <= 0:
-        raise ValueError("validation_nelbo got no loss tokens: empty validation data or an "
-                         "all-zero loss_mask")
+        raise ValueError(
+            "validation_nelbo got no loss tokens: empty validation data or an all-zero loss_mask"
+        )
     nelbo = total / count
-    return {"nelbo": nelbo, "ppl_bound": math.exp(min(nelbo, 700.0)),
-            "loss_sum": total, "num_tokens": count}
+    return {"nelbo": nelbo, "ppl_bound": math.exp(min(nelbo, 700.0)), "loss_sum": total, "num_tokens": count}

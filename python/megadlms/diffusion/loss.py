@@ -17,9 +17,13 @@ def _num_tokens(reference: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> t
     return loss_mask.to(torch.float32).sum()
 
 
-def diffusion_loss(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Tensor,
-                   p_mask: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-                   ) -> Tuple[torch.Tensor, torch.Tensor]:
+def diffusion_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    masked: torch.Tensor,
+    p_mask: torch.Tensor,
+    loss_mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Masked-diffusion loss: (sum over masked loss tokens of CE / p_mask, number of loss tokens).
 
     logits [b,S,V] (any float dtype; CE is taken in fp32), tokens int64 [b,S] (the clean
@@ -28,8 +32,10 @@ def diffusion_loss(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Ten
     indexing), so the fp32 copy is ~p of the logits. Returns two 0-d fp32 tensors.
     """
     if logits.shape[:2] != tokens.shape or masked.shape != tokens.shape:
-        raise ValueError(f"shape mismatch: logits {tuple(logits.shape)}, tokens "
-                         f"{tuple(tokens.shape)}, masked {tuple(masked.shape)}")
+        raise ValueError(
+            f"shape mismatch: logits {tuple(logits.shape)}, tokens "
+            f"{tuple(tokens.shape)}, masked {tuple(masked.shape)}"
+        )
     weight = masked.to(torch.float32) / p_mask.to(torch.float32)
     if loss_mask is not None:
         weight = weight * loss_mask.to(torch.float32)
@@ -38,8 +44,11 @@ def diffusion_loss(logits: torch.Tensor, tokens: torch.Tensor, masked: torch.Ten
     return (ce * weight[sel]).sum(), _num_tokens(tokens, loss_mask)
 
 
-def ar_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: Optional[torch.Tensor] = None,
-            ) -> Tuple[torch.Tensor, torch.Tensor]:
+def ar_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    loss_mask: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Autoregressive loss on already-shifted labels: (sum of CE * loss_mask, loss tokens)."""
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"shape mismatch: logits {tuple(logits.shape)}, labels {tuple(labels.shape)}")
@@ -61,15 +70,18 @@ def check_model_for_mode(model: torch.nn.Module, config: DiffusionConfig) -> Non
     base = _base_model(model)
     attention = getattr(base, "attention", None)
     if config.model_running_mode == "vanilla" and attention == "bidirectional":
-        raise ValueError("--model-running-mode vanilla needs a causal model: a bidirectional "
-                         "model sees the next token it is asked to predict")
+        raise ValueError(
+            "--model-running-mode vanilla needs a causal model: a bidirectional "
+            "model sees the next token it is asked to predict"
+        )
     model_config = getattr(base, "config", None)
     if model_config is not None and hasattr(model_config, "vocab_size"):
         config.check_vocab(model_config.vocab_size)
 
 
-def compute_loss(model: torch.nn.Module, batch: Dict[str, torch.Tensor], config: DiffusionConfig,
-                 iteration: int) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, object]]:
+def compute_loss(
+    model: torch.nn.Module, batch: Dict[str, torch.Tensor], config: DiffusionConfig, iteration: int
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, object]]:
     """One micro-batch: (loss_sum 0-d fp32, num_loss_tokens 0-d, stats).
 
     batch: "tokens", "labels" (= text[1:]), "loss_mask", "position_ids", "sample_idx".
@@ -90,8 +102,10 @@ def compute_loss(model: torch.nn.Module, batch: Dict[str, torch.Tensor], config:
         return loss_sum, num_tokens, {"seq_length": tokens.shape[1]}
     clean = batch["labels"]
     if "sample_idx" not in batch:
-        raise ValueError("difflm-noshift needs batch['sample_idx'] (the global sample indices "
-                         "that seed the noise); use the data package's collate")
+        raise ValueError(
+            "difflm-noshift needs batch['sample_idx'] (the global sample indices "
+            "that seed the noise); use the data package's collate"
+        )
     seq_length = clean.shape[1]
     crop = varilen_length(config.seed, iteration, seq_length, config.varilen_prob)
     if crop is not None:

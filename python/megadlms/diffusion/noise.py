@@ -30,10 +30,10 @@ _M1 = _signed(0xBF58476D1CE4E5B9)
 _M2 = _signed(0x94D049BB133111EB)
 
 # Stream tags keep the independent draws of one sample apart.
-TAG_TIME = 1          # t of a sample
-TAG_MASK = 2          # per-position mask uniforms
-TAG_VARILEN = 3       # per-iteration crop decision and length
-TAG_VALID_TIME = 4    # stratified t of validation draws
+TAG_TIME = 1  # t of a sample
+TAG_MASK = 2  # per-position mask uniforms
+TAG_VARILEN = 3  # per-iteration crop decision and length
+TAG_VALID_TIME = 4  # stratified t of validation draws
 
 
 def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -48,8 +48,9 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return z ^ _srl(z, 31)
 
 
-def counter_uniform(seed: int, tag: int, *keys: torch.Tensor,
-                    device: Optional[torch.device] = None) -> torch.Tensor:
+def counter_uniform(
+    seed: int, tag: int, *keys: torch.Tensor, device: Optional[torch.device] = None
+) -> torch.Tensor:
     """Uniforms in [0, 1) (float64), one per element of the broadcast of ``keys``.
 
     keys: int64 tensors (or Python ints) that broadcast together; the result depends on
@@ -63,7 +64,7 @@ def counter_uniform(seed: int, tag: int, *keys: torch.Tensor,
         if not isinstance(key, torch.Tensor):
             key = torch.tensor(key, dtype=torch.int64, device=device)
         h = _mix(h ^ key.to(device=device, dtype=torch.int64))
-    return _srl(h, 11).to(torch.float64) * (2.0 ** -53)
+    return _srl(h, 11).to(torch.float64) * (2.0**-53)
 
 
 def varilen_length(seed: int, iteration: int, seq_length: int, prob: float) -> Optional[int]:
@@ -80,10 +81,16 @@ def varilen_length(seed: int, iteration: int, seq_length: int, prob: float) -> O
     return 2 + min(int(u[1].item() * (seq_length - 1)), seq_length - 2)
 
 
-def forward_process(tokens: torch.Tensor, sample_idx: torch.Tensor, config: DiffusionConfig,
-                    loss_mask: Optional[torch.Tensor] = None, *, t: Optional[torch.Tensor] = None,
-                    draw: int = 0, p_mask_mode: Optional[str] = None,
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward_process(
+    tokens: torch.Tensor,
+    sample_idx: torch.Tensor,
+    config: DiffusionConfig,
+    loss_mask: Optional[torch.Tensor] = None,
+    *,
+    t: Optional[torch.Tensor] = None,
+    draw: int = 0,
+    p_mask_mode: Optional[str] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mask ``tokens`` [b, S] (int64) with the masked-diffusion forward process.
 
     Row i draws t_i ~ U(0, 1) from (seed, sample_idx[i]) (or takes ``t[i]``), sets

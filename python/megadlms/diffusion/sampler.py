@@ -37,8 +37,9 @@ def get_num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tenso
     return base + (step_ids < rem).to(torch.int64)
 
 
-def add_gumbel_noise(logits: torch.Tensor, temperature: float,
-                     generator: Optional[torch.Generator] = None) -> torch.Tensor:
+def add_gumbel_noise(
+    logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None
+) -> torch.Tensor:
     """Scores whose argmax samples softmax(logits / temperature): exp(l) / (-log u)^T in
     float64 (low-precision Gumbel-max hurts generation quality, arXiv:2409.02908)."""
     if temperature == 0:
@@ -49,11 +50,20 @@ def add_gumbel_noise(logits: torch.Tensor, temperature: float,
 
 
 @torch.no_grad()
-def generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_token_id: int,
-             gen_length: int = 128, steps: int = 128, block_length: int = 128,
-             temperature: float = 0.0, remasking: str = "low_confidence", cfg_scale: float = 0.0,
-             generator: Optional[torch.Generator] = None, seed: Optional[int] = None,
-             ) -> torch.Tensor:
+def generate(
+    model: torch.nn.Module,
+    prompt: torch.Tensor,
+    *,
+    mask_token_id: int,
+    gen_length: int = 128,
+    steps: int = 128,
+    block_length: int = 128,
+    temperature: float = 0.0,
+    remasking: str = "low_confidence",
+    cfg_scale: float = 0.0,
+    generator: Optional[torch.Generator] = None,
+    seed: Optional[int] = None,
+) -> torch.Tensor:
     """Complete ``prompt`` int64 [b, P] with ``gen_length`` tokens -> int64 [b, P + gen_length].
 
     ``model(x) -> logits [b, S, V]`` must be a bidirectional mask predictor. Randomness
@@ -64,15 +74,17 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_token_id: int
     if prompt.dim() != 2:
         raise ValueError(f"prompt must be int64 [batch, length], got shape {tuple(prompt.shape)}")
     if gen_length <= 0 or block_length <= 0 or steps <= 0:
-        raise ValueError(f"gen_length ({gen_length}), block_length ({block_length}) and steps "
-                         f"({steps}) must be positive")
+        raise ValueError(
+            f"gen_length ({gen_length}), block_length ({block_length}) and steps ({steps}) must be positive"
+        )
     if gen_length % block_length:
-        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length "
-                         f"({block_length})")
+        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
     num_blocks = gen_length // block_length
     if steps % num_blocks:
-        raise ValueError(f"steps ({steps}) must be a multiple of the number of blocks "
-                         f"gen_length/block_length = {num_blocks}")
+        raise ValueError(
+            f"steps ({steps}) must be a multiple of the number of blocks "
+            f"gen_length/block_length = {num_blocks}"
+        )
     if remasking not in REMASKING:
         raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
     if temperature < 0 or cfg_scale < 0:
@@ -82,8 +94,9 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_token_id: int
         base = base.module
     vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
     if vocab_size is not None and not 0 <= mask_token_id < vocab_size:
-        raise ValueError(f"mask_token_id {mask_token_id} (--mask-token) is outside the model's "
-                         f"vocabulary of {vocab_size}")
+        raise ValueError(
+            f"mask_token_id {mask_token_id} (--mask-token) is outside the model's vocabulary of {vocab_size}"
+        )
     device = prompt.device
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
@@ -110,8 +123,10 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_token_id: int
                 else:
                     logits = model(x)
                 if not 0 <= mask_token_id < logits.shape[-1]:
-                    raise ValueError(f"mask_token_id {mask_token_id} (--mask-token) is outside "
-                                     f"the model's vocabulary of {logits.shape[-1]}")
+                    raise ValueError(
+                        f"mask_token_id {mask_token_id} (--mask-token) is outside "
+                        f"the model's vocabulary of {logits.shape[-1]}"
+                    )
                 logits = logits.clone()
                 logits[..., mask_token_id] = float("-inf")
                 x0 = add_gumbel_noise(logits, temperature, generator).argmax(dim=-1)
@@ -119,8 +134,7 @@ def generate(model: torch.nn.Module, prompt: torch.Tensor, *, mask_token_id: int
                     probs = F.softmax(logits.to(torch.float64), dim=-1)
                     conf = probs.gather(-1, x0[..., None]).squeeze(-1)
                 else:
-                    conf = torch.rand(x0.shape, dtype=torch.float64, device=device,
-                                      generator=generator)
+                    conf = torch.rand(x0.shape, dtype=torch.float64, device=device, generator=generator)
                 conf[:, end:] = float("-inf")  # later blocks wait their turn
                 x0 = torch.where(mask_index, x0, x)
                 conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))

@@ -113,14 +113,18 @@ class NcclExtCommunicator:
     supports_avg = True
 
     def __init__(self, group) -> None:
-        fix = ("use comm_backend='torch' (--comm-backend torch), or run on CUDA devices with "
-               "megadlm_ext built with CUDA and a loadable libnccl.so.2")
+        fix = (
+            "use comm_backend='torch' (--comm-backend torch), or run on CUDA devices with "
+            "megadlm_ext built with CUDA and a loadable libnccl.so.2"
+        )
         if not torch.cuda.is_available():
             raise RuntimeError(f"comm_backend='nccl_ext' needs a CUDA device, and none is available: {fix}")
         try:
             from megadlm_ext import nccl as ext_nccl
         except ImportError as exc:
-            raise RuntimeError(f"comm_backend='nccl_ext': megadlm_ext.nccl is unavailable ({exc}): {fix}") from exc
+            raise RuntimeError(
+                f"comm_backend='nccl_ext': megadlm_ext.nccl is unavailable ({exc}): {fix}"
+            ) from exc
         if not ext_nccl.available():
             raise RuntimeError(f"comm_backend='nccl_ext': this megadlm_ext build has no NCCL: {fix}")
         self.world_size = dist.get_world_size(group)
@@ -158,8 +162,10 @@ def build_communicator(backend: str, group):
         raise ValueError(f"comm_backend must be 'torch' or 'nccl_ext', got {backend!r}")
     if backend == "nccl_ext":
         if group is None:
-            raise RuntimeError("comm_backend='nccl_ext' needs an initialised process group "
-                               "(launch with torchrun) to broadcast the NCCL unique id")
+            raise RuntimeError(
+                "comm_backend='nccl_ext' needs an initialised process group "
+                "(launch with torchrun) to broadcast the NCCL unique id"
+            )
         return NcclExtCommunicator(group)
     if group is None or dist.get_world_size(group) == 1:
         return LocalCommunicator()

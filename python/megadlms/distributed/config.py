@@ -36,5 +36,7 @@ class DistributedDataParallelConfig:
         if self.bucket_size is not None and self.bucket_size <= 0:
             raise ValueError(f"bucket_size must be positive (--ddp-bucket-size), got {self.bucket_size}")
         if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError("overlap_param_gather requires use_distributed_optimizer "
-                             "(--overlap-param-gather needs --use-distributed-optimizer)")
+            raise ValueError(
+                "overlap_param_gather requires use_distributed_optimizer "
+                "(--overlap-param-gather needs --use-distributed-optimizer)"
+            )

@@ -56,8 +56,13 @@ class DistributedDataParallel(torch.nn.Module):
         process_group: data-parallel group; WORLD when None (one process if none is initialised).
     """
 
-    def __init__(self, module: torch.nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None,
-                 *, process_group=None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        ddp_config: Optional[DistributedDataParallelConfig] = None,
+        *,
+        process_group=None,
+    ) -> None:
         super().__init__()
         self.module = module
         cfg = dataclasses.replace(ddp_config) if ddp_config is not None else DistributedDataParallelConfig()
@@ -72,7 +77,7 @@ class DistributedDataParallel(torch.nn.Module):
         self._fold_scale = 1.0 if self._avg_in_collective else 1.0 / self.dp_size
 
         names: Dict[torch.nn.Parameter, str] = {}
-        for name, p in module.named_parameters():   # deduplicated: tied weights once
+        for name, p in module.named_parameters():  # deduplicated: tied weights once
             if p.requires_grad:
                 names[p] = name
         groups: Dict[tuple, List[torch.nn.Parameter]] = {}
@@ -82,10 +87,15 @@ class DistributedDataParallel(torch.nn.Module):
         self.buffers_: List[ParamAndGradBuffer] = []
         self.buckets: List[Bucket] = []
         for (_, gdtype), params in groups.items():
-            buf = ParamAndGradBuffer(params, [names[p] for p in params], grad_dtype=gdtype,
-                                     bucket_size=cfg.bucket_size, dp_size=self.dp_size,
-                                     use_distributed_optimizer=cfg.use_distributed_optimizer,
-                                     first_bucket_index=len(self.buckets))
+            buf = ParamAndGradBuffer(
+                params,
+                [names[p] for p in params],
+                grad_dtype=gdtype,
+                bucket_size=cfg.bucket_size,
+                dp_size=self.dp_size,
+                use_distributed_optimizer=cfg.use_distributed_optimizer,
+                first_bucket_index=len(self.buckets),
+            )
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         self.param_names = names
@@ -114,7 +124,8 @@ class DistributedDataParallel(torch.nn.Module):
             raise RuntimeError(
                 f"parameter {self.param_names[param]} got a gradient after bucket {bucket.index}'s "
                 "collective was launched: run one backward per step outside no_sync(), and call "
-                "zero_grad_buffer() (or optimizer.zero_grad()) before the next step")
+                "zero_grad_buffer() (or optimizer.zero_grad()) before the next step"
+            )
         bucket.ready.add(param)
         if len(bucket.ready) == len(bucket.params):
             self._fold(bucket)
@@ -155,11 +166,13 @@ class DistributedDataParallel(torch.nn.Module):
         if self.ddp_config.check_for_nan_in_grad:
             self._check_nan(bucket)
         if bucket.grad_view and self._fold_scale != 1.0:
-            ext.scale_([bucket.grad_data], self._fold_scale)   # 1/dp before a SUM collective
+            ext.scale_([bucket.grad_data], self._fold_scale)  # 1/dp before a SUM collective
         op = "avg" if self._avg_in_collective else "sum"
         if self.ddp_config.use_distributed_optimizer:
             lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
-            bucket.handle = self.comm.reduce_scatter(bucket.grad_data[lo:hi], bucket.grad_data, op, async_op=True)
+            bucket.handle = self.comm.reduce_scatter(
+                bucket.grad_data[lo:hi], bucket.grad_data, op, async_op=True
+            )
         else:
             bucket.handle = self.comm.all_reduce(bucket.grad_data, op, async_op=True)
         bucket.launched = True
@@ -174,13 +187,14 @@ class DistributedDataParallel(torch.nn.Module):
                 raise RuntimeError(
                     f"check_for_nan_in_grad: rank {rank} (dp rank {self.dp_rank}) found NaN/Inf in "
                     f"bucket {bucket.index} before the data-parallel collective; first offending "
-                    f"parameter: {name} (shape {tuple(p.shape)})")
+                    f"parameter: {name} (shape {tuple(p.shape)})"
+                )
 
     def start_grad_sync(self) -> None:
         """Fold any pending gradients and launch every bucket's collective not yet launched."""
-        for bucket in self.buckets[self._next_launch:]:
+        for bucket in self.buckets[self._next_launch :]:
             if not bucket.folded or any(self._foreign_grad(p) is not None for p in bucket.params):
-                self._fold(bucket)   # incomplete bucket: missing gradients contribute zeros
+                self._fold(bucket)  # incomplete bucket: missing gradients contribute zeros
             self._launch(bucket)
 
     def finish_grad_sync(self) -> None:
@@ -217,7 +231,7 @@ class DistributedDataParallel(torch.nn.Module):
     def zero_grad_buffer(self) -> None:
         """Zero the grad buffers (param.grad: the zeroed view, or None); call before each
         step's first micro-batch."""
-        for bucket in self.buckets:   # a collective still in flight would write after the zeroing
+        for bucket in self.buckets:  # a collective still in flight would write after the zeroing
             if bucket.handle is not None:
                 bucket.handle.wait()
             bucket.handle, bucket.launched, bucket.folded = None, False, False
@@ -247,7 +261,7 @@ class DistributedDataParallel(torch.nn.Module):
             return
         self.finish_param_sync()
         overlap = self.ddp_config.overlap_param_gather and not force_sync
-        for bucket in reversed(self.buckets):   # forward uses the last bucket first
+        for bucket in reversed(self.buckets):  # forward uses the last bucket first
             lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
             h = self.comm.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
             bucket.gather_handle = h if overlap else None
@@ -265,16 +279,23 @@ class DistributedDataParallel(torch.nn.Module):
                 if bucket.gather_handle is not None:
                     bucket.gather_handle.wait()
                     bucket.gather_handle = None
+
         for mod in self.module.modules():
-            owned = {self._bucket_of[p].index: self._bucket_of[p]
-                     for p in mod.parameters(recurse=False) if p in self._bucket_of}
+            owned = {
+                self._bucket_of[p].index: self._bucket_of[p]
+                for p in mod.parameters(recurse=False)
+                if p in self._bucket_of
+            }
             if owned:
                 hook = lambda m, a, bs=list(owned.values()): pre_hook(m, a, bs)
                 self._hooks.append(mod.register_forward_pre_hook(hook))
         # Parameters read outside their owner's forward are covered by this final wait, and a
         # state_dict() of the unwrapped module (checkpointing) never sees half-gathered params.
         self._hooks.append(self.module.register_forward_hook(lambda m, a, o: self.finish_param_sync()))
-        for m in {id(self.module): self.module, id(unwrap_model(self.module)): unwrap_model(self.module)}.values():
+        for m in {
+            id(self.module): self.module,
+            id(unwrap_model(self.module)): unwrap_model(self.module),
+        }.values():
             self._hooks.append(m.register_state_dict_pre_hook(lambda *a, **k: self.finish_param_sync()))
 
     # ------------------------------------------------------------------ state

@@ -54,7 +54,8 @@ def require_fsdp2_torch(version: Optional[str] = None) -> None:
         have = version if version is not None else torch.__version__
         raise RuntimeError(
             f"FSDP2 requires PyTorch >= 2.4 (found {have}): upgrade torch or drop "
-            "--use-torch-fsdp2 to use DistributedDataParallel")
+            "--use-torch-fsdp2 to use DistributedDataParallel"
+        )
 
 
 def mixed_precision_policy(bf16: bool, grad_reduce_in_fp32: bool = True):
@@ -68,8 +69,9 @@ def mixed_precision_policy(bf16: bool, grad_reduce_in_fp32: bool = True):
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                reduce_dtype=torch.float32 if grad_reduce_in_fp32 else torch.bfloat16)
+    return MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32 if grad_reduce_in_fp32 else torch.bfloat16
+    )
 
 
 UnitSpec = Union[str, type]
@@ -87,8 +89,7 @@ def _is_tied(root: torch.nn.Module) -> bool:
     return isinstance(out, torch.nn.Module) and not _has_params(out)
 
 
-def select_fsdp_units(root: torch.nn.Module,
-                      fsdp_unit_modules: Optional[Sequence[UnitSpec]] = None) -> list:
+def select_fsdp_units(root: torch.nn.Module, fsdp_unit_modules: Optional[Sequence[UnitSpec]] = None) -> list:
     """The submodules to ``fully_shard`` before the root, deepest first.
 
     ``fsdp_unit_modules``: classes or class names; None means the defaults above plus the
@@ -104,13 +105,19 @@ def select_fsdp_units(root: torch.nn.Module,
             raise ValueError(f"fsdp_unit_modules entries must be classes or class names, got {s!r}")
 
     def matches(m):
-        return any((isinstance(s, str) and type(m).__name__ == s) or
-                   (isinstance(s, type) and isinstance(m, s)) for s in specs)
+        return any(
+            (isinstance(s, str) and type(m).__name__ == s) or (isinstance(s, type) and isinstance(m, s))
+            for s in specs
+        )
 
     units = [(name, m) for name, m in root.named_modules() if name and matches(m) and _has_params(m)]
     out = getattr(root, "output_layer", None)
-    if default and isinstance(out, torch.nn.Module) and _has_params(out) \
-            and all(m is not out for _, m in units):
+    if (
+        default
+        and isinstance(out, torch.nn.Module)
+        and _has_params(out)
+        and all(m is not out for _, m in units)
+    ):
         units.append(("output_layer", out))
 
     # Drop units whose parameters also belong to a disjoint unit (tied weights). A unit
@@ -128,9 +135,12 @@ def select_fsdp_units(root: torch.nn.Module,
     if _is_tied(root):
         shared |= {name for name, m in units if type(m).__name__ == "LanguageModelEmbedding"}
     if shared:
-        _log.warning("FSDP2: leaving %s to the root unit because they hold weights used "
-                     "elsewhere (tied embeddings?); --untie-embeddings-and-output-weights "
-                     "gives each its own unit", sorted(shared))
+        _log.warning(
+            "FSDP2: leaving %s to the root unit because they hold weights used "
+            "elsewhere (tied embeddings?); --untie-embeddings-and-output-weights "
+            "gives each its own unit",
+            sorted(shared),
+        )
     units = [(n, m) for n, m in units if n not in shared]
     units.sort(key=lambda nm: nm[0].count("."), reverse=True)  # children before parents
     return [m for _, m in units]
@@ -138,8 +148,7 @@ def select_fsdp_units(root: torch.nn.Module,
 
 def _param_attrs(module: torch.nn.Module) -> dict:
     """Custom Python attributes of every parameter (e.g. ``shared``, ``allreduce``) by name."""
-    return {name: dict(vars(p)) for name, p in module.named_parameters(remove_duplicate=False)
-            if vars(p)}
+    return {name: dict(vars(p)) for name, p in module.named_parameters(remove_duplicate=False) if vars(p)}
 
 
 def _restore_param_attrs(module: torch.nn.Module, attrs: dict) -> None:
@@ -190,31 +199,46 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             sharded model equals the model rank 0 built (what our DDP's broadcast does).
     """
 
-    def __init__(self, module: torch.nn.Module, ddp_config: Optional[DistributedDataParallelConfig] = None,
-                 *, process_group=None, mixed_precision=None,
-                 fsdp_unit_modules: Optional[Iterable[UnitSpec]] = None,
-                 reshard_after_forward: bool = True, sync_module_states: bool = True) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        ddp_config: Optional[DistributedDataParallelConfig] = None,
+        *,
+        process_group=None,
+        mixed_precision=None,
+        fsdp_unit_modules: Optional[Iterable[UnitSpec]] = None,
+        reshard_after_forward: bool = True,
+        sync_module_states: bool = True,
+    ) -> None:
         require_fsdp2_torch()
         super().__init__()
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("TorchFullyShardedDataParallel needs torch.distributed initialised "
-                               "(launch with torchrun; the trainer calls init_process_group)")
+            raise RuntimeError(
+                "TorchFullyShardedDataParallel needs torch.distributed initialised "
+                "(launch with torchrun; the trainer calls init_process_group)"
+            )
         cfg = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
         if cfg.use_distributed_optimizer or cfg.overlap_param_gather:
-            raise ValueError("FSDP2 already shards parameters, gradients and optimizer state: "
-                             "drop --use-distributed-optimizer/--overlap-param-gather with "
-                             "--use-torch-fsdp2")
+            raise ValueError(
+                "FSDP2 already shards parameters, gradients and optimizer state: "
+                "drop --use-distributed-optimizer/--overlap-param-gather with "
+                "--use-torch-fsdp2"
+            )
         if cfg.comm_backend != "torch":
-            raise ValueError(f"FSDP2 communicates through torch.distributed only: use "
-                             f"--comm-backend torch (got {cfg.comm_backend!r}) with --use-torch-fsdp2")
+            raise ValueError(
+                f"FSDP2 communicates through torch.distributed only: use "
+                f"--comm-backend torch (got {cfg.comm_backend!r}) with --use-torch-fsdp2"
+            )
         if cfg.bucket_size is not None:
             _log.info("FSDP2: --ddp-bucket-size is ignored (each unit reduces in one collective)")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
-            raise ValueError("mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy "
-                             f"or None, got {type(mixed_precision).__name__}")
+            raise ValueError(
+                "mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy "
+                f"or None, got {type(mixed_precision).__name__}"
+            )
         if mixed_precision is None and cfg.grad_reduce_in_fp32:
             mixed_precision = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         self.ddp_config = cfg
@@ -224,8 +248,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         device = self._module_device(module)
         backend = dist.get_backend(self.process_group)
         if device.type == "cpu" and backend == "nccl":
-            raise RuntimeError("FSDP2 with the nccl backend needs the model on CUDA: move it with "
-                               ".cuda() before wrapping, or use --distributed-backend gloo on CPU")
+            raise RuntimeError(
+                "FSDP2 with the nccl backend needs the model on CUDA: move it with "
+                ".cuda() before wrapping, or use --distributed-backend gloo on CPU"
+            )
         self.mesh = DeviceMesh.from_group(self.process_group, device.type)
 
         if sync_module_states and dist.get_world_size(self.process_group) > 1:
@@ -235,8 +261,9 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         kw = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         if mixed_precision is not None:
             kw["mp_policy"] = mixed_precision
-        self.fsdp_units = select_fsdp_units(module, None if fsdp_unit_modules is None
-                                            else list(fsdp_unit_modules))
+        self.fsdp_units = select_fsdp_units(
+            module, None if fsdp_unit_modules is None else list(fsdp_unit_modules)
+        )
         for unit in self.fsdp_units:
             fully_shard(unit, **kw)
         fully_shard(module, **kw)
@@ -253,16 +280,21 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                     unit.set_force_sum_reduction_for_comms(True)
             else:  # older FSDP2 without the switch: divide the summed shards ourselves
                 self._grad_post_scale = 1.0 / dist.get_world_size(self.process_group)
-            _log.warning("FSDP2: %s backend sums under ReduceOp.AVG (pytorch#162338); "
-                         "correcting so gradients are averaged", backend)
+            _log.warning(
+                "FSDP2: %s backend sums under ReduceOp.AVG (pytorch#162338); "
+                "correcting so gradients are averaged",
+                backend,
+            )
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
     def _module_device(module: torch.nn.Module) -> torch.device:
         devices = {t.device for t in list(module.parameters()) + list(module.buffers())}
         if len(devices) > 1:
-            raise ValueError(f"FSDP2: the module's tensors span devices {sorted(map(str, devices))}; "
-                             "move the whole model to one device before wrapping")
+            raise ValueError(
+                f"FSDP2: the module's tensors span devices {sorted(map(str, devices))}; "
+                "move the whole model to one device before wrapping"
+            )
         return devices.pop() if devices else torch.device("cpu")
 
     def _broadcast_from_rank0(self, module: torch.nn.Module) -> None:
@@ -308,8 +340,11 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         if self._grad_post_scale != 1.0:
             ext.scale_(local, self._grad_post_scale)
         if self.ddp_config.check_for_nan_in_grad and local and ext.has_nonfinite(local):
-            names = [n for n, p in self.module.named_parameters()
-                     if p.grad is not None and ext.has_nonfinite([self._local(p.grad)])]
+            names = [
+                n
+                for n, p in self.module.named_parameters()
+                if p.grad is not None and ext.has_nonfinite([self._local(p.grad)])
+            ]
             rank = dist.get_rank(self.process_group)
             raise RuntimeError(f"rank {rank}: NaN/Inf in reduced FSDP2 gradient shard of {names}")
 
@@ -342,13 +377,22 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         converted = {}
         for key, value in state_dict.items():
             target = current.get(key)
-            if isinstance(target, DTensor) and isinstance(value, torch.Tensor) \
-                    and not isinstance(value, DTensor):
+            if (
+                isinstance(target, DTensor)
+                and isinstance(value, torch.Tensor)
+                and not isinstance(value, DTensor)
+            ):
                 if tuple(value.shape) != tuple(target.shape):
-                    raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)}, "
-                                     f"the model expects {tuple(target.shape)}")
-                value = distribute_tensor(value.to(target.device, target.dtype), target.device_mesh,
-                                          target.placements, src_data_rank=None)
+                    raise ValueError(
+                        f"load_state_dict: {key} has shape {tuple(value.shape)}, "
+                        f"the model expects {tuple(target.shape)}"
+                    )
+                value = distribute_tensor(
+                    value.to(target.device, target.dtype),
+                    target.device_mesh,
+                    target.placements,
+                    src_data_rank=None,
+                )
             converted[key] = value
         return self.module.load_state_dict(converted, strict=strict, **kwargs)
 
@@ -357,6 +401,9 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         params = list(self.module.parameters())
         return {
             "params": sum(self._local(p).numel() * self._local(p).element_size() for p in params),
-            "grads": sum(self._local(p.grad).numel() * self._local(p.grad).element_size()
-                         for p in params if p.grad is not None),
+            "grads": sum(
+                self._local(p.grad).numel() * self._local(p.grad).element_size()
+                for p in params
+                if p.grad is not None
+            ),
         }

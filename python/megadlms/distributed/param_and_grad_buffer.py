@@ -33,8 +33,9 @@ def _pad(n: int, divisor: int) -> int:
     return int(math.ceil(n / divisor) * divisor)
 
 
-def build_bucket_layout(numels: Sequence[int], bucket_size: Optional[int], dp_size: int,
-                        use_distributed_optimizer: bool):
+def build_bucket_layout(
+    numels: Sequence[int], bucket_size: Optional[int], dp_size: int, use_distributed_optimizer: bool
+):
     """Place parameters (already in buffer order) into buckets.
 
     Returns ``(param_ranges, bucket_ranges, total)``: ``param_ranges[i] = (start, end, bucket)``
@@ -72,19 +73,19 @@ def build_bucket_layout(numels: Sequence[int], bucket_size: Optional[int], dp_si
 class Bucket:
     """A contiguous slice of a buffer whose collective is launched as one unit."""
 
-    index: int                     # global bucket index across all buffers (launch order)
+    index: int  # global bucket index across all buffers (launch order)
     params: List[torch.nn.Parameter]
     names: List[str]
-    offsets: List[int]             # start of each param inside the bucket
-    grad_data: torch.Tensor        # view of the grad buffer, padding included
+    offsets: List[int]  # start of each param inside the bucket
+    grad_data: torch.Tensor  # view of the grad buffer, padding included
     param_data: Optional[torch.Tensor]  # view of the param buffer (distributed optimizer)
     numel_unpadded: int
-    grad_view: bool = False        # grad dtype == param dtype: param.grad views the buffer
+    grad_view: bool = False  # grad dtype == param dtype: param.grad views the buffer
     ready: set = field(default_factory=set)
-    folded: bool = False           # this step's gradients are in grad_data
+    folded: bool = False  # this step's gradients are in grad_data
     launched: bool = False
-    handle: object = None          # async collective in flight (grad reduce)
-    gather_handle: object = None   # async param all-gather in flight
+    handle: object = None  # async collective in flight (grad reduce)
+    gather_handle: object = None  # async param all-gather in flight
 
     def shard_range(self, dp_rank: int, dp_size: int) -> Tuple[int, int]:
         """[start, end) of this rank's shard, in bucket elements."""
@@ -95,9 +96,17 @@ class Bucket:
 class ParamAndGradBuffer:
     """Grad buffer (and, with the distributed optimizer, param buffer) for one dtype pair."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], *,
-                 grad_dtype: torch.dtype, bucket_size: Optional[int], dp_size: int,
-                 use_distributed_optimizer: bool, first_bucket_index: int) -> None:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        *,
+        grad_dtype: torch.dtype,
+        bucket_size: Optional[int],
+        dp_size: int,
+        use_distributed_optimizer: bool,
+        first_bucket_index: int,
+    ) -> None:
         if not params:
             raise ValueError("ParamAndGradBuffer needs at least one parameter")
         self.param_dtype = params[0].dtype
@@ -105,15 +114,19 @@ class ParamAndGradBuffer:
         device = params[0].device
         for p, n in zip(params, names):
             if p.dtype != self.param_dtype or p.device != device:
-                raise ValueError(f"parameter {n} is {p.dtype} on {p.device}; this buffer holds "
-                                 f"{self.param_dtype} on {device}")
-        order = list(range(len(params)))[::-1]     # reverse registration order
+                raise ValueError(
+                    f"parameter {n} is {p.dtype} on {p.device}; this buffer holds "
+                    f"{self.param_dtype} on {device}"
+                )
+        order = list(range(len(params)))[::-1]  # reverse registration order
         ranges, bucket_ranges, total = build_bucket_layout(
-            [params[i].numel() for i in order], bucket_size, dp_size, use_distributed_optimizer)
+            [params[i].numel() for i in order], bucket_size, dp_size, use_distributed_optimizer
+        )
         self.numel = total
         self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
-        self.param_data = (torch.zeros(total, dtype=self.param_dtype, device=device)
-                           if use_distributed_optimizer else None)
+        self.param_data = (
+            torch.zeros(total, dtype=self.param_dtype, device=device) if use_distributed_optimizer else None
+        )
         self.param_index_map: Dict[torch.nn.Parameter, Tuple[int, int, int]] = {}
         per_bucket: List[List[int]] = [[] for _ in bucket_ranges]
         for i, (start, end, b) in zip(order, ranges):
@@ -124,17 +137,19 @@ class ParamAndGradBuffer:
             if self.param_data is not None:
                 view = self.param_data[start:end].view(p.shape)
                 view.copy_(p.data)
-                p.data = view   # the all-gather now writes straight into the parameter
+                p.data = view  # the all-gather now writes straight into the parameter
         self.buckets: List[Bucket] = []
         for b, (bstart, bend) in enumerate(bucket_ranges):
             members = per_bucket[b]
-            self.buckets.append(Bucket(
-                index=first_bucket_index + b,
-                params=[params[i] for i in members],
-                names=[names[i] for i in members],
-                offsets=[self.param_index_map[params[i]][0] - bstart for i in members],
-                grad_data=self.grad_data[bstart:bend],
-                param_data=None if self.param_data is None else self.param_data[bstart:bend],
-                numel_unpadded=sum(params[i].numel() for i in members),
-                grad_view=grad_dtype == self.param_dtype,
-            ))
+            self.buckets.append(
+                Bucket(
+                    index=first_bucket_index + b,
+                    params=[params[i] for i in members],
+                    names=[names[i] for i in members],
+                    offsets=[self.param_index_map[params[i]][0] - bstart for i in members],
+                    grad_data=self.grad_data[bstart:bend],
+                    param_data=None if self.param_data is None else self.param_data[bstart:bend],
+                    numel_unpadded=sum(params[i].numel() for i in members),
+                    grad_view=grad_dtype == self.param_dtype,
+                )
+            )

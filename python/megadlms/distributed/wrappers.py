@@ -44,13 +44,15 @@ class Float16Module(torch.nn.Module):
         return x.to(self.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
     def forward(self, *args, **kwargs):
-        out = self.module(*(self._cast_in(a) for a in args),
-                          **{k: self._cast_in(v) for k, v in kwargs.items()})
+        out = self.module(
+            *(self._cast_in(a) for a in args), **{k: self._cast_in(v) for k, v in kwargs.items()}
+        )
         if isinstance(out, torch.Tensor) and out.is_floating_point():
             return out.float()
         if isinstance(out, (tuple, list)):  # e.g. (logits, aux): cast each floating tensor
-            return type(out)(o.float() if isinstance(o, torch.Tensor) and o.is_floating_point() else o
-                             for o in out)
+            return type(out)(
+                o.float() if isinstance(o, torch.Tensor) and o.is_floating_point() else o for o in out
+            )
         return out
 
     def state_dict(self, *args, **kwargs):

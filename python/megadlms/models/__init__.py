@@ -14,7 +14,15 @@ from .gpt import GPTModel, LanguageModelEmbedding, OutputLayer
 from .transformer import MLP, RotaryEmbedding, SelfAttention, TransformerBlock, TransformerLayer
 
 __all__ = [
-    "TransformerConfig", "GPTModel", "LanguageModelEmbedding", "OutputLayer", "RotaryEmbedding",
-    "TransformerLayer", "TransformerBlock", "SelfAttention", "MLP",
-    "num_floating_point_operations", "megatron_swiglu_ffn_size",
+    "TransformerConfig",
+    "GPTModel",
+    "LanguageModelEmbedding",
+    "OutputLayer",
+    "RotaryEmbedding",
+    "TransformerLayer",
+    "TransformerBlock",
+    "SelfAttention",
+    "MLP",
+    "num_floating_point_operations",
+    "megatron_swiglu_ffn_size",
 ]

@@ -79,36 +79,40 @@ class TransformerConfig:
             raise ValueError(
                 f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
                 f"({self.max_position_embeddings}): raise --max-position-embeddings or "
-                "shorten --seq-length")
+                "shorten --seq-length"
+            )
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups:
             raise ValueError(
                 f"--num-attention-heads ({self.num_attention_heads}) must be a multiple of "
-                f"--num-query-groups ({self.num_query_groups})")
+                f"--num-query-groups ({self.num_query_groups})"
+            )
         if self.kv_channels is None:
             if self.hidden_size % self.num_attention_heads:
                 raise ValueError(
                     f"--hidden-size ({self.hidden_size}) is not divisible by "
-                    f"--num-attention-heads ({self.num_attention_heads}); set --kv-channels")
+                    f"--num-attention-heads ({self.num_attention_heads}); set --kv-channels"
+                )
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
-            self.ffn_hidden_size = (megatron_swiglu_ffn_size(self.hidden_size) if self.swiglu
-                                    else 4 * self.hidden_size)
+            self.ffn_hidden_size = (
+                megatron_swiglu_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
+            )
         if self.ffn_hidden_size <= 0:
             raise ValueError(f"--ffn-hidden-size must be positive, got {self.ffn_hidden_size}")
         if self.normalization not in _NORMALIZATIONS:
-            raise ValueError(f"--normalization must be one of {_NORMALIZATIONS}, "
-                             f"got {self.normalization!r}")
+            raise ValueError(f"--normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}")
         if self.position_embedding_type not in _POSITION_EMBEDDINGS:
-            raise ValueError(f"--position-embedding-type must be one of {_POSITION_EMBEDDINGS}, "
-                             f"got {self.position_embedding_type!r}")
+            raise ValueError(
+                f"--position-embedding-type must be one of {_POSITION_EMBEDDINGS}, "
+                f"got {self.position_embedding_type!r}"
+            )
         if self.position_embedding_type == "rope" and self.kv_channels % 2:
             raise ValueError(f"rope needs an even head width (--kv-channels), got {self.kv_channels}")
         for name in ("attention_dropout", "hidden_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), "
-                                 f"got {getattr(self, name)}")
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
         if self.init_method_std <= 0:
             raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
         if self.norm_epsilon <= 0:

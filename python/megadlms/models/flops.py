@@ -15,8 +15,9 @@ from __future__ import annotations
 from .config import TransformerConfig
 
 
-def num_floating_point_operations(config: TransformerConfig, batch_size: int, seq_length: int,
-                                  *, causal: bool = False) -> float:
+def num_floating_point_operations(
+    config: TransformerConfig, batch_size: int, seq_length: int, *, causal: bool = False
+) -> float:
     """FLOPs of one training step (forward + backward) over batch_size sequences of seq_length."""
     if batch_size <= 0 or seq_length <= 0:
         raise ValueError(f"batch_size ({batch_size}) and seq_length ({seq_length}) must be positive")
@@ -27,8 +28,16 @@ def num_floating_point_operations(config: TransformerConfig, batch_size: int, se
     # 12 = 3 (fwd, wgrad, dgrad) * 2 (GEMMs come in pairs) * 2 (multiply-add)
     expansion_factor = 3 * 2 * 2
     return float(
-        expansion_factor * batch_size * seq_length * config.num_layers * h * h * (
+        expansion_factor
+        * batch_size
+        * seq_length
+        * config.num_layers
+        * h
+        * h
+        * (
             (1 + config.num_query_groups / config.num_attention_heads + attention_scores)
             * query_projection_ratio
             + (config.ffn_hidden_size / h) * gated
-            + config.vocab_size / (2 * config.num_layers * h)))
+            + config.vocab_size / (2 * config.num_layers * h)
+        )
+    )

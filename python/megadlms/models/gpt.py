@@ -27,8 +27,9 @@ class LanguageModelEmbedding(nn.Module):
         dt = config.params_dtype
         self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dt)
         if config.position_embedding_type == "learned_absolute":
-            self.position_embeddings = nn.Embedding(config.max_position_embeddings,
-                                                    config.hidden_size, dtype=dt)
+            self.position_embeddings = nn.Embedding(
+                config.max_position_embeddings, config.hidden_size, dtype=dt
+            )
         else:
             self.position_embeddings = None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
@@ -52,8 +53,9 @@ class OutputLayer(nn.Module):
         if tied:
             self.register_parameter("weight", None)
         else:
-            self.weight = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size,
-                                                   dtype=config.params_dtype))
+            self.weight = nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=config.params_dtype)
+            )
 
     def forward(self, x_BSH: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = self.weight if self.weight is not None else weight
@@ -101,15 +103,16 @@ class GPTModel(nn.Module):
                 nn.init.normal_(self.output_layer.weight, mean=0.0, std=std)
         init_transformer_weights(self.decoder, self.config)
 
-    def forward(self, input_ids: torch.Tensor,
-                position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
-            raise ValueError(f"input_ids must be int64 [batch, seq], got {input_ids.dtype} "
-                             f"{tuple(input_ids.shape)}")
+            raise ValueError(
+                f"input_ids must be int64 [batch, seq], got {input_ids.dtype} {tuple(input_ids.shape)}"
+            )
         B, S = input_ids.shape
         if S > self.config.max_position_embeddings:
-            raise ValueError(f"input length {S} exceeds --max-position-embeddings "
-                             f"({self.config.max_position_embeddings})")
+            raise ValueError(
+                f"input length {S} exceeds --max-position-embeddings ({self.config.max_position_embeddings})"
+            )
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         elif position_ids.shape != input_ids.shape:

@@ -82,8 +82,9 @@ class SelfAttention(nn.Module):
         dt = config.params_dtype
         qkv_out = self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim
         self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.add_bias_linear, dtype=dt)
-        self.linear_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size,
-                                     bias=config.add_bias_linear, dtype=dt)
+        self.linear_proj = nn.Linear(
+            self.num_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear, dtype=dt
+        )
         if config.qk_layernorm:
             self.q_layernorm = build_norm(config, self.head_dim)
             self.k_layernorm = build_norm(config, self.head_dim)
@@ -91,8 +92,9 @@ class SelfAttention(nn.Module):
             self.q_layernorm = None
             self.k_layernorm = None
 
-    def forward(self, x_BSH: torch.Tensor,
-                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> torch.Tensor:
         B, S, _ = x_BSH.shape
         G, D = self.num_groups, self.head_dim
         per_group = self.num_heads // G
@@ -109,9 +111,13 @@ class SelfAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         # bidirectional: no mask at all (every position attends to every position).
         out_BNSD = F.scaled_dot_product_attention(
-            q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2),
-            dropout_p=dropout_p, is_causal=self.attention == "causal",
-            enable_gqa=G != self.num_heads)
+            q_BSND.transpose(1, 2),
+            k_BSGD.transpose(1, 2),
+            v_BSGD.transpose(1, 2),
+            dropout_p=dropout_p,
+            is_causal=self.attention == "causal",
+            enable_gqa=G != self.num_heads,
+        )
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * D)
         return self.linear_proj(out_BSX)
 
@@ -125,8 +131,9 @@ class MLP(nn.Module):
         fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
         dt = config.params_dtype
         self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear, dtype=dt)
-        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size,
-                                    bias=config.add_bias_linear, dtype=dt)
+        self.linear_fc2 = nn.Linear(
+            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear, dtype=dt
+        )
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         h_BSF = self.linear_fc1(x_BSH)
@@ -144,8 +151,9 @@ class TransformerLayer(nn.Module):
     One FSDP2 sharding unit; parameter names match Megatron's local layer spec.
     """
 
-    def __init__(self, config: TransformerConfig, attention: str = "bidirectional",
-                 layer_number: int = 1) -> None:
+    def __init__(
+        self, config: TransformerConfig, attention: str = "bidirectional", layer_number: int = 1
+    ) -> None:
         super().__init__()
         self.layer_number = layer_number
         self.input_layernorm = build_norm(config, config.hidden_size)
@@ -154,8 +162,9 @@ class TransformerLayer(nn.Module):
         self.mlp = MLP(config)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, x_BSH: torch.Tensor,
-                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> torch.Tensor:
         x_BSH = x_BSH + self.hidden_dropout(self.self_attention(self.input_layernorm(x_BSH), rotary))
         return x_BSH + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x_BSH)))
 
@@ -166,11 +175,13 @@ class TransformerBlock(nn.Module):
     def __init__(self, config: TransformerConfig, attention: str) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            TransformerLayer(config, attention, layer_number=i + 1) for i in range(config.num_layers))
+            TransformerLayer(config, attention, layer_number=i + 1) for i in range(config.num_layers)
+        )
         self.final_layernorm = build_norm(config, config.hidden_size)
 
-    def forward(self, x_BSH: torch.Tensor,
-                rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    def forward(
+        self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+    ) -> torch.Tensor:
         for layer in self.layers:
             x_BSH = layer(x_BSH, rotary)
         return self.final_layernorm(x_BSH)
@@ -184,8 +195,12 @@ def init_transformer_weights(block: TransformerBlock, config: TransformerConfig)
     with torch.no_grad():
         for layer in block.layers:
             attn, mlp = layer.self_attention, layer.mlp
-            for linear, s in ((attn.linear_qkv, std), (attn.linear_proj, scaled_std),
-                              (mlp.linear_fc1, std), (mlp.linear_fc2, scaled_std)):
+            for linear, s in (
+                (attn.linear_qkv, std),
+                (attn.linear_proj, scaled_std),
+                (mlp.linear_fc1, std),
+                (mlp.linear_fc2, scaled_std),
+            ):
                 nn.init.normal_(linear.weight, mean=0.0, std=s)
                 if linear.bias is not None:
                     nn.init.zeros_(linear.bias)

@@ -54,22 +54,30 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
     fp32_copies = config.bf16 or config.fp16
     if any(_is_dtensor(p) for p in names):
         if config.fp16:
-            raise ValueError("--fp16 is not supported with --use-torch-fsdp2 (no loss scaling over "
-                             "DTensor shards): use --bf16")
+            raise ValueError(
+                "--fp16 is not supported with --use-torch-fsdp2 (no loss scaling over "
+                "DTensor shards): use --bf16"
+            )
         if config.use_distributed_optimizer:
-            raise ValueError("--use-distributed-optimizer does not apply to --use-torch-fsdp2 "
-                             "(FSDP2 already shards optimizer state): drop one of the two flags")
+            raise ValueError(
+                "--use-distributed-optimizer does not apply to --use-torch-fsdp2 "
+                "(FSDP2 already shards optimizer state): drop one of the two flags"
+            )
         layout = DTensorLayout(names, getattr(model, "process_group", None))
         return MixedPrecisionOptimizer(config, layout)
     ddp = model if _is_megadlms_ddp(model) else None
     if ddp is not None and ddp.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
-        raise ValueError("use_distributed_optimizer differs between DistributedDataParallelConfig "
-                         f"({ddp.ddp_config.use_distributed_optimizer}) and OptimizerConfig "
-                         f"({config.use_distributed_optimizer}): set --use-distributed-optimizer for both")
+        raise ValueError(
+            "use_distributed_optimizer differs between DistributedDataParallelConfig "
+            f"({ddp.ddp_config.use_distributed_optimizer}) and OptimizerConfig "
+            f"({config.use_distributed_optimizer}): set --use-distributed-optimizer for both"
+        )
     if config.use_distributed_optimizer:
         if ddp is None:
-            raise ValueError("--use-distributed-optimizer needs the model wrapped in megadlms "
-                             "DistributedDataParallel(use_distributed_optimizer=True)")
+            raise ValueError(
+                "--use-distributed-optimizer needs the model wrapped in megadlms "
+                "DistributedDataParallel(use_distributed_optimizer=True)"
+            )
         layout = ShardedBufferLayout(ddp, names)
     else:
         layout = ReplicaLayout(names, ddp, fp32_copies=fp32_copies)
@@ -77,7 +85,13 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
 
 
 __all__ = [
-    "ConstantGradScaler", "DynamicGradScaler", "MixedPrecisionOptimizer", "OptimizerConfig",
+    "ConstantGradScaler",
+    "DynamicGradScaler",
+    "MixedPrecisionOptimizer",
+    "OptimizerConfig",
     "OptimizerParamScheduler",
-    "clip_grads_with_norm_", "get_grad_norm_fp32", "get_optimizer", "no_weight_decay",
+    "clip_grads_with_norm_",
+    "get_grad_norm_fp32",
+    "get_optimizer",
+    "no_weight_decay",
 ]

@@ -10,8 +10,9 @@ import torch
 import megadlm_ext as ext
 
 
-def get_grad_norm_fp32(grads: List[torch.Tensor],
-                       all_reduce_sum: Optional[Callable[[torch.Tensor], None]] = None) -> float:
+def get_grad_norm_fp32(
+    grads: List[torch.Tensor], all_reduce_sum: Optional[Callable[[torch.Tensor], None]] = None
+) -> float:
     """L2 norm of ``grads``; ``all_reduce_sum`` sums the squared norm across ranks when the
     gradients are sharded (distributed optimizer, FSDP2). One host sync (.item())."""
     local = ext.l2_norm(grads) if grads else torch.zeros((), dtype=torch.float32)

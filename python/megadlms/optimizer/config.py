@@ -33,7 +33,7 @@ class OptimizerConfig:
     overlap_param_gather: bool = False
     loss_scale: Optional[float] = None
     """Static loss scale for fp16; None means dynamic loss scaling."""
-    initial_loss_scale: float = 2.0 ** 32
+    initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0
     loss_scale_window: float = 1000
     hysteresis: int = 2

@@ -53,20 +53,22 @@ class ShardedBufferLayout:
 
     def __init__(self, ddp, names: Dict[torch.nn.Parameter, str]) -> None:
         if not ddp.ddp_config.use_distributed_optimizer:
-            raise ValueError("the distributed optimizer needs DistributedDataParallelConfig("
-                             "use_distributed_optimizer=True) (--use-distributed-optimizer)")
+            raise ValueError(
+                "the distributed optimizer needs DistributedDataParallelConfig("
+                "use_distributed_optimizer=True) (--use-distributed-optimizer)"
+            )
         self.ddp = ddp
         self.comm = ddp.comm
         rank, dp = ddp.dp_rank, ddp.dp_size
         self.entries: List[Entry] = []
-        self.pieces = []    # per entry: (bucket, start in bucket, start in param, numel)
+        self.pieces = []  # per entry: (bucket, start in bucket, start in param, numel)
         for bucket in ddp.buckets:
             lo, hi = bucket.shard_range(rank, dp)
             for p, off in zip(bucket.params, bucket.offsets):
                 a, b = max(off, lo), min(off + p.numel(), hi)
                 if a < b:
-                    piece = p.detach().reshape(-1)[a - off:b - off]
-                    if p.dtype == torch.float32:   # fp32 params: update the param buffer in place
+                    piece = p.detach().reshape(-1)[a - off : b - off]
+                    if p.dtype == torch.float32:  # fp32 params: update the param buffer in place
                         self.entries.append(Entry(names[p], p, piece, owns_main=False))
                     else:
                         self.entries.append(Entry(names[p], p, piece.float().clone(), owns_main=True))
@@ -74,12 +76,12 @@ class ShardedBufferLayout:
         self._names = names
 
     def all_fqns(self):
-        return [(fqn, p) for p, fqn in self._names.items()]   # registration order, as elsewhere
+        return [(fqn, p) for p, fqn in self._names.items()]  # registration order, as elsewhere
 
     def collect_grads(self) -> List[torch.Tensor]:
         grads = []
         for e, (bucket, a, _, n) in zip(self.entries, self.pieces):
-            g = bucket.grad_data[a:a + n]
+            g = bucket.grad_data[a : a + n]
             e.main.grad = g if g.dtype == torch.float32 else g.float()
             grads.append(e.main.grad)
         return grads
@@ -103,12 +105,12 @@ class ShardedBufferLayout:
         by_bucket: Dict[int, list] = {}
         for e, (bucket, a, _, _) in zip(self.entries, self.pieces):
             if not e.owns_main:
-                continue   # already a view of the param buffer
+                continue  # already a view of the param buffer
             by_bucket.setdefault(bucket.index, [bucket, [], []])
             by_bucket[bucket.index][1].append(e.main)
             by_bucket[bucket.index][2].append(a)
         for bucket, mains, offsets in by_bucket.values():
-            ext.flatten(mains, bucket.param_data, offsets=offsets)   # cast fp32 -> param dtype
+            ext.flatten(mains, bucket.param_data, offsets=offsets)  # cast fp32 -> param dtype
         self.ddp.start_param_sync()
 
     def export(self, values: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -121,18 +123,18 @@ class ShardedBufferLayout:
         for bucket in self.ddp.buckets:
             flat = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32, device=bucket.grad_data.device)
             for a, n, t in by_bucket.get(bucket.index, []):
-                flat[a:a + n].copy_(t.reshape(-1))
+                flat[a : a + n].copy_(t.reshape(-1))
             lo, hi = bucket.shard_range(rank, dp)
             self.comm.all_gather(flat, flat[lo:hi].clone())
             for p, off in zip(bucket.params, bucket.offsets):
-                out[self._names[p]] = flat[off:off + p.numel()].view(p.shape).clone()
+                out[self._names[p]] = flat[off : off + p.numel()].view(p.shape).clone()
         return out
 
     def local_piece(self, i: int, full) -> torch.Tensor:
         _, _, start, n = self.pieces[i]
-        return _plain(full).reshape(-1)[start:start + n]
+        return _plain(full).reshape(-1)[start : start + n]
 
     def reload_main_from_model(self, i: int) -> None:
         _, _, start, n = self.pieces[i]
         e = self.entries[i]
-        e.main.copy_(e.param.detach().reshape(-1)[start:start + n])
+        e.main.copy_(e.param.detach().reshape(-1)[start : start + n])

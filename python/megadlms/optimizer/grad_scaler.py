@@ -31,15 +31,26 @@ class DynamicGradScaler:
     initial 2**32, window 1000, hysteresis 2, min 1, factors 2 and 0.5.
     """
 
-    def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, *,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 1000, hysteresis: int = 2) -> None:
+    def __init__(
+        self,
+        initial_scale: float = 2.0**32,
+        min_scale: float = 1.0,
+        *,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 1000,
+        hysteresis: int = 2,
+    ) -> None:
         if initial_scale <= 0 or min_scale <= 0 or min_scale > initial_scale:
-            raise ValueError(f"need 0 < --min-loss-scale ({min_scale}) <= --initial-loss-scale ({initial_scale})")
+            raise ValueError(
+                f"need 0 < --min-loss-scale ({min_scale}) <= --initial-loss-scale ({initial_scale})"
+            )
         if growth_factor <= 1 or not 0 < backoff_factor < 1:
             raise ValueError("growth_factor must be > 1 and backoff_factor in (0, 1)")
         if growth_interval < 1 or hysteresis < 1:
-            raise ValueError(f"--loss-scale-window ({growth_interval}) and --hysteresis ({hysteresis}) must be >= 1")
+            raise ValueError(
+                f"--loss-scale-window ({growth_interval}) and --hysteresis ({hysteresis}) must be >= 1"
+            )
         self.scale = float(initial_scale)
         self.min_scale = float(min_scale)
         self.growth_factor, self.backoff_factor = float(growth_factor), float(backoff_factor)
@@ -61,8 +72,11 @@ class DynamicGradScaler:
                 self.scale *= self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self.growth_tracker,
+            "hysteresis_tracker": self.hysteresis_tracker,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])

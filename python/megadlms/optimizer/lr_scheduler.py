@@ -29,8 +29,17 @@ DECAY_STYLES = ("constant", "linear", "cosine", "WSD", "inverse-square-root")
 WSD_DECAY_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
 
 # Fields that define the schedule; a checkpoint's values must match unless overridden.
-_SCHEDULE_FIELDS = ("max_lr", "min_lr", "init_lr", "lr_warmup_steps", "lr_decay_steps",
-                    "lr_decay_style", "wsd_decay_steps", "lr_wsd_decay_style", "weight_decay")
+_SCHEDULE_FIELDS = (
+    "max_lr",
+    "min_lr",
+    "init_lr",
+    "lr_warmup_steps",
+    "lr_decay_steps",
+    "lr_decay_style",
+    "wsd_decay_steps",
+    "lr_wsd_decay_style",
+    "weight_decay",
+)
 
 
 class OptimizerParamScheduler:
@@ -46,30 +55,47 @@ class OptimizerParamScheduler:
             is non-zero (groups built with 0.0, e.g. biases and norms, keep 0.0).
     """
 
-    def __init__(self, optimizer, *, max_lr: float, min_lr: float = 0.0, init_lr: float = 0.0,
-                 lr_warmup_steps: int = 0, lr_decay_steps: int, lr_decay_style: str = "linear",
-                 wsd_decay_steps: Optional[int] = None, lr_wsd_decay_style: str = "exponential",
-                 weight_decay: Optional[float] = None) -> None:
+    def __init__(
+        self,
+        optimizer,
+        *,
+        max_lr: float,
+        min_lr: float = 0.0,
+        init_lr: float = 0.0,
+        lr_warmup_steps: int = 0,
+        lr_decay_steps: int,
+        lr_decay_style: str = "linear",
+        wsd_decay_steps: Optional[int] = None,
+        lr_wsd_decay_style: str = "exponential",
+        weight_decay: Optional[float] = None,
+    ) -> None:
         if lr_decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, got {lr_decay_style!r}")
         if lr_wsd_decay_style not in WSD_DECAY_STYLES:
-            raise ValueError(f"--lr-wsd-decay-style must be one of {WSD_DECAY_STYLES}, "
-                             f"got {lr_wsd_decay_style!r}")
+            raise ValueError(
+                f"--lr-wsd-decay-style must be one of {WSD_DECAY_STYLES}, got {lr_wsd_decay_style!r}"
+            )
         if not 0.0 <= min_lr <= max_lr:
             raise ValueError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")
         if lr_decay_steps <= 0:
-            raise ValueError(f"lr decay length must be positive (--lr-decay-iters / --train-iters), "
-                             f"got {lr_decay_steps} samples")
+            raise ValueError(
+                f"lr decay length must be positive (--lr-decay-iters / --train-iters), "
+                f"got {lr_decay_steps} samples"
+            )
         if not 0 <= lr_warmup_steps < lr_decay_steps:
-            raise ValueError(f"--lr-warmup-iters ({lr_warmup_steps} samples) must be smaller "
-                             f"than --lr-decay-iters ({lr_decay_steps} samples)")
+            raise ValueError(
+                f"--lr-warmup-iters ({lr_warmup_steps} samples) must be smaller "
+                f"than --lr-decay-iters ({lr_decay_steps} samples)"
+            )
         if lr_decay_style == "WSD":
             if wsd_decay_steps is None or wsd_decay_steps <= 0:
                 raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters > 0")
             if wsd_decay_steps > lr_decay_steps - lr_warmup_steps:
-                raise ValueError(f"--lr-wsd-decay-iters ({wsd_decay_steps} samples) must fit in "
-                                 f"--lr-decay-iters minus --lr-warmup-iters "
-                                 f"({lr_decay_steps - lr_warmup_steps} samples)")
+                raise ValueError(
+                    f"--lr-wsd-decay-iters ({wsd_decay_steps} samples) must fit in "
+                    f"--lr-decay-iters minus --lr-warmup-iters "
+                    f"({lr_decay_steps - lr_warmup_steps} samples)"
+                )
         self.optimizer = optimizer
         self.max_lr, self.min_lr, self.init_lr = float(max_lr), float(min_lr), float(init_lr)
         self.lr_warmup_steps, self.lr_decay_steps = int(lr_warmup_steps), int(lr_decay_steps)
@@ -103,10 +129,12 @@ class OptimizerParamScheduler:
                 coeff = 1.0
             else:
                 w = (n - anneal_start) / self.wsd_decay_steps
-                coeff = {"linear": lambda: 1.0 - w,
-                         "cosine": lambda: 0.5 * (math.cos(math.pi * w) + 1.0),
-                         "exponential": lambda: 2.0 * math.pow(0.5, w) - 1.0,
-                         "minus_sqrt": lambda: 1.0 - math.sqrt(w)}[self.lr_wsd_decay_style]()
+                coeff = {
+                    "linear": lambda: 1.0 - w,
+                    "cosine": lambda: 0.5 * (math.cos(math.pi * w) + 1.0),
+                    "exponential": lambda: 2.0 * math.pow(0.5, w) - 1.0,
+                    "minus_sqrt": lambda: 1.0 - math.sqrt(w),
+                }[self.lr_wsd_decay_style]()
         return self.min_lr + coeff * (self.max_lr - self.min_lr)
 
     def step(self, increment: int) -> float:
@@ -135,6 +163,7 @@ class OptimizerParamScheduler:
                     raise ValueError(
                         f"LR schedule mismatch: {key} is {state_dict[key]!r} in the checkpoint but "
                         f"{getattr(self, key)!r} from the flags; use the checkpoint's value or pass "
-                        f"--override-opt-param-scheduler to keep the new schedule")
+                        f"--override-opt-param-scheduler to keep the new schedule"
+                    )
         self.num_steps = int(state_dict["num_steps"])
         self.step(0)

@@ -42,7 +42,7 @@ class Entry:
     fqn: str
     param: torch.nn.Parameter
     main: torch.Tensor
-    owns_main: bool = False   # main is a separate fp32 copy (counts as optimizer memory)
+    owns_main: bool = False  # main is a separate fp32 copy (counts as optimizer memory)
 
 
 def no_weight_decay(fqn: str, param: torch.Tensor) -> bool:
@@ -88,7 +88,7 @@ class ReplicaLayout:
         return grads, grads
 
     def all_reduce_sum(self):
-        return None   # gradients are already identical on every rank
+        return None  # gradients are already identical on every rank
 
     def any_rank(self, flag: bool) -> bool:
         return flag
@@ -127,8 +127,10 @@ class DTensorLayout:
         self.entries = []
         for p, fqn in named_params.items():
             if p.dtype != torch.float32:
-                raise ValueError(f"FSDP2 parameter {fqn} is {p.dtype}: keep FSDP2 params in fp32 and "
-                                 "use mixed_precision_policy(bf16=True) for bf16 compute")
+                raise ValueError(
+                    f"FSDP2 parameter {fqn} is {p.dtype}: keep FSDP2 params in fp32 and "
+                    "use mixed_precision_policy(bf16=True) for bf16 compute"
+                )
             self.entries.append(Entry(fqn, p, p))
 
     def all_fqns(self):
@@ -160,7 +162,7 @@ class DTensorLayout:
         return lambda t: dist.all_reduce(t, group=self.group)
 
     def any_rank(self, flag: bool) -> bool:
-        return flag   # fp16 is rejected for FSDP2; the norm is already global
+        return flag  # fp16 is rejected for FSDP2; the norm is already global
 
     def copy_main_to_model(self) -> None:
         return None
@@ -176,8 +178,9 @@ class DTensorLayout:
                 return full
             return full.redistribute(p.device_mesh, p.placements)
         from torch.distributed.tensor import distribute_tensor
+
         full = full.to(device=p.to_local().device, dtype=torch.float32)
-        try:   # every rank holds the full tensor: slice locally, no scatter
+        try:  # every rank holds the full tensor: slice locally, no scatter
             return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
         except TypeError:
             return distribute_tensor(full, p.device_mesh, p.placements)
@@ -200,22 +203,40 @@ class MixedPrecisionOptimizer:
         groups = []
         for idx, wd, fqns in ((decay, config.weight_decay, fqn_groups[0]), (no_decay, 0.0, fqn_groups[1])):
             if fqns:
-                groups.append({"params": [layout.entries[i].main for i in idx], "weight_decay": wd,
-                               "_entries": idx, "_fqns": fqns})
+                groups.append(
+                    {
+                        "params": [layout.entries[i].main for i in idx],
+                        "weight_decay": wd,
+                        "_entries": idx,
+                        "_fqns": fqns,
+                    }
+                )
         if not any(g["params"] for g in groups):
             # This rank owns no elements (tiny model, large dp): keep torch.optim happy.
             groups.append({"params": [torch.zeros(0)], "weight_decay": 0.0, "_entries": [], "_fqns": []})
         if config.optimizer == "adam":
-            self.inner = torch.optim.AdamW(groups, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                           eps=config.adam_eps, weight_decay=config.weight_decay)
+            self.inner = torch.optim.AdamW(
+                groups,
+                lr=config.lr,
+                betas=(config.adam_beta1, config.adam_beta2),
+                eps=config.adam_eps,
+                weight_decay=config.weight_decay,
+            )
         else:
-            self.inner = torch.optim.SGD(groups, lr=config.lr, momentum=config.sgd_momentum,
-                                         weight_decay=config.weight_decay)
+            self.inner = torch.optim.SGD(
+                groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay
+            )
         if config.fp16:
-            self.grad_scaler = (ConstantGradScaler(config.loss_scale) if config.loss_scale else
-                                DynamicGradScaler(config.initial_loss_scale, config.min_loss_scale,
-                                                  growth_interval=int(config.loss_scale_window),
-                                                  hysteresis=config.hysteresis))
+            self.grad_scaler = (
+                ConstantGradScaler(config.loss_scale)
+                if config.loss_scale
+                else DynamicGradScaler(
+                    config.initial_loss_scale,
+                    config.min_loss_scale,
+                    growth_interval=int(config.loss_scale_window),
+                    hysteresis=config.hysteresis,
+                )
+            )
         else:
             self.grad_scaler = None
         self.step_count = 0
@@ -297,7 +318,7 @@ class MixedPrecisionOptimizer:
             values = {}
             for i, e in enumerate(self.layout.entries):
                 st = self.inner.state.get(e.main, {})
-                v = st.get(key)   # absent before the first step (or SGD without momentum)
+                v = st.get(key)  # absent before the first step (or SGD without momentum)
                 values[i] = v if v is not None else torch.zeros_like(e.main, dtype=torch.float32)
             for fqn, t in self.layout.export(values).items():
                 state[fqn][key] = t
@@ -309,8 +330,12 @@ class MixedPrecisionOptimizer:
         for g in self.inner.param_groups:
             if g["_fqns"]:
                 groups.append({**{k: g[k] for k in _HYPER_KEYS if k in g}, "params": list(g["_fqns"])})
-        return {"state": state, "step": self.step_count, "param_groups": groups,
-                "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict()}
+        return {
+            "state": state,
+            "step": self.step_count,
+            "param_groups": groups,
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+        }
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load the format of :meth:`state_dict`, whatever wrapper/dp size produced it.
@@ -324,8 +349,10 @@ class MixedPrecisionOptimizer:
             saved = {fqn: {k: _plain(v) for k, v in saved[fqn].items()} for fqn in sorted(saved)}
         missing = [fqn for fqn, _ in self.layout.all_fqns() if fqn not in saved]
         if missing:
-            raise RuntimeError(f"optimizer checkpoint has no state for parameters {missing[:5]} "
-                               f"({len(missing)} missing): was it saved from a different model?")
+            raise RuntimeError(
+                f"optimizer checkpoint has no state for parameters {missing[:5]} "
+                f"({len(missing)} missing): was it saved from a different model?"
+            )
         self.step_count = int(state_dict["step"])
         for i, e in enumerate(self.layout.entries):
             entry_state = saved[e.fqn]

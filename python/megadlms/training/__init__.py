@@ -7,11 +7,25 @@
 The only layer that joins models, diffusion, data and the data-parallel wrappers.
 """
 
-from .checkpointing import (load_model_state, load_optimizer_state, load_rng_state,
-                            read_latest_iteration, resolve_checkpoint, save_checkpoint)
+from .checkpointing import (
+    load_model_state,
+    load_optimizer_state,
+    load_rng_state,
+    read_latest_iteration,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from .train import RunResult, evaluate, pretrain, train_step
 
 __all__ = [
-    "RunResult", "evaluate", "pretrain", "train_step", "save_checkpoint", "load_model_state",
-    "load_optimizer_state", "load_rng_state", "read_latest_iteration", "resolve_checkpoint",
+    "RunResult",
+    "evaluate",
+    "pretrain",
+    "train_step",
+    "save_checkpoint",
+    "load_model_state",
+    "load_optimizer_state",
+    "load_rng_state",
+    "read_latest_iteration",
+    "resolve_checkpoint",
 ]

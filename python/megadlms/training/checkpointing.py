@@ -82,8 +82,10 @@ def resolve_checkpoint(path: str) -> Optional[str]:
         return None
     ckpt = checkpoint_dir(path, it)
     if not os.path.isfile(os.path.join(ckpt, COMMON_FILE)):
-        raise RuntimeError(f"{os.path.join(path, LATEST_FILE)} names iteration {it} but {ckpt} "
-                           f"is missing or incomplete (no {COMMON_FILE})")
+        raise RuntimeError(
+            f"{os.path.join(path, LATEST_FILE)} names iteration {it} but {ckpt} "
+            f"is missing or incomplete (no {COMMON_FILE})"
+        )
     return ckpt
 
 
@@ -111,8 +113,10 @@ def _split(obj: Any, prefix: str, tensors: Dict[str, torch.Tensor]) -> Any:
         return obj
     if isinstance(obj, (np.integer, np.floating)):
         return obj.item()
-    raise TypeError(f"cannot store {type(obj).__name__} at {prefix!r} in a checkpoint "
-                    "(only tensors, numbers, strings, lists and dicts)")
+    raise TypeError(
+        f"cannot store {type(obj).__name__} at {prefix!r} in a checkpoint "
+        "(only tensors, numbers, strings, lists and dicts)"
+    )
 
 
 def _join(skel: Any, tensors: Dict[str, torch.Tensor]) -> Any:
@@ -144,18 +148,27 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Admits only the classes DCP's ``.metadata`` is made of."""
 
     _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"}
-    _NAMES = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-              ("torch", "Size"), ("torch.serialization", "_get_layout"),
-              ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-              ("pathlib", "PurePosixPath"), ("builtins", "set"), ("builtins", "frozenset")}
+    _NAMES = {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PurePosixPath"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
 
     def find_class(self, module, name):
         if module in self._MODULES or (module, name) in self._NAMES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not "
-                                     "a torch.distributed.checkpoint metadata class; refusing to load")
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata refers to {module}.{name}, which is not "
+            "a torch.distributed.checkpoint metadata class; refusing to load"
+        )
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -212,28 +225,50 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def _rng_state() -> dict:
     np_state = np.random.get_state()
-    return {"python": list(random.getstate()[1]), "python_version": random.getstate()[0],
-            "python_gauss": random.getstate()[2],
-            "numpy": torch.from_numpy(np_state[1].astype(np.int64)), "numpy_pos": int(np_state[2]),
-            "numpy_has_gauss": int(np_state[3]), "numpy_gauss": float(np_state[4]),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None}
+    return {
+        "python": list(random.getstate()[1]),
+        "python_version": random.getstate()[0],
+        "python_gauss": random.getstate()[2],
+        "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
+        "numpy_pos": int(np_state[2]),
+        "numpy_has_gauss": int(np_state[3]),
+        "numpy_gauss": float(np_state[4]),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+    }
 
 
 def _set_rng_state(s: dict) -> None:
     random.setstate((s["python_version"], tuple(s["python"]), s["python_gauss"]))
-    np.random.set_state(("MT19937", s["numpy"].numpy().astype(np.uint32), s["numpy_pos"],
-                         s["numpy_has_gauss"], s["numpy_gauss"]))
+    np.random.set_state(
+        (
+            "MT19937",
+            s["numpy"].numpy().astype(np.uint32),
+            s["numpy_pos"],
+            s["numpy_has_gauss"],
+            s["numpy_gauss"],
+        )
+    )
     torch.set_rng_state(s["torch"])
     if s.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(s["cuda"])
 
 
 # ---------------------------------------------------------------------------- save
-def save_checkpoint(root: str, iteration: int, *, model, optimizer=None, scheduler=None,
-                    ckpt_format: str = "torch_dist", consumed_samples: int = 0,
-                    args: Optional[dict] = None, model_config: Optional[dict] = None,
-                    extra: Optional[dict] = None, save_rng: bool = True) -> str:
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    ckpt_format: str = "torch_dist",
+    consumed_samples: int = 0,
+    args: Optional[dict] = None,
+    model_config: Optional[dict] = None,
+    extra: Optional[dict] = None,
+    save_rng: bool = True,
+) -> str:
     """Write ``root/iter_XXXXXXX`` (collective: every rank calls). Returns its path.
 
     ``model``: our wrapper or a plain module (its unwrapped state dict is stored).
@@ -273,12 +308,18 @@ def save_checkpoint(root: str, iteration: int, *, model, optimizer=None, schedul
 
     if rank == 0:
         common = {
-            "format_version": FORMAT_VERSION, "ckpt_format": ckpt_format, "iteration": iteration,
+            "format_version": FORMAT_VERSION,
+            "ckpt_format": ckpt_format,
+            "iteration": iteration,
             "consumed_samples": consumed_samples,
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "wrapper": type(model).__name__, "model_config": model_config or {},
-            "args": args or {}, "scheduler": scheduler.state_dict() if scheduler else None,
-            "optimizer": opt_skel, "rng_saved": save_rng, "extra": extra or {},
+            "wrapper": type(model).__name__,
+            "model_config": model_config or {},
+            "args": args or {},
+            "scheduler": scheduler.state_dict() if scheduler else None,
+            "optimizer": opt_skel,
+            "rng_saved": save_rng,
+            "extra": extra or {},
         }
         _write_atomic(os.path.join(tmp, COMMON_FILE), json.dumps(common, indent=1, default=str))
         if os.path.exists(final):  # re-saving the same iteration: swap, then drop the old one
@@ -297,13 +338,20 @@ def save_checkpoint(root: str, iteration: int, *, model, optimizer=None, schedul
 # ---------------------------------------------------------------------------- load
 # Architecture fields whose mismatch makes a checkpoint unloadable, with their flags.
 MODEL_CONFIG_FLAGS = {
-    "num_layers": "--num-layers", "hidden_size": "--hidden-size",
-    "ffn_hidden_size": "--ffn-hidden-size", "num_attention_heads": "--num-attention-heads",
-    "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
-    "vocab_size": "--vocab-size / --tokenizer-type", "padded_vocab_size": "--vocab-size / --tokenizer-type",
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels",
+    "vocab_size": "--vocab-size / --tokenizer-type",
+    "padded_vocab_size": "--vocab-size / --tokenizer-type",
     "max_position_embeddings": "--max-position-embeddings",
-    "position_embedding_type": "--position-embedding-type", "normalization": "--normalization",
-    "swiglu": "--swiglu", "gated_linear_unit": "--swiglu", "add_bias_linear": "--disable-bias-linear",
+    "position_embedding_type": "--position-embedding-type",
+    "normalization": "--normalization",
+    "swiglu": "--swiglu",
+    "gated_linear_unit": "--swiglu",
+    "add_bias_linear": "--disable-bias-linear",
     "qk_layernorm": "--qk-layernorm",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "share_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
@@ -314,9 +362,11 @@ def check_model_config(saved: dict, current: dict, ckpt: str) -> None:
     """Raise naming the first architecture field that differs between checkpoint and run."""
     for field, flag in MODEL_CONFIG_FLAGS.items():
         if field in saved and field in current and saved[field] != current[field]:
-            raise ValueError(f"checkpoint {ckpt} was trained with {field}={saved[field]!r} but this "
-                             f"run has {field}={current[field]!r} ({flag}); use the checkpoint's "
-                             "model flags or start without --load")
+            raise ValueError(
+                f"checkpoint {ckpt} was trained with {field}={saved[field]!r} but this "
+                f"run has {field}={current[field]!r} ({flag}); use the checkpoint's "
+                "model flags or start without --load"
+            )
 
 
 def _read_tensors(ckpt: str, common: dict, template: Dict[str, torch.Tensor]) -> None:
@@ -343,14 +393,18 @@ def _read_tensors(ckpt: str, common: dict, template: Dict[str, torch.Tensor]) ->
 def _metadata_shapes(ckpt: str, common: dict) -> Dict[str, Tuple[tuple, torch.dtype]]:
     if common["ckpt_format"] == "torch_dist":
         md = SafeFileSystemReader(ckpt).read_metadata()
-        return {k: (tuple(v.size), v.properties.dtype) for k, v in md.state_dict_metadata.items()
-                if isinstance(v, TensorStorageMetadata)}
+        return {
+            k: (tuple(v.size), v.properties.dtype)
+            for k, v in md.state_dict_metadata.items()
+            if isinstance(v, TensorStorageMetadata)
+        }
     full = torch.load(os.path.join(ckpt, TORCH_FILE), map_location="cpu", weights_only=True)
     return {k: (tuple(v.shape), v.dtype) for k, v in full.items()}
 
 
-def load_model_state(ckpt: str, model, *, model_config: Optional[dict] = None,
-                     prefer_fp32_params: bool = True) -> dict:
+def load_model_state(
+    ckpt: str, model, *, model_config: Optional[dict] = None, prefer_fp32_params: bool = True
+) -> dict:
     """Load the weights of checkpoint dir ``ckpt`` into ``model`` (wrapper or plain
     module; any sharding). Checks the model config first. Returns common.json's dict.
 
@@ -366,15 +420,19 @@ def load_model_state(ckpt: str, model, *, model_config: Optional[dict] = None,
     saved_model = {k for k in shapes if k.startswith("model/")}
     missing, unexpected = set(template) - saved_model, saved_model - set(template)
     if missing or unexpected:
-        raise RuntimeError(f"checkpoint {ckpt} does not match the model: missing "
-                           f"{sorted(k[6:] for k in missing)[:5]}, unexpected "
-                           f"{sorted(k[6:] for k in unexpected)[:5]} (check the model flags, "
-                           "e.g. --untie-embeddings-and-output-weights, --position-embedding-type)")
+        raise RuntimeError(
+            f"checkpoint {ckpt} does not match the model: missing "
+            f"{sorted(k[6:] for k in missing)[:5]}, unexpected "
+            f"{sorted(k[6:] for k in unexpected)[:5]} (check the model flags, "
+            "e.g. --untie-embeddings-and-output-weights, --position-embedding-type)"
+        )
     for k, v in template.items():
         shape = tuple(v.shape)  # DTensor.shape is the full logical shape
         if shapes[k][0] != shape:
-            raise RuntimeError(f"checkpoint {ckpt}: parameter {k[6:]} has shape {shapes[k][0]} but the "
-                               f"model's is {shape}; the model flags differ from the checkpoint's")
+            raise RuntimeError(
+                f"checkpoint {ckpt}: parameter {k[6:]} has shape {shapes[k][0]} but the "
+                f"model's is {shape}; the model flags differ from the checkpoint's"
+            )
     reads = {}
     for k, v in template.items():
         main = f"optimizer/state/{k[6:]}/fp32_param"
@@ -391,8 +449,10 @@ def load_optimizer_state(ckpt: str, optimizer, model) -> None:
     common = read_common(ckpt)
     skel = common.get("optimizer")
     if skel is None:
-        raise RuntimeError(f"checkpoint {ckpt} holds no optimizer state; pass --no-load-optim "
-                           "(or --finetune) to load only the weights")
+        raise RuntimeError(
+            f"checkpoint {ckpt} holds no optimizer state; pass --no-load-optim "
+            "(or --finetune) to load only the weights"
+        )
     shapes = _metadata_shapes(ckpt, common)
     params = dict(unwrap_model(model).named_parameters())
     template: Dict[str, torch.Tensor] = {}

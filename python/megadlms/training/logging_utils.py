@@ -56,16 +56,18 @@ def progress_line(m: dict, train_iters: int, *, fp16: bool = False) -> str:
     """Format one logged interval (keys as in :class:`MetricsLogger.log_train`)."""
     it = m["iteration"]
     width = len(str(train_iters))
-    parts = [f"iter {it:>{width}}/{train_iters} ({100 * it / max(1, train_iters):3.0f}%)",
-             "loss " + ("    nan" if m["lm_loss"] is None else f"{m['lm_loss']:.4f}"),
-             f"lr {m['lr']:.2e}",
-             "gnorm " + ("-" if m["grad_norm"] is None else f"{m['grad_norm']:.3g}"),
-             *([f"pnorm {m['params_norm']:.4g}"] if m.get("params_norm") is not None else []),
-             f"{_si(m['tokens_per_sec'])} tok/s",
-             f"{m['tflops_per_device']:.3g} TFLOP/s/dev",
-             f"{m['ms_per_iter']:.0f} ms/it",
-             f"mem {m['mem_gb']:.2f} GB",
-             f"eta {_hms(m['eta_sec'])}"]
+    parts = [
+        f"iter {it:>{width}}/{train_iters} ({100 * it / max(1, train_iters):3.0f}%)",
+        "loss " + ("    nan" if m["lm_loss"] is None else f"{m['lm_loss']:.4f}"),
+        f"lr {m['lr']:.2e}",
+        "gnorm " + ("-" if m["grad_norm"] is None else f"{m['grad_norm']:.3g}"),
+        *([f"pnorm {m['params_norm']:.4g}"] if m.get("params_norm") is not None else []),
+        f"{_si(m['tokens_per_sec'])} tok/s",
+        f"{m['tflops_per_device']:.3g} TFLOP/s/dev",
+        f"{m['ms_per_iter']:.0f} ms/it",
+        f"mem {m['mem_gb']:.2f} GB",
+        f"eta {_hms(m['eta_sec'])}",
+    ]
     if fp16:
         parts.append(f"scale {m['loss_scale']:.3g}")
     if m["skipped_total"] or m["nan_total"]:
@@ -76,8 +78,15 @@ def progress_line(m: dict, train_iters: int, *, fp16: bool = False) -> str:
 class MetricsLogger:
     """Rank-0 sink for train/eval metrics: progress line, JSONL file, TensorBoard."""
 
-    def __init__(self, *, rank: int, train_iters: int, metrics_jsonl: Optional[str] = None,
-                 tensorboard_dir: Optional[str] = None, fp16: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        rank: int,
+        train_iters: int,
+        metrics_jsonl: Optional[str] = None,
+        tensorboard_dir: Optional[str] = None,
+        fp16: bool = False,
+    ) -> None:
         self.active = rank == 0
         self.train_iters, self.fp16 = train_iters, fp16
         self._jsonl = None
@@ -87,9 +96,10 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter as writer_cls
             except ImportError as exc:
-                raise ValueError("--tensorboard-dir needs the tensorboard package: "
-                                 "pip install tensorboard (or pip install 'megadlms[tensorboard]')"
-                                 ) from exc
+                raise ValueError(
+                    "--tensorboard-dir needs the tensorboard package: "
+                    "pip install tensorboard (or pip install 'megadlms[tensorboard]')"
+                ) from exc
         if not self.active:
             return
         if metrics_jsonl:
@@ -111,19 +121,36 @@ class MetricsLogger:
         self._write({"event": "train", **m})
         if self._tb is not None:
             step = m["iteration"]
-            for key in ("lm_loss", "lr", "grad_norm", "params_norm", "loss_scale", "tokens_per_sec",
-                        "tflops_per_device", "mem_gb"):
+            for key in (
+                "lm_loss",
+                "lr",
+                "grad_norm",
+                "params_norm",
+                "loss_scale",
+                "tokens_per_sec",
+                "tflops_per_device",
+                "mem_gb",
+            ):
                 if m.get(key) is not None:
                     self._tb.add_scalar(f"train/{key}", m[key], step)
 
     def log_eval(self, iteration: int, consumed_samples: int, result: dict) -> None:
         if not self.active:
             return
-        _log.info(f"validation at iter {iteration}: NELBO {result['nelbo']:.4f} per token | "
-                  f"PPL bound {result['ppl_bound']:.3f} | {result['num_tokens']:.0f} tokens")
-        self._write({"event": "eval", "iteration": iteration, "consumed_samples": consumed_samples,
-                     "valid_nelbo": result["nelbo"], "valid_ppl_bound": result["ppl_bound"],
-                     "valid_tokens": result["num_tokens"]})
+        _log.info(
+            f"validation at iter {iteration}: NELBO {result['nelbo']:.4f} per token | "
+            f"PPL bound {result['ppl_bound']:.3f} | {result['num_tokens']:.0f} tokens"
+        )
+        self._write(
+            {
+                "event": "eval",
+                "iteration": iteration,
+                "consumed_samples": consumed_samples,
+                "valid_nelbo": result["nelbo"],
+                "valid_ppl_bound": result["ppl_bound"],
+                "valid_tokens": result["num_tokens"],
+            }
+        )
         if self._tb is not None:
             self._tb.add_scalar("valid/nelbo", result["nelbo"], iteration)
             self._tb.add_scalar("valid/ppl_bound", result["ppl_bound"], iteration)
