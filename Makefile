@@ -3,6 +3,7 @@
 #   make test      the whole test suite (the README's test command)
 #   make demo      install + preprocess the KJV corpus + train a small DLM on 2 CPU ranks + sample
 #   make cuda-check  compile every CUDA source with nvcc (no GPU needed)
+#   make lint      ruff (lint + format check) and clang-format (check) — what CI runs
 
 TORCH_SPEC ?= torch==2.13.0
 ifdef VIRTUAL_ENV
@@ -19,7 +20,7 @@ PYTEST_ARGS ?=
 STAMP := $(dir $(PY)).megadlms-installed
 BUILD_INPUTS := setup.py pyproject.toml $(shell find csrc megadlm_ext -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null)
 
-.PHONY: install test demo bench cuda-check clean
+.PHONY: install test demo bench cuda-check lint format clean
 
 $(PY):
 	python3 -m venv $(CURDIR)/.venv
@@ -41,6 +42,22 @@ demo: install
 
 bench: install
 	$(PY) benchmarks/bench_ext.py
+
+RUFF_SPEC ?= ruff==0.17.6
+CLANG_FORMAT_SPEC ?= clang-format==19.1.7
+CSRC := $(shell find csrc tests/ext -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null)
+
+lint: $(PY)
+	@$(PY) -m ruff --version >/dev/null 2>&1 || $(PY) -m pip install -q "$(RUFF_SPEC)"
+	@$(dir $(PY))clang-format --version >/dev/null 2>&1 || $(PY) -m pip install -q "$(CLANG_FORMAT_SPEC)"
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(dir $(PY))clang-format --dry-run -Werror $(CSRC)
+
+format: $(PY)
+	$(PY) -m ruff check --fix .
+	$(PY) -m ruff format .
+	$(dir $(PY))clang-format -i $(CSRC)
 
 cuda-check:
 	cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release

@@ -79,7 +79,7 @@ def _worker(rank, ws, args):
 
         runs[f"megadlms DDP overlap={'on' if overlap else 'off'}"] = make
     built = {name: mk() for name, mk in runs.items()}
-    for name, (m, sync) in built.items():
+    for m, sync in built.values():
         _time_steps(m, sync, x, args.warmup)
     times = {name: [] for name in built}
     for _ in range(args.rounds):

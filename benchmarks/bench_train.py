@@ -100,23 +100,30 @@ def _plain(a):
     """The reference loop: torch DDP, torch AdamW, clip_grad_norm_, same data and loss."""
     from megadlms.diffusion import compute_loss
     from megadlms.training import builders
-    from megadlms.training.arguments import parse_args
+    from megadlms.training.arguments import parse_config
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    args = parse_args(_argv(a, os.devnull), world_size=world)
+    cfg = parse_config(_argv(a, os.devnull), world_size=world)
     device = builders.device_for_rank()
-    tok = builders.tokenizer_from_args(args)
-    tcfg = builders.transformer_config_from_args(args, tok)
-    dcfg = builders.diffusion_config_from_args(args, tok)
-    model = builders.build_model(tcfg, "bidirectional", seed=args.seed, device=device)
+    tok = cfg.data.tokenizer.build()
+    cfg = cfg.with_tokenizer(tok)
+    dcfg = cfg.diffusion
+    model = builders.build_model(cfg.model, seed=cfg.training.seed, device=device)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     decay = [p for n, p in model.named_parameters() if p.dim() > 1]
     no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-4
     )
-    gbs, mbs, num_micro = builders.batch_schedule(args, world)
-    train_ds, _ = builders.build_datasets(args, tok, global_batch_size=gbs)
+    gbs, mbs, num_micro = (
+        cfg.training.global_batch_size,
+        cfg.training.micro_batch_size,
+        cfg.training.num_micro_batches,
+    )
+    train_ds, _ = builders.build_datasets(
+        cfg.data, tok, seq_length=cfg.model.seq_length, seed=cfg.training.seed,
+        train_samples=cfg.training.train_iters * gbs, valid_samples=0,
+    )  # fmt: skip
     loader = builders.build_loader(
         train_ds, consumed_samples=0, micro_batch_size=mbs, dp_rank=rank, dp_size=world
     )

@@ -50,10 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_for_inference(path: str, device: Optional[torch.device] = None):
     """(model in eval mode, tokenizer, common.json dict) from a checkpoint path."""
-    from megadlms.data import build_tokenizer
-    from megadlms.models import GPTModel
+    from megadlms.data import TokenizerConfig
+    from megadlms.models import GPTModel, TransformerConfig
     from megadlms.training import checkpointing
-    from megadlms.training.builders import transformer_config_from_dict
 
     ckpt = checkpointing.resolve_checkpoint(path)
     if ckpt is None:
@@ -62,17 +61,11 @@ def load_for_inference(path: str, device: Optional[torch.device] = None):
             f"{checkpointing.LATEST_FILE} and no {checkpointing.COMMON_FILE})"
         )
     common = checkpointing.read_common(ckpt)
-    saved_args = common.get("args", {})
+    # Model and tokenizer come from the checkpoint's own records, never from flag names.
     mcfg = common["model_config"]
-    config = transformer_config_from_dict(mcfg)
-    model = GPTModel(config, attention=mcfg.get("attention", "bidirectional"))
+    model = GPTModel(TransformerConfig.from_dict(mcfg))
     checkpointing.load_model_state(ckpt, model, model_config=mcfg)
-    tokenizer = build_tokenizer(
-        saved_args.get("tokenizer_type") or "ByteTokenizer",
-        saved_args.get("tokenizer_model"),
-        mask_token=saved_args.get("mask_token"),
-        vocab_size=saved_args.get("vocab_size"),
-    )
+    tokenizer = TokenizerConfig.from_dict(checkpointing.tokenizer_record(common)).build()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval(), tokenizer, common
 

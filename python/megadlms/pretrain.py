@@ -30,15 +30,16 @@ def _single_process_env() -> None:
     )
 
 
-def init_distributed(args) -> None:
-    """Initialise the default process group from torchrun's environment."""
+def init_distributed(parallel) -> None:
+    """Initialise the default process group from torchrun's environment
+    (``parallel``: the run's ParallelConfig)."""
     _single_process_env()
-    backend = getattr(args, "distributed_backend", None) or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = parallel.distributed_backend
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("--distributed-backend nccl needs CUDA devices; use gloo on CPU")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    minutes = getattr(args, "distributed_timeout_minutes", None) or 10
+    minutes = parallel.distributed_timeout_minutes
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=minutes))
 
 
@@ -48,18 +49,18 @@ def run(argv: Optional[Sequence[str]] = None):
     Uses the default process group when one exists (tests call this from spawned
     ranks); otherwise creates it from the environment and destroys it afterwards.
     """
-    from megadlms.training.arguments import parse_args
+    from megadlms.training.arguments import parse_config
     from megadlms.training.logging_utils import setup_logging
     from megadlms.training.train import pretrain
 
     owned = not dist.is_initialized()
     world = dist.get_world_size() if not owned else int(os.environ.get("WORLD_SIZE", "1"))
-    args = parse_args(list(argv) if argv is not None else None, world_size=world)
+    config = parse_config(list(argv) if argv is not None else None, world_size=world)
     if owned:
-        init_distributed(args)
+        init_distributed(config.parallel)
     setup_logging(dist.get_rank())
     try:
-        return pretrain(args)
+        return pretrain(config)
     finally:
         if owned and dist.is_initialized():
             dist.destroy_process_group()

@@ -107,7 +107,7 @@ def test_ar_mode_matches_hand_written_shifted_ce():
 def test_vanilla_with_bidirectional_model_is_rejected():
     with pytest.raises(ValueError, match="causal"):
         compute_loss(_tiny(), _batch(2), DiffusionConfig(model_running_mode="vanilla"), 0)
-    with pytest.raises(ValueError, match="--mask-token"):
+    with pytest.raises(ValueError, match="mask_token_id"):
         compute_loss(_tiny(), _batch(2), DiffusionConfig(mask_token_id=V), 0)
 
 

@@ -108,15 +108,15 @@ def test_varilen_is_a_function_of_seed_and_iteration():
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match="--model-running-mode"):
+    with pytest.raises(ValueError, match="model_running_mode"):
         DiffusionConfig(model_running_mode="difflm", mask_token_id=1)
-    with pytest.raises(ValueError, match="--mask-token"):
+    with pytest.raises(ValueError, match="mask_token_id"):
         DiffusionConfig()
-    with pytest.raises(ValueError, match="--difflm-p-mask"):
+    with pytest.raises(ValueError, match="p_mask"):
         DiffusionConfig(mask_token_id=1, p_mask="exact")
-    with pytest.raises(ValueError, match="--difflm-mask-eps"):
+    with pytest.raises(ValueError, match="mask_eps"):
         DiffusionConfig(mask_token_id=1, mask_eps=1.0)
-    with pytest.raises(ValueError, match="--mask-token"):
+    with pytest.raises(ValueError, match="mask_token_id"):
         DiffusionConfig(mask_token_id=300).check_vocab(259)
     DiffusionConfig(model_running_mode="vanilla")  # AR needs no mask token
 

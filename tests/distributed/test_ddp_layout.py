@@ -117,7 +117,7 @@ def test_no_grad_param_does_not_hang_and_reused_grad_errors():
 def test_config_validation_names_flags():
     with pytest.raises(ValueError, match="comm_backend"):
         DistributedDataParallelConfig(comm_backend="mpi")
-    with pytest.raises(ValueError, match="overlap-param-gather"):
+    with pytest.raises(ValueError, match="overlap_param_gather"):
         DistributedDataParallelConfig(overlap_param_gather=True)
     with pytest.raises(RuntimeError, match="comm_backend='nccl_ext'"):
         DistributedDataParallel(torch.nn.Linear(2, 2), DistributedDataParallelConfig(comm_backend="nccl_ext"))

@@ -220,7 +220,7 @@ def test_params_dtype_and_forward_dtype():
 
 
 def test_config_errors_name_the_flags():
-    with pytest.raises(ValueError, match="--seq-length.*--max-position-embeddings"):
+    with pytest.raises(ValueError, match="seq_length.*max_position_embeddings"):
         TransformerConfig(
             num_layers=1,
             hidden_size=8,
@@ -229,7 +229,7 @@ def test_config_errors_name_the_flags():
             seq_length=64,
             max_position_embeddings=32,
         )
-    with pytest.raises(ValueError, match="--num-query-groups"):
+    with pytest.raises(ValueError, match="num_query_groups"):
         TransformerConfig(
             num_layers=1,
             hidden_size=12,
@@ -238,7 +238,7 @@ def test_config_errors_name_the_flags():
             seq_length=4,
             num_query_groups=4,
         )
-    with pytest.raises(ValueError, match="--normalization"):
+    with pytest.raises(ValueError, match="normalization"):
         TransformerConfig(
             num_layers=1,
             hidden_size=8,
@@ -258,5 +258,5 @@ def test_config_errors_name_the_flags():
         == 384
     )
     model = GPTModel(_config())
-    with pytest.raises(ValueError, match="max-position-embeddings"):
+    with pytest.raises(ValueError, match="max_position_embeddings"):
         model(torch.zeros(1, S + 1, dtype=torch.int64))

@@ -208,7 +208,7 @@ def test_state_dict_round_trip_and_mismatch_message():
 
 def test_get_optimizer_validation():
     ddp = DistributedDataParallel(_Net())
-    with pytest.raises(ValueError, match="use-distributed-optimizer"):
+    with pytest.raises(ValueError, match="use_distributed_optimizer"):
         get_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), ddp)
     frozen = _Net().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):

@@ -17,9 +17,9 @@ from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.optimizer import OptimizerConfig
 from megadlms.training.arguments import (
     build_parser,
-    config_from_args,
-    fsdp_mixed_precision_from_args,
+    fsdp_mixed_precision,
     parse_args,
+    parse_config,
 )
 
 GPT_MODEL_ARGS = """
@@ -96,13 +96,16 @@ def seed_fsdp2() -> list:
 
 def test_seed_fsdp2_command_passes_as_written():
     for world in (2, 4, 8):
-        args = parse_args(seed_fsdp2(), world_size=world)
-        assert args.use_torch_fsdp2 and args.ckpt_format == "torch_dist"
-        assert args.data_parallel_size == world and args.num_micro_batches == 16 // (2 * world)
-        assert args.bf16 and args.accumulate_allreduce_grads_in_fp32  # Megatron: bf16 reduces in fp32
-        assert args.num_query_groups == 4 and args.ffn_hidden_size == 192 and args.kv_channels == 16
+        cfg = parse_config(seed_fsdp2(), world_size=world)
+        assert cfg.parallel.use_torch_fsdp2 and cfg.checkpoint.ckpt_format == "torch_dist"
+        assert cfg.parallel.data_parallel_size == world and cfg.training.num_micro_batches == 16 // (
+            2 * world
+        )
+        assert cfg.optimizer.bf16 and cfg.ddp.grad_reduce_in_fp32  # Megatron: bf16 reduces in fp32
+        m = cfg.model
+        assert m.num_query_groups == 4 and m.ffn_hidden_size == 192 and m.kv_channels == 16
         # speed/logging-only flags are accepted and reported, never silently dropped
-        reported = " ".join(args.flags_without_effect)
+        reported = " ".join(cfg.logging.notes)
         for flag in (
             "--attention-backend",
             "--rerun-mode",
@@ -125,8 +128,8 @@ def test_seed_ddp_tp2_command_fails_with_not_supported_yet():
         a if a != "2" or prev != "--tensor-model-parallel-size" else "1"
         for prev, a in zip([""] + seed_ddp_tp2(), seed_ddp_tp2())
     ]
-    args = parse_args(argv, world_size=4)
-    assert args.use_distributed_optimizer and args.data_parallel_size == 4
+    cfg = parse_config(argv, world_size=4)
+    assert cfg.optimizer.use_distributed_optimizer and cfg.parallel.data_parallel_size == 4
 
 
 # A valid small command; each row below breaks exactly one rule and names its fix.
@@ -368,9 +371,9 @@ def test_rule_rejects_case_and_accepts_neighbour(name, bad, world, needles, good
 
 def test_gradient_accumulation_fusion_rule():
     """Only reachable programmatically (we have no fusion kernel, so the CLI can't turn it on)."""
-    from megadlms.training.arguments import fill_derived_args, validate_args
+    from megadlms.training.arguments import validate_args
 
-    args = fill_derived_args(build_parser().parse_args(BASE + FSDP), 2)
+    args = build_parser().parse_args(BASE + FSDP)
     validate_args(args, 2)
     args.gradient_accumulation_fusion = True
     with pytest.raises(ValueError, match="add --no-gradient-accumulation-fusion"):
@@ -402,11 +405,21 @@ def test_unknown_and_bad_choice_flags_name_the_flag(capsys):
 
 
 def test_derived_values_follow_megatron():
-    a = parse_args(BASE, world_size=2)
-    assert (a.data_parallel_size, a.num_micro_batches, a.max_position_embeddings) == (2, 2, 16)
-    assert (a.ffn_hidden_size, a.num_query_groups, a.kv_channels, a.lr_decay_iters) == (128, 4, 8, 10)
-    assert a.attention_mask_type == "no_mask" and a.distributed_backend in ("gloo", "nccl")
-    a = parse_args(
+    a = parse_config(BASE, world_size=2)
+    assert (a.parallel.data_parallel_size, a.training.num_micro_batches, a.model.max_position_embeddings) == (
+        2,
+        2,
+        16,
+    )
+    m = a.model
+    assert (m.ffn_hidden_size, m.num_query_groups, m.kv_channels, a.schedule.lr_decay_iters) == (
+        128,
+        4,
+        8,
+        10,
+    )
+    assert m.attention == "bidirectional" and a.parallel.distributed_backend in ("gloo", "nccl")
+    a = parse_config(
         BASE
         + [
             "--swiglu",
@@ -419,12 +432,16 @@ def test_derived_values_follow_megatron():
         ],
         world_size=1,
     )
-    assert a.ffn_hidden_size == int(4 * 96 * 2 / 3 / 64) * 64 == 256  # Megatron's swiglu rule
-    assert a.attention_mask_type == "causal" and a.lr_warmup_iters == 2 and a.global_batch_size == 8
-    a = parse_args(BASE + ["--attention-mask-type", "causal_bottom_right"], world_size=2)
-    assert a.attention_mask_type == "causal"
+    assert a.model.ffn_hidden_size == int(4 * 96 * 2 / 3 / 64) * 64 == 256  # Megatron's swiglu rule
+    assert (
+        a.model.attention == "causal"
+        and a.schedule.lr_warmup_iters == 2
+        and a.training.global_batch_size == 8
+    )
+    a = parse_config(BASE + ["--attention-mask-type", "causal_bottom_right"], world_size=2)
+    assert a.model.attention == "causal"
     b = [x for x in BASE if x not in ("--global-batch-size", "8")]
-    assert parse_args(b, world_size=3).global_batch_size == 6  # micro x dp
+    assert parse_config(b, world_size=3).training.global_batch_size == 6  # micro x dp
 
 
 def test_every_flag_has_help():
@@ -436,7 +453,7 @@ def test_every_flag_has_help():
 
 
 def test_configs_from_args():
-    a = parse_args(
+    a = parse_config(
         BASE
         + [
             "--use-distributed-optimizer",
@@ -454,7 +471,7 @@ def test_configs_from_args():
         ],
         world_size=2,
     )
-    ddp = config_from_args(a, "ddp")
+    ddp = a.ddp
     assert isinstance(ddp, DistributedDataParallelConfig)
     assert (
         ddp.use_distributed_optimizer,
@@ -464,7 +481,7 @@ def test_configs_from_args():
         ddp.grad_reduce_in_fp32,
         ddp.comm_backend,
     ) == (True, True, True, 1000, True, "torch")
-    opt = config_from_args(a, "optimizer")
+    opt = a.optimizer
     assert isinstance(opt, OptimizerConfig)
     assert (
         opt.lr,
@@ -474,10 +491,24 @@ def test_configs_from_args():
         opt.optimizer,
         opt.use_distributed_optimizer,
     ) == (1e-3, 0.5, 0.95, True, "sgd", True)
-    policy = fsdp_mixed_precision_from_args(a)
+    policy = fsdp_mixed_precision(a)
     import torch
 
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
-    assert fsdp_mixed_precision_from_args(parse_args(BASE, world_size=2)) is None
-    with pytest.raises(ValueError, match="kind must be one of"):
-        config_from_args(a, "model")
+    assert fsdp_mixed_precision(parse_config(BASE, world_size=2)) is None
+    # the trainer normalises by the global loss-token count: the wrappers reduce in sum mode
+    assert ddp.calculate_per_token_loss
+
+
+def test_library_errors_name_fields_and_the_cli_names_flags():
+    """One rule, one place: the dataclass words it with its field, the CLI with the flag."""
+    from megadlms.models import TransformerConfig
+
+    with pytest.raises(ValueError, match="attention_dropout must be in"):
+        TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=4, seq_length=4,
+                          attention_dropout=1.0)  # fmt: skip
+    with pytest.raises(ValueError) as exc:
+        parse_args(BASE + ["--attention-dropout", "1.0", "--hidden-dropout", "2"], world_size=2)
+    msg = str(exc.value)
+    assert "--attention-dropout must be in [0, 1)" in msg and "--hidden-dropout must be in [0, 1)" in msg
+    assert "2 problems" in msg

@@ -131,7 +131,6 @@ def test_generate_is_deterministic_and_loads_both_formats(tmp_path, fmt):
     from megadlms.generate import generate_text, load_for_inference
     from megadlms.models import GPTModel, TransformerConfig
     from megadlms.training import checkpointing
-    from megadlms.training.builders import model_config_dict
 
     cfg = TransformerConfig(
         num_layers=1,
@@ -149,7 +148,7 @@ def test_generate_is_deterministic_and_loads_both_formats(tmp_path, fmt):
         model=model,
         ckpt_format=fmt,
         args={"tokenizer_type": "ByteTokenizer"},
-        model_config=model_config_dict(cfg, "bidirectional"),
+        model_config=cfg.to_dict(),
     )
     loaded, tok, common = load_for_inference(str(tmp_path), torch.device("cpu"))
     for a, b in zip(model.state_dict().values(), loaded.state_dict().values()):

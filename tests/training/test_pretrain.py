@@ -122,8 +122,8 @@ def _ddp3_world(rank, world, tmp):
     real_loss, real_step = train.compute_loss, train.train_step
     sums = []
 
-    def nan_loss(model, batch, cfg, iteration):
-        loss_sum, n, stats = real_loss(model, batch, cfg, iteration)
+    def nan_loss(model, batch, cfg, iteration, *a, **k):
+        loss_sum, n, stats = real_loss(model, batch, cfg, iteration, *a, **k)
         if rank == world - 1 and iteration in inject:
             loss_sum = loss_sum * float("nan")
         return loss_sum, n, stats

@@ -10,12 +10,13 @@ from .corpus import kjv_jsonl_path
 from .gpt_dataset import GPTDataset, MockGPTDataset
 from .indexed_dataset import DTYPE_CODES, IndexedDataset, IndexedDatasetBuilder
 from .sampler import PretrainingSampler, build_pretraining_data_loader
-from .tokenizers import ByteTokenizer, HuggingFaceTokenizer, build_tokenizer
+from .tokenizers import ByteTokenizer, HuggingFaceTokenizer, TokenizerConfig, build_tokenizer
 
 __all__ = [
     "ByteTokenizer",
     "HuggingFaceTokenizer",
     "build_tokenizer",
+    "TokenizerConfig",
     "IndexedDataset",
     "IndexedDatasetBuilder",
     "DTYPE_CODES",

@@ -123,7 +123,7 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
     """Run the preprocessing; returns {json key: output path prefix}."""
     tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     if args.append_eod:
-        tok.eod  # fail before any work if the tokenizer has no eod token
+        _ = tok.eod  # fail before any work if the tokenizer has no eod token
     dtype = optimal_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)

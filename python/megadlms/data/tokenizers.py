@@ -10,8 +10,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
+
+from megadlms.config_errors import Problems
 
 SUPPORTED_TOKENIZERS = ("ByteTokenizer", "HuggingFaceTokenizer")
 
@@ -204,3 +208,44 @@ def build_tokenizer(
             f"{tok.vocab_size} ids; drop --vocab-size or raise it"
         )
     return tok
+
+
+@dataclass(kw_only=True)
+class TokenizerConfig:
+    """Which tokenizer a run uses, as data: built into a tokenizer by :meth:`build`, and
+    stored in every checkpoint (``to_dict``) so that loading never depends on flag names."""
+
+    tokenizer_type: str = "ByteTokenizer"
+    """One of ``SUPPORTED_TOKENIZERS``."""
+    tokenizer_model: Optional[str] = None
+    """HuggingFaceTokenizer: path of a tokenizer.json (or its directory)."""
+    mask_token: Optional[Union[str, int]] = None
+    """The [MASK] token (string or id); None: the tokenizer's own mask token."""
+    vocab_size: Optional[int] = None
+    """Embedding rows before padding; must hold every id (None: the tokenizer's count)."""
+
+    def __post_init__(self) -> None:
+        bad = Problems("TokenizerConfig")
+        bad.check(
+            self.tokenizer_type in SUPPORTED_TOKENIZERS,
+            f"tokenizer_type must be one of {SUPPORTED_TOKENIZERS}, got {self.tokenizer_type!r}",
+        )
+        bad.check(
+            self.tokenizer_type != "HuggingFaceTokenizer" or bool(self.tokenizer_model),
+            "tokenizer_type HuggingFaceTokenizer needs tokenizer_model PATH "
+            "(tokenizer.json or its directory)",
+        )
+        bad.positive(self, "vocab_size", required=False)
+        bad.raise_if_any()
+
+    def build(self):
+        """The tokenizer this record describes (reads ``tokenizer_model`` from disk)."""
+        return build_tokenizer(self.tokenizer_type, self.tokenizer_model, self.mask_token, self.vocab_size)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TokenizerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})

@@ -44,7 +44,7 @@ optional Gumbel temperature (float64) and classifier-free guidance.
 
 from .config import MODEL_RUNNING_MODES, P_MASK_MODES, DiffusionConfig
 from .evaluation import validation_nelbo, validation_times
-from .loss import ar_loss, check_model_for_mode, compute_loss, diffusion_loss
+from .loss import ar_loss, check_model_for_mode, compute_loss, diffusion_loss, loss_token_count
 from .noise import counter_uniform, forward_process, varilen_length
 from .sampler import add_gumbel_noise, generate, get_num_transfer_tokens
 
@@ -59,6 +59,7 @@ __all__ = [
     "ar_loss",
     "compute_loss",
     "check_model_for_mode",
+    "loss_token_count",
     "validation_nelbo",
     "validation_times",
     "generate",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megadlms.config_errors import Problems
+
 MODEL_RUNNING_MODES = ("difflm-noshift", "vanilla")
 P_MASK_MODES = ("sampled", "realised")
 
@@ -30,29 +32,34 @@ class DiffusionConfig:
     seed: int = 1234
     """Seed of the counter-based noise (--seed)."""
 
+    eval_mc_samples: int = 1
+    """K: Monte Carlo copies per sequence of the validation NELBO (--difflm-eval-mc-samples)."""
+
     def __post_init__(self) -> None:
-        if self.model_running_mode not in MODEL_RUNNING_MODES:
-            raise ValueError(
-                f"--model-running-mode must be one of {MODEL_RUNNING_MODES}, got {self.model_running_mode!r}"
-            )
-        if self.p_mask not in P_MASK_MODES:
-            raise ValueError(f"--difflm-p-mask must be one of {P_MASK_MODES}, got {self.p_mask!r}")
-        if not 0.0 <= self.mask_eps < 1.0:
-            raise ValueError(f"--difflm-mask-eps must be in [0, 1), got {self.mask_eps}")
-        if not 0.0 <= self.varilen_prob <= 1.0:
-            raise ValueError(f"--difflm-varilen-prob must be in [0, 1], got {self.varilen_prob}")
-        if self.model_running_mode == "difflm-noshift" and self.mask_token_id < 0:
-            raise ValueError(
-                "difflm-noshift needs the [MASK] token id (--mask-token / the "
-                f"tokenizer's mask id), got mask_token_id={self.mask_token_id}"
-            )
-        if not isinstance(self.seed, int):
-            raise ValueError(f"--seed must be an integer, got {self.seed!r}")
+        bad = Problems("DiffusionConfig")
+        bad.check(
+            self.model_running_mode in MODEL_RUNNING_MODES,
+            f"model_running_mode must be one of {MODEL_RUNNING_MODES}, got {self.model_running_mode!r}",
+        )
+        bad.check(self.p_mask in P_MASK_MODES, f"p_mask must be one of {P_MASK_MODES}, got {self.p_mask!r}")
+        bad.check(0.0 <= self.mask_eps < 1.0, f"mask_eps must be in [0, 1), got {self.mask_eps}")
+        bad.check(0.0 <= self.varilen_prob <= 1.0, f"varilen_prob must be in [0, 1], got {self.varilen_prob}")
+        bad.check(
+            self.model_running_mode != "difflm-noshift" or self.mask_token_id >= 0,
+            "difflm-noshift needs the [MASK] token id (mask_token_id, from the tokenizer's mask "
+            f"token), got mask_token_id={self.mask_token_id}",
+        )
+        bad.check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        bad.check(
+            isinstance(self.eval_mc_samples, int) and self.eval_mc_samples >= 1,
+            f"eval_mc_samples must be >= 1, got {self.eval_mc_samples}",
+        )
+        bad.raise_if_any()
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if the [MASK] id cannot be embedded by a model with ``vocab_size`` rows."""
         if self.model_running_mode == "difflm-noshift" and not 0 <= self.mask_token_id < vocab_size:
             raise ValueError(
-                f"mask token id {self.mask_token_id} (--mask-token) is outside the "
-                f"model vocabulary [0, {vocab_size}); check --vocab-size/--mask-token"
+                f"mask_token_id {self.mask_token_id} is outside the model vocabulary "
+                f"[0, {vocab_size}): check the tokenizer's mask token and vocab_size"
             )

@@ -58,41 +58,56 @@ def ar_loss(
     return ce.sum(), _num_tokens(labels, loss_mask)
 
 
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    # Data-parallel wrappers expose the wrapped model as .module (possibly nested).
-    while hasattr(model, "module") and isinstance(model.module, torch.nn.Module):
-        model = model.module
-    return model
-
-
 def check_model_for_mode(model: torch.nn.Module, config: DiffusionConfig) -> None:
-    """Reject model/objective combinations that would train on wrong targets."""
-    base = _base_model(model)
-    attention = getattr(base, "attention", None)
+    """Reject model/objective combinations that would train on wrong targets. ``model`` is
+    the plain (unwrapped) model; the trainer calls this once, before the first step."""
+    attention = getattr(model, "attention", None)
     if config.model_running_mode == "vanilla" and attention == "bidirectional":
         raise ValueError(
-            "--model-running-mode vanilla needs a causal model: a bidirectional "
+            "model_running_mode vanilla needs a causal model: a bidirectional "
             "model sees the next token it is asked to predict"
         )
-    model_config = getattr(base, "config", None)
+    model_config = getattr(model, "config", None)
     if model_config is not None and hasattr(model_config, "vocab_size"):
         config.check_vocab(model_config.vocab_size)
 
 
+def loss_token_count(batch: Dict[str, torch.Tensor], crop: Optional[int] = None) -> torch.Tensor:
+    """Loss tokens of ``batch`` after an optional crop to ``crop`` positions (0-d fp32), the
+    count ``compute_loss`` returns; the trainer sums it over the step before the forward."""
+    labels, loss_mask = batch["labels"], batch.get("loss_mask")
+    if crop is not None:
+        labels = labels[:, :crop]
+        loss_mask = None if loss_mask is None else loss_mask[:, :crop]
+    return _num_tokens(labels, loss_mask)
+
+
+_AUTO = object()
+
+
 def compute_loss(
-    model: torch.nn.Module, batch: Dict[str, torch.Tensor], config: DiffusionConfig, iteration: int
+    model: torch.nn.Module,
+    batch: Dict[str, torch.Tensor],
+    config: DiffusionConfig,
+    iteration: int,
+    crop=_AUTO,
+    *,
+    check: bool = True,
 ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, object]]:
     """One micro-batch: (loss_sum 0-d fp32, num_loss_tokens 0-d, stats).
 
     batch: "tokens", "labels" (= text[1:]), "loss_mask", "position_ids", "sample_idx".
     difflm-noshift: the clean sequence is ``labels`` (aligned with loss_mask), cropped to
-    ``varilen_length(seed, iteration, ...)`` when drawn, masked by ``forward_process`` and
+    ``crop`` positions (default: drawn here by ``varilen_length(seed, iteration, ...)``; the
+    trainer draws it once per step and passes it), masked by ``forward_process`` and
     scored with ``diffusion_loss``. vanilla: model(tokens) scored against labels.
     The caller divides by the global number of loss tokens of the step.
+    ``check``: run :func:`check_model_for_mode` on ``model`` first (the trainer has already).
     stats: "seq_length" (int, after any crop) and, in difflm mode, "num_masked" (0-d tensor;
     reading it with .item() is a device sync).
     """
-    check_model_for_mode(model, config)
+    if check:
+        check_model_for_mode(model, config)
     loss_mask = batch.get("loss_mask")
     position_ids = batch.get("position_ids")
     if config.model_running_mode == "vanilla":
@@ -106,8 +121,8 @@ def compute_loss(
             "difflm-noshift needs batch['sample_idx'] (the global sample indices "
             "that seed the noise); use the data package's collate"
         )
-    seq_length = clean.shape[1]
-    crop = varilen_length(config.seed, iteration, seq_length, config.varilen_prob)
+    if crop is _AUTO:
+        crop = varilen_length(config.seed, iteration, clean.shape[1], config.varilen_prob)
     if crop is not None:
         clean = clean[:, :crop]
         loss_mask = loss_mask[:, :crop] if loss_mask is not None else None

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megadlms.config_errors import Problems
+
 
 @dataclass(kw_only=True)
 class DistributedDataParallelConfig:
@@ -29,14 +31,31 @@ class DistributedDataParallelConfig:
     """Average with ReduceOp.AVG inside the collective instead of pre-scaling by 1/dp."""
     comm_backend: str = "torch"
     """"torch" (torch.distributed) or "nccl_ext" (the extension's own NCCL communicator, GPU only)."""
+    calculate_per_token_loss: bool = False
+    """Sum mode: reduce gradients as SUMS over the data-parallel ranks, with no 1/dp
+    scaling anywhere (Megatron's ``calculate_per_token_loss``, torchtitan's disabled FSDP
+    gradient division). The caller normalises once, e.g. by dividing the loss by the
+    step's global number of loss tokens before backward, as the megadlms trainer does.
+    False (the default, for library users): gradients are averaged over the ranks."""
 
     def __post_init__(self) -> None:
-        if self.comm_backend not in ("torch", "nccl_ext"):
-            raise ValueError(f"comm_backend must be 'torch' or 'nccl_ext', got {self.comm_backend!r}")
-        if self.bucket_size is not None and self.bucket_size <= 0:
-            raise ValueError(f"bucket_size must be positive (--ddp-bucket-size), got {self.bucket_size}")
-        if self.overlap_param_gather and not self.use_distributed_optimizer:
-            raise ValueError(
-                "overlap_param_gather requires use_distributed_optimizer "
-                "(--overlap-param-gather needs --use-distributed-optimizer)"
-            )
+        bad = Problems("DistributedDataParallelConfig")
+        bad.check(
+            self.comm_backend in ("torch", "nccl_ext"),
+            f"comm_backend must be 'torch' or 'nccl_ext', got {self.comm_backend!r}",
+        )
+        bad.check(
+            self.bucket_size is None or self.bucket_size > 0,
+            f"bucket_size must be positive, got {self.bucket_size}",
+        )
+        bad.check(
+            not self.overlap_param_gather or (self.use_distributed_optimizer and self.overlap_grad_reduce),
+            "overlap_param_gather needs use_distributed_optimizer and overlap_grad_reduce: "
+            "enable them or drop overlap_param_gather",
+        )
+        bad.check(
+            not (self.average_in_collective and self.calculate_per_token_loss),
+            "average_in_collective and calculate_per_token_loss are exclusive (one averages, "
+            "the other sums): pick one",
+        )
+        bad.raise_if_any()

@@ -1,6 +1,6 @@
 """Megatron-style DistributedDataParallel: contiguous grad buckets reduced while backward runs.
 
-Flow of one step (see DESIGN.md, "The way a gradient travels"):
+Flow of one step (docs/architecture.md, "The way a gradient travels"):
 
 1. Wrap time: trainable parameters go into one :class:`ParamAndGradBuffer` per
    (param dtype, grad dtype); ``param.main_grad`` views the buffer. Frozen parameters
@@ -8,12 +8,12 @@ Flow of one step (see DESIGN.md, "The way a gradient travels"):
 2. Backward: a post-accumulate-grad hook marks each parameter ready. When the last
    parameter of a bucket is ready, its gradients are folded into the buffer:
    * grad dtype != param dtype (bf16/fp16 params, ``grad_reduce_in_fp32``): one
-     ``megadlm_ext.accumulate_into`` call per bucket casts, scales by 1/dp and adds all
-     the bucket's ``param.grad`` into the buffer, then frees them;
+     ``megadlm_ext.accumulate_into`` call per bucket casts, scales (1/dp when averaging,
+     1 in sum mode) and adds all the bucket's ``param.grad`` into the buffer, frees them;
    * same dtype: ``param.grad`` IS the ``main_grad`` view (set at wrap time and by
      ``zero_grad_buffer``), so autograd already accumulated in place (zero copy, as
-     torch DDP's ``gradient_as_bucket_view``); the bucket is scaled by 1/dp with one
-     ``megadlm_ext.scale_`` call just before its collective. (Freeing per-parameter
+     torch DDP's ``gradient_as_bucket_view``); when averaging, the bucket is scaled by
+     1/dp with one ``megadlm_ext.scale_`` call just before its collective. (Freeing per-parameter
      grads mid-backward instead made glibc return the memory to the OS and page-fault
      it back every step: +45% step time on CPU.) A grad that is not the view (e.g. set
      to None by ``torch.optim``'s ``zero_grad``) is folded by ``accumulate_into``.
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from typing import Dict, List, Optional
 
 import torch
@@ -45,6 +46,14 @@ from .comm import build_communicator, resolve_group
 from .config import DistributedDataParallelConfig
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from .wrappers import unwrap_model
+
+
+def _gather_pre_hook(module, args, buckets):
+    """Forward pre-hook: wait for the parameter all-gathers of ``module``'s buckets."""
+    for bucket in buckets:
+        if bucket.gather_handle is not None:
+            bucket.gather_handle.wait()
+            bucket.gather_handle = None
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -72,12 +81,16 @@ class DistributedDataParallel(torch.nn.Module):
         if cfg.bucket_size is None and cfg.overlap_grad_reduce:
             cfg.bucket_size = max(40_000_000, 1_000_000 * self.dp_size)
         self.ddp_config = cfg
-        # ReduceOp.AVG when asked for and available; otherwise pre-divide (same average).
+        # Sum mode (calculate_per_token_loss): plain SUM, the caller normalises. Averaging:
+        # ReduceOp.AVG when asked for and available, else pre-divide by dp (same average).
         self._avg_in_collective = cfg.average_in_collective and self.comm.supports_avg
-        self._fold_scale = 1.0 if self._avg_in_collective else 1.0 / self.dp_size
+        sums = cfg.calculate_per_token_loss or self._avg_in_collective
+        self._fold_scale = 1.0 if sums else 1.0 / self.dp_size
+        self._nan_found: Optional[str] = None  # this rank's first NaN/Inf finding of the step
 
         names: Dict[torch.nn.Parameter, str] = {}
-        for name, p in module.named_parameters():  # deduplicated: tied weights once
+        # names as in the unwrapped model (checkpoint and optimizer keys); tied weights once
+        for name, p in unwrap_model(module).named_parameters():
             if p.requires_grad:
                 names[p] = name
         groups: Dict[tuple, List[torch.nn.Parameter]] = {}
@@ -107,7 +120,23 @@ class DistributedDataParallel(torch.nn.Module):
         if cfg.use_distributed_optimizer and cfg.overlap_param_gather:
             self._install_param_gather_hooks()
 
-    # ------------------------------------------------------------------ forward
+    # ------------------------------------------------------------------ DataParallel protocol
+    @property
+    def optimizer_layout(self) -> str:
+        """ "bucket_shards" with the distributed optimizer, else "replicated" (protocol.py)."""
+        return "bucket_shards" if self.ddp_config.use_distributed_optimizer else "replicated"
+
+    @property
+    def grad_buckets(self) -> List[Bucket]:
+        return self.buckets
+
+    def named_trainable_parameters(self) -> Dict[torch.nn.Parameter, str]:
+        return dict(self.param_names)
+
+    def main_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """The reduced gradient of ``param``: its view of the grad buffer."""
+        return getattr(param, "main_grad", None) if param in self.param_names else param.grad
+
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
@@ -179,16 +208,34 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_launch = bucket.index + 1
 
     def _check_nan(self, bucket: Bucket) -> None:
-        if not ext.has_nonfinite([bucket.grad_data]):
+        """Record (do not raise yet) this rank's first NaN/Inf before the collective: raising
+        here would leave the other ranks waiting in this bucket's collective."""
+        if self._nan_found is not None or not ext.has_nonfinite([bucket.grad_data]):
             return
         for p, name in zip(bucket.params, bucket.names):
             if ext.has_nonfinite([p.main_grad]):
                 rank = dist.get_rank() if dist.is_initialized() else 0
-                raise RuntimeError(
-                    f"check_for_nan_in_grad: rank {rank} (dp rank {self.dp_rank}) found NaN/Inf in "
-                    f"bucket {bucket.index} before the data-parallel collective; first offending "
-                    f"parameter: {name} (shape {tuple(p.shape)})"
+                self._nan_found = (
+                    f"rank {rank} (dp rank {self.dp_rank}) found NaN/Inf in bucket {bucket.index} "
+                    f"before the data-parallel collective; first offending parameter: {name} "
+                    f"(shape {tuple(p.shape)})"
                 )
+                return
+
+    def _agree_on_nan(self) -> None:
+        """One flag all-reduce after the step's collectives: a NaN/Inf on any rank raises on
+        every rank, so no rank is left blocked in a collective the others never join."""
+        flags = torch.zeros(self.dp_size, dtype=torch.float32, device=self.buckets[0].grad_data.device)
+        flags[self.dp_rank] = float(self._nan_found is not None)
+        self.comm.all_reduce(flags, "sum")
+        found, self._nan_found = self._nan_found, None
+        ranks = [r for r, f in enumerate(flags.tolist()) if f > 0]
+        if ranks:
+            detail = found or "this rank's gradients are finite; see the named rank's error"
+            raise RuntimeError(
+                f"check_for_nan_in_grad: NaN/Inf gradients on data-parallel rank(s) {ranks}; every "
+                f"rank stops. Here: {detail}"
+            )
 
     def start_grad_sync(self) -> None:
         """Fold any pending gradients and launch every bucket's collective not yet launched."""
@@ -207,6 +254,8 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.launched = False
             bucket.folded = False
         self._next_launch = 0
+        if self.ddp_config.check_for_nan_in_grad and self.buckets:
+            self._agree_on_nan()
         if self.ddp_config.use_distributed_optimizer:
             # Only this rank's shard of each bucket is reduced: do not show param.grad (the
             # views come back with zero_grad_buffer()). Without it, param.grad is the reduced
@@ -237,6 +286,7 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.handle, bucket.launched, bucket.folded = None, False, False
             bucket.ready.clear()
         self._next_launch = 0
+        self._nan_found = None
         for buf in self.buffers_:
             buf.grad_data.zero_()
         self._attach_grad_views()
@@ -274,12 +324,6 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.gather_handle = None
 
     def _install_param_gather_hooks(self) -> None:
-        def pre_hook(module, args, buckets=None):
-            for bucket in buckets:
-                if bucket.gather_handle is not None:
-                    bucket.gather_handle.wait()
-                    bucket.gather_handle = None
-
         for mod in self.module.modules():
             owned = {
                 self._bucket_of[p].index: self._bucket_of[p]
@@ -287,7 +331,7 @@ class DistributedDataParallel(torch.nn.Module):
                 if p in self._bucket_of
             }
             if owned:
-                hook = lambda m, a, bs=list(owned.values()): pre_hook(m, a, bs)
+                hook = functools.partial(_gather_pre_hook, buckets=list(owned.values()))
                 self._hooks.append(mod.register_forward_pre_hook(hook))
         # Parameters read outside their owner's forward are covered by this final wait, and a
         # state_dict() of the unwrapped module (checkpointing) never sees half-gathered params.

@@ -6,7 +6,7 @@ just before the unit's forward/backward and reduce-scatters its gradients right 
 its backward. Parameters, gradients and optimizer state therefore cost ~1/dp per rank.
 
 This wrapper only decides three things and keeps the interface the training loop uses
-for our DDP (DESIGN.md "Public contract"):
+for our DDP (the DataParallel protocol, docs/architecture.md):
 
 1. Which submodules are sharding units (``fsdp_unit_modules``; default: every
    ``TransformerLayer``, ``LanguageModelEmbedding``, ``RotaryEmbedding`` that holds
@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterable, Optional, Sequence, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 import megadlm_ext as ext
 
+from .comm import build_communicator
 from .config import DistributedDataParallelConfig
 
 _log = logging.getLogger(__name__)
@@ -178,6 +179,25 @@ def _backend_sums_instead_of_averaging(group) -> bool:
     return not torch.allclose(out, torch.ones(1))
 
 
+def fsdp2_config_problems(cfg: DistributedDataParallelConfig, who: str = "FSDP2") -> List[str]:
+    """What FSDP2 cannot do with ``cfg``, worded with field names (``who`` names the switch
+    that chose FSDP2). The wrapper raises on them; the CLI reports them before launch."""
+    problems = []
+    if cfg.use_distributed_optimizer:
+        problems.append(
+            f"{who} is incompatible with use_distributed_optimizer (FSDP2 already shards "
+            "optimizer state): drop use_distributed_optimizer"
+        )
+    elif cfg.overlap_param_gather:
+        problems.append(f"{who} gathers parameters itself: drop overlap_param_gather")
+    if cfg.comm_backend != "torch":
+        problems.append(
+            f"{who} communicates through torch.distributed only: use comm_backend torch "
+            f"(got {cfg.comm_backend!r})"
+        )
+    return problems
+
+
 class TorchFullyShardedDataParallel(torch.nn.Module):
     """FSDP2 data parallelism with the same interface as our DistributedDataParallel.
 
@@ -221,17 +241,9 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                 "(launch with torchrun; the trainer calls init_process_group)"
             )
         cfg = ddp_config if ddp_config is not None else DistributedDataParallelConfig()
-        if cfg.use_distributed_optimizer or cfg.overlap_param_gather:
-            raise ValueError(
-                "FSDP2 already shards parameters, gradients and optimizer state: "
-                "drop --use-distributed-optimizer/--overlap-param-gather with "
-                "--use-torch-fsdp2"
-            )
-        if cfg.comm_backend != "torch":
-            raise ValueError(
-                f"FSDP2 communicates through torch.distributed only: use "
-                f"--comm-backend torch (got {cfg.comm_backend!r}) with --use-torch-fsdp2"
-            )
+        problems = fsdp2_config_problems(cfg)
+        if problems:
+            raise ValueError("; ".join(problems))
         if cfg.bucket_size is not None:
             _log.info("FSDP2: --ddp-bucket-size is ignored (each unit reduces in one collective)")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
@@ -270,21 +282,32 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         _restore_param_attrs(module, attrs)
         self.module = module
 
-        # pytorch#162338: if this group sums under ReduceOp.AVG, make FSDP2 sum + divide.
+        self.comm = build_communicator("torch", self.process_group)
         self._grad_post_scale = 1.0
+        self.avg_corrected = False
+        if cfg.calculate_per_token_loss:  # sum mode: plain SUM reduce-scatter, no division
+            for unit in [*self.fsdp_units, module]:
+                unit.set_gradient_divide_factor(1.0)
+                unit.set_force_sum_reduction_for_comms(True)
+        else:
+            self._ensure_backend_averages(module, backend)
+
+    def _ensure_backend_averages(self, module: torch.nn.Module, backend: str) -> None:
+        """Averaging mode. pytorch#162338: if this group sums under ReduceOp.AVG (older gloo
+        builds), make FSDP2 sum and divide. Sum mode never needs this probe."""
         self.avg_corrected = _backend_sums_instead_of_averaging(self.process_group)
-        if self.avg_corrected:
-            if hasattr(module, "set_force_sum_reduction_for_comms"):
-                module.set_force_sum_reduction_for_comms(True)
-                for unit in self.fsdp_units:
-                    unit.set_force_sum_reduction_for_comms(True)
-            else:  # older FSDP2 without the switch: divide the summed shards ourselves
-                self._grad_post_scale = 1.0 / dist.get_world_size(self.process_group)
-            _log.warning(
-                "FSDP2: %s backend sums under ReduceOp.AVG (pytorch#162338); "
-                "correcting so gradients are averaged",
-                backend,
-            )
+        if not self.avg_corrected:
+            return
+        if hasattr(module, "set_force_sum_reduction_for_comms"):
+            for unit in [*self.fsdp_units, module]:
+                unit.set_force_sum_reduction_for_comms(True)
+        else:  # older FSDP2 without the switch: divide the summed shards ourselves
+            self._grad_post_scale = 1.0 / dist.get_world_size(self.process_group)
+        _log.warning(
+            "FSDP2: %s backend sums under ReduceOp.AVG (pytorch#162338); correcting so gradients "
+            "are averaged",
+            backend,
+        )
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -310,7 +333,24 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     def _local(t: torch.Tensor) -> torch.Tensor:
         return t.to_local() if hasattr(t, "to_local") else t
 
-    # ------------------------------------------------------------------ interface
+    # ------------------------------------------------------------------ DataParallel protocol
+    optimizer_layout = "dtensor"
+    grad_buckets: list = []
+
+    def named_trainable_parameters(self) -> Dict[torch.nn.Parameter, str]:
+        names: Dict[torch.nn.Parameter, str] = {}
+        for name, p in self.module.named_parameters():
+            if p.requires_grad:
+                names[p] = name
+        return names
+
+    def main_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """The gradient shard (a DTensor) FSDP2 left in ``param.grad``."""
+        return param.grad
+
+    def start_param_sync(self, *, force_sync: bool = False) -> None:
+        """No-op: FSDP2 all-gathers parameters itself before each unit's forward."""
+
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
@@ -339,14 +379,29 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         local = [self._local(p.grad) for p in params]
         if self._grad_post_scale != 1.0:
             ext.scale_(local, self._grad_post_scale)
-        if self.ddp_config.check_for_nan_in_grad and local and ext.has_nonfinite(local):
-            names = [
-                n
-                for n, p in self.module.named_parameters()
-                if p.grad is not None and ext.has_nonfinite([self._local(p.grad)])
-            ]
-            rank = dist.get_rank(self.process_group)
-            raise RuntimeError(f"rank {rank}: NaN/Inf in reduced FSDP2 gradient shard of {names}")
+        if self.ddp_config.check_for_nan_in_grad:
+            self._agree_on_nan(local)
+
+    def _agree_on_nan(self, local: list) -> None:
+        """A NaN/Inf in any rank's reduced shard raises on every rank (one flag all-reduce),
+        so no rank runs on into a collective the others never join."""
+        bad = bool(local) and ext.has_nonfinite(local)
+        flags = torch.zeros(self.comm.world_size, dtype=torch.float32, device=self.mesh.device_type)
+        flags[self.comm.rank] = float(bad)
+        self.comm.all_reduce(flags, "sum")
+        ranks = [r for r, f in enumerate(flags.tolist()) if f > 0]
+        if not ranks:
+            return
+        names = [
+            n
+            for n, p in self.module.named_parameters()
+            if p.grad is not None and ext.has_nonfinite([self._local(p.grad)])
+        ]
+        here = f"this rank's shards of {names}" if bad else "this rank's shards are finite"
+        raise RuntimeError(
+            f"check_for_nan_in_grad: NaN/Inf in reduced FSDP2 gradient shards on rank(s) {ranks}; every "
+            f"rank stops. rank {self.comm.rank}: {here}"
+        )
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every local gradient shard by ``scaling_factor`` (in place)."""

@@ -6,13 +6,17 @@ Built once from the command line (``--num-layers`` -> ``num_layers`` ...) and ha
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from megadlms.config_errors import Problems
+
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+ATTENTION_KINDS = ("bidirectional", "causal")
 
 
 def megatron_swiglu_ffn_size(hidden_size: int) -> int:
@@ -67,55 +71,77 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     """Dtype the parameters are created in (torch.bfloat16 with --bf16)."""
 
+    attention: str = "bidirectional"
+    """'bidirectional' (no mask; diffusion LMs) or 'causal' (autoregressive)."""
+
     def __post_init__(self) -> None:
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{name} must be a positive integer ({flag}), got {value!r}")
+        """Fill the derived defaults (Megatron's rules) and check every field."""
+        bad = Problems("TransformerConfig")
+        bad.positive(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
-        if self.seq_length > self.max_position_embeddings:
-            raise ValueError(
-                f"--seq-length ({self.seq_length}) exceeds --max-position-embeddings "
-                f"({self.max_position_embeddings}): raise --max-position-embeddings or "
-                "shorten --seq-length"
-            )
+        if bad.items:  # the rules below need the sizes
+            bad.raise_if_any()
+        bad.check(
+            self.seq_length <= self.max_position_embeddings,
+            f"seq_length {self.seq_length} exceeds max_position_embeddings "
+            f"{self.max_position_embeddings}: raise max_position_embeddings or shorten seq_length",
+        )
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
-        if self.num_query_groups <= 0 or self.num_attention_heads % self.num_query_groups:
-            raise ValueError(
-                f"--num-attention-heads ({self.num_attention_heads}) must be a multiple of "
-                f"--num-query-groups ({self.num_query_groups})"
-            )
-        if self.kv_channels is None:
-            if self.hidden_size % self.num_attention_heads:
-                raise ValueError(
-                    f"--hidden-size ({self.hidden_size}) is not divisible by "
-                    f"--num-attention-heads ({self.num_attention_heads}); set --kv-channels"
-                )
+        bad.check(
+            self.num_query_groups > 0 and self.num_attention_heads % self.num_query_groups == 0,
+            f"num_attention_heads {self.num_attention_heads} must be a multiple of "
+            f"num_query_groups {self.num_query_groups}",
+        )
+        if self.kv_channels is None and bad.check(
+            self.hidden_size % self.num_attention_heads == 0,
+            f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+            f"{self.num_attention_heads}: change one of them or set kv_channels",
+        ):
             self.kv_channels = self.hidden_size // self.num_attention_heads
         if self.ffn_hidden_size is None:
             self.ffn_hidden_size = (
                 megatron_swiglu_ffn_size(self.hidden_size) if self.swiglu else 4 * self.hidden_size
             )
-        if self.ffn_hidden_size <= 0:
-            raise ValueError(f"--ffn-hidden-size must be positive, got {self.ffn_hidden_size}")
-        if self.normalization not in _NORMALIZATIONS:
-            raise ValueError(f"--normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}")
-        if self.position_embedding_type not in _POSITION_EMBEDDINGS:
-            raise ValueError(
-                f"--position-embedding-type must be one of {_POSITION_EMBEDDINGS}, "
-                f"got {self.position_embedding_type!r}"
-            )
-        if self.position_embedding_type == "rope" and self.kv_channels % 2:
-            raise ValueError(f"rope needs an even head width (--kv-channels), got {self.kv_channels}")
+        bad.positive(self, "ffn_hidden_size", "kv_channels", required=False)
+        bad.check(
+            self.normalization in _NORMALIZATIONS,
+            f"normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}",
+        )
+        bad.check(
+            self.position_embedding_type in _POSITION_EMBEDDINGS,
+            f"position_embedding_type must be one of {_POSITION_EMBEDDINGS}, "
+            f"got {self.position_embedding_type!r}",
+        )
+        bad.check(
+            self.attention in ATTENTION_KINDS,
+            f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}",
+        )
+        if self.position_embedding_type == "rope" and isinstance(self.kv_channels, int):
+            bad.check(self.kv_channels % 2 == 0, f"rope needs an even kv_channels, got {self.kv_channels}")
         for name in ("attention_dropout", "hidden_dropout"):
-            if not 0.0 <= getattr(self, name) < 1.0:
-                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(self, name)}")
-        if self.init_method_std <= 0:
-            raise ValueError(f"--init-method-std must be positive, got {self.init_method_std}")
-        if self.norm_epsilon <= 0:
-            raise ValueError(f"--norm-epsilon must be positive, got {self.norm_epsilon}")
-        if not isinstance(self.params_dtype, torch.dtype) or not self.params_dtype.is_floating_point:
-            raise ValueError(f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}")
+            value = getattr(self, name)
+            bad.check(0.0 <= value < 1.0, f"{name} must be in [0, 1), got {value}")
+        bad.check(self.init_method_std > 0, f"init_method_std must be positive, got {self.init_method_std}")
+        bad.check(self.norm_epsilon > 0, f"norm_epsilon must be positive, got {self.norm_epsilon}")
+        bad.check(
+            isinstance(self.params_dtype, torch.dtype) and self.params_dtype.is_floating_point,
+            f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}",
+        )
+        bad.raise_if_any()
+
+    def to_dict(self) -> dict:
+        """The JSON-able record stored in checkpoints (params_dtype as its name)."""
+        d = dataclasses.asdict(self)
+        d["params_dtype"] = str(self.params_dtype).replace("torch.", "")
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TransformerConfig:
+        """Inverse of :meth:`to_dict`; unknown keys (records of newer versions) are ignored."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if isinstance(kw.get("params_dtype"), str):
+            kw["params_dtype"] = getattr(torch, kw["params_dtype"])
+        return cls(**kw)

@@ -9,6 +9,7 @@ to ``embedding.word_embeddings.weight``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TransformerConfig
-from .transformer import ATTENTION_KINDS, RotaryEmbedding, TransformerBlock, init_transformer_weights
+from .transformer import RotaryEmbedding, TransformerBlock, init_transformer_weights
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -69,18 +70,19 @@ class GPTModel(nn.Module):
 
     Args:
         config: TransformerConfig.
-        attention: "bidirectional" (no attention mask; diffusion LMs) or "causal" (AR).
+        attention: overrides ``config.attention`` ("bidirectional": no attention mask, for
+            diffusion LMs; "causal": autoregressive) when given.
 
     ``forward(input_ids [B,S] int64, position_ids=None) -> logits [B,S,V]`` in the
     parameters' dtype (no upcast: the loss functions upcast what they use).
     """
 
-    def __init__(self, config: TransformerConfig, attention: str = "bidirectional") -> None:
+    def __init__(self, config: TransformerConfig, attention: Optional[str] = None) -> None:
         super().__init__()
-        if attention not in ATTENTION_KINDS:
-            raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
+        if attention is not None and attention != config.attention:
+            config = dataclasses.replace(config, attention=attention)  # validated again there
         self.config = config
-        self.attention = attention
+        self.attention = attention = config.attention
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
         self.embedding = LanguageModelEmbedding(config)
         if config.position_embedding_type == "rope":
@@ -111,7 +113,7 @@ class GPTModel(nn.Module):
         B, S = input_ids.shape
         if S > self.config.max_position_embeddings:
             raise ValueError(
-                f"input length {S} exceeds --max-position-embeddings ({self.config.max_position_embeddings})"
+                f"input length {S} exceeds max_position_embeddings ({self.config.max_position_embeddings})"
             )
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)

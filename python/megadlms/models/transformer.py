@@ -18,9 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TransformerConfig
-
-ATTENTION_KINDS = ("bidirectional", "causal")
+from .config import ATTENTION_KINDS, TransformerConfig
 
 
 def build_norm(config: TransformerConfig, size: int) -> nn.Module:

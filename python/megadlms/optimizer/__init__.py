@@ -18,70 +18,43 @@ from .lr_scheduler import OptimizerParamScheduler
 from .optimizer import DTensorLayout, MixedPrecisionOptimizer, ReplicaLayout, no_weight_decay
 
 
-def _is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(t, DTensor)
-
-
-# The optimizer layer sits below megadlms.distributed (DESIGN.md), so wrappers are recognised
-# by their interface, not imported: every wrapper keeps the wrapped module in `.module`, and
-# only our DDP owns grad-buffer `buckets`.
-def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    while isinstance(getattr(model, "module", None), torch.nn.Module):
-        model = model.module
-    return model
-
-
-def _is_megadlms_ddp(model) -> bool:
-    return hasattr(model, "buckets") and hasattr(model, "ddp_config") and hasattr(model, "finish_grad_sync")
-
-
 def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPrecisionOptimizer:
-    """Build the optimizer for ``model``: our DDP wrapper, our FSDP2 wrapper, or a plain module.
+    """Build the optimizer for ``model``: a data-parallel wrapper, or a plain module.
 
-    DDP: fp32 main params when ``config.bf16``/``fp16`` (grads from ``param.main_grad``);
-    with ``config.use_distributed_optimizer`` (the DDP must be built with
-    ``use_distributed_optimizer=True`` too) the main params and state are sharded.
-    FSDP2 (DTensor params): AdamW over the sharded fp32 params; fp16 is rejected.
+    A wrapper (megadlms.distributed's ``DataParallel`` protocol; this layer sits below
+    ``distributed`` and does not import it) declares in ``optimizer_layout`` where the
+    reduced gradients are: "replicated" (our DDP: full fp32 main params per rank when
+    ``config.bf16``/``fp16``, grads from ``wrapper.main_grad``), "bucket_shards" (the
+    distributed optimizer: main params and state only for this rank's bucket shards) or
+    "dtensor" (FSDP2: the sharded fp32 DTensor params are the main params). A plain module
+    is optimized as "replicated" with its own ``param.grad``.
     """
-    inner = _unwrap(model)
-    names = {p: n for n, p in inner.named_parameters() if p.requires_grad}
+    layout_kind = getattr(model, "optimizer_layout", None)
+    wrapper = model if layout_kind is not None else None
+    if wrapper is not None:
+        names = wrapper.named_trainable_parameters()
+    else:
+        names = {p: n for n, p in model.named_parameters() if p.requires_grad}
     if not names:
         raise ValueError("get_optimizer: the model has no trainable parameters (requires_grad=True)")
-    fp32_copies = config.bf16 or config.fp16
-    if any(_is_dtensor(p) for p in names):
+    sharded = layout_kind == "bucket_shards"
+    if config.use_distributed_optimizer != sharded:
+        raise ValueError(
+            f"use_distributed_optimizer={config.use_distributed_optimizer} in OptimizerConfig, but the "
+            f"model's gradients are laid out {layout_kind or 'by a plain module'!r}: the wrapper must be "
+            "DistributedDataParallel with DistributedDataParallelConfig(use_distributed_optimizer=True) "
+            "exactly when the optimizer is distributed"
+        )
+    if layout_kind == "dtensor":
         if config.fp16:
             raise ValueError(
-                "--fp16 is not supported with --use-torch-fsdp2 (no loss scaling over "
-                "DTensor shards): use --bf16"
+                "fp16 needs loss scaling, which DTensor-sharded (FSDP2) parameters do not support: use bf16"
             )
-        if config.use_distributed_optimizer:
-            raise ValueError(
-                "--use-distributed-optimizer does not apply to --use-torch-fsdp2 "
-                "(FSDP2 already shards optimizer state): drop one of the two flags"
-            )
-        layout = DTensorLayout(names, getattr(model, "process_group", None))
-        return MixedPrecisionOptimizer(config, layout)
-    ddp = model if _is_megadlms_ddp(model) else None
-    if ddp is not None and ddp.ddp_config.use_distributed_optimizer != config.use_distributed_optimizer:
-        raise ValueError(
-            "use_distributed_optimizer differs between DistributedDataParallelConfig "
-            f"({ddp.ddp_config.use_distributed_optimizer}) and OptimizerConfig "
-            f"({config.use_distributed_optimizer}): set --use-distributed-optimizer for both"
-        )
-    if config.use_distributed_optimizer:
-        if ddp is None:
-            raise ValueError(
-                "--use-distributed-optimizer needs the model wrapped in megadlms "
-                "DistributedDataParallel(use_distributed_optimizer=True)"
-            )
-        layout = ShardedBufferLayout(ddp, names)
-    else:
-        layout = ReplicaLayout(names, ddp, fp32_copies=fp32_copies)
-    return MixedPrecisionOptimizer(config, layout, ddp=ddp)
+        return MixedPrecisionOptimizer(config, DTensorLayout(names, wrapper.comm))
+    if sharded:
+        return MixedPrecisionOptimizer(config, ShardedBufferLayout(wrapper, names), wrapper=wrapper)
+    layout = ReplicaLayout(names, wrapper, fp32_copies=config.bf16 or config.fp16)
+    return MixedPrecisionOptimizer(config, layout, wrapper=wrapper)
 
 
 __all__ = [

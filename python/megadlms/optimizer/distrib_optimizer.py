@@ -51,18 +51,14 @@ class ShardedBufferLayout:
 
     sharded = True
 
-    def __init__(self, ddp, names: Dict[torch.nn.Parameter, str]) -> None:
-        if not ddp.ddp_config.use_distributed_optimizer:
-            raise ValueError(
-                "the distributed optimizer needs DistributedDataParallelConfig("
-                "use_distributed_optimizer=True) (--use-distributed-optimizer)"
-            )
-        self.ddp = ddp
-        self.comm = ddp.comm
-        rank, dp = ddp.dp_rank, ddp.dp_size
+    def __init__(self, wrapper, names: Dict[torch.nn.Parameter, str]) -> None:
+        self.wrapper = wrapper  # a DataParallel with optimizer_layout "bucket_shards"
+        self.comm = wrapper.comm
+        self.buckets = wrapper.grad_buckets
+        rank, dp = self.comm.rank, self.comm.world_size
         self.entries: List[Entry] = []
         self.pieces = []  # per entry: (bucket, start in bucket, start in param, numel)
-        for bucket in ddp.buckets:
+        for bucket in self.buckets:
             lo, hi = bucket.shard_range(rank, dp)
             for p, off in zip(bucket.params, bucket.offsets):
                 a, b = max(off, lo), min(off + p.numel(), hi)
@@ -97,7 +93,7 @@ class ShardedBufferLayout:
     def any_rank(self, flag: bool) -> bool:
         if self.comm.world_size == 1:
             return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.ddp.buckets[0].grad_data.device)
+        t = torch.tensor([1.0 if flag else 0.0], device=self.buckets[0].grad_data.device)
         self.comm.all_reduce(t, "sum")
         return bool(t.item() > 0)
 
@@ -111,7 +107,7 @@ class ShardedBufferLayout:
             by_bucket[bucket.index][2].append(a)
         for bucket, mains, offsets in by_bucket.values():
             ext.flatten(mains, bucket.param_data, offsets=offsets)  # cast fp32 -> param dtype
-        self.ddp.start_param_sync()
+        self.wrapper.start_param_sync()
 
     def export(self, values: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """Full-shape tensors for every parameter from this rank's pieces (collective)."""
@@ -119,8 +115,8 @@ class ShardedBufferLayout:
         for i, (bucket, a, _, n) in enumerate(self.pieces):
             by_bucket.setdefault(bucket.index, []).append((a, n, values[i]))
         out = {}
-        rank, dp = self.ddp.dp_rank, self.ddp.dp_size
-        for bucket in self.ddp.buckets:
+        rank, dp = self.comm.rank, self.comm.world_size
+        for bucket in self.buckets:
             flat = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32, device=bucket.grad_data.device)
             for a, n, t in by_bucket.get(bucket.index, []):
                 flat[a : a + n].copy_(t.reshape(-1))

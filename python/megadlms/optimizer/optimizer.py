@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
 import megadlm_ext as ext
 
@@ -55,8 +54,8 @@ class ReplicaLayout:
 
     sharded = False
 
-    def __init__(self, named_params: Dict[torch.nn.Parameter, str], ddp, *, fp32_copies: bool) -> None:
-        self.ddp = ddp
+    def __init__(self, named_params: Dict[torch.nn.Parameter, str], wrapper, *, fp32_copies: bool) -> None:
+        self.wrapper = wrapper
         self.entries: List[Entry] = []
         for p, fqn in named_params.items():
             main = p.detach().clone().float() if fp32_copies and p.dtype != torch.float32 else p
@@ -69,9 +68,7 @@ class ReplicaLayout:
         """Point every main param's .grad at the reduced gradient (fp32 view or copy)."""
         grads = []
         for e in self.entries:
-            g = getattr(e.param, "main_grad", None) if self.ddp is not None else None
-            if g is None:
-                g = e.param.grad
+            g = self.wrapper.main_grad(e.param) if self.wrapper is not None else e.param.grad
             if g is None:
                 e.main.grad = None
                 continue
@@ -122,8 +119,8 @@ class DTensorLayout:
 
     sharded = True
 
-    def __init__(self, named_params: Dict[torch.nn.Parameter, str], group) -> None:
-        self.group = group
+    def __init__(self, named_params: Dict[torch.nn.Parameter, str], comm) -> None:
+        self.comm = comm  # the wrapper's data-parallel communicator
         self.entries = []
         for p, fqn in named_params.items():
             if p.dtype != torch.float32:
@@ -145,7 +142,7 @@ class DTensorLayout:
 
     def norm_and_clip_tensors(self, grads):
         """Local shards for the norm (replicated tensors counted on rank 0 only) and for clipping."""
-        rank0 = not dist.is_initialized() or dist.get_rank(self.group) == 0
+        rank0 = self.comm.rank == 0
         norm, clip = [], []
         for g in grads:
             local = g.to_local() if hasattr(g, "to_local") else g
@@ -157,9 +154,9 @@ class DTensorLayout:
         return norm, clip
 
     def all_reduce_sum(self):
-        if not dist.is_initialized():
+        if self.comm.world_size == 1:
             return None
-        return lambda t: dist.all_reduce(t, group=self.group)
+        return lambda t: self.comm.all_reduce(t, "sum")
 
     def any_rank(self, flag: bool) -> bool:
         return flag  # fp16 is rejected for FSDP2; the norm is already global
@@ -192,10 +189,10 @@ class DTensorLayout:
 class MixedPrecisionOptimizer:
     """AdamW/SGD over fp32 main params with loss scaling and clipping (see module doc)."""
 
-    def __init__(self, config: OptimizerConfig, layout, *, ddp=None) -> None:
+    def __init__(self, config: OptimizerConfig, layout, *, wrapper=None) -> None:
         self.config = config
         self.layout = layout
-        self.ddp = ddp
+        self.wrapper = wrapper
         decay, no_decay = [], []
         for i, e in enumerate(layout.entries):
             (no_decay if no_weight_decay(e.fqn, e.param) else decay).append(i)
@@ -304,8 +301,8 @@ class MixedPrecisionOptimizer:
         for e in self.layout.entries:
             e.main.grad = None
             e.param.grad = None
-        if self.ddp is not None:
-            self.ddp.zero_grad_buffer()
+        if self.wrapper is not None:
+            self.wrapper.zero_grad_buffer()
 
     # ------------------------------------------------------------------ checkpoint format
     def state_dict(self) -> dict:

@@ -1,1042 +1,407 @@
-"""Command-line flags of ``pretrain_difflm.py``: Megatron-LM / MegaDLMs names and defaults.
+"""From command-line flags to the typed run configuration: the one boundary.
 
-    args = parse_args(argv, world_size=...)   # parse + derived values + validate_args
-    ddp_config = config_from_args(args, "ddp")
-    opt_config = config_from_args(args, "optimizer")
+    config = parse_config(argv, world_size=...)    # RunConfig (training/config.py)
+    args = parse_args(argv, world_size=...)        # the validated argparse.Namespace
 
-Three kinds of Megatron flags are accepted:
+The parser itself is ``flags.py``. Here:
 
-* implemented flags (most of them; docs/flags.md lists every one);
-* flags that only tune speed or external logging we do not have (e.g.
-  ``--attention-backend``, ``--wandb-project``): accepted so a MegaDLMs script runs as
-  written, and listed in ``args.flags_without_effect`` for the trainer to print once;
-* flags for features we do not implement yet (tensor/pipeline/expert/context
-  parallelism, sequence parallelism, fp8, activation recompute, ...): they parse, and
-  :func:`validate_args` rejects any non-default value, naming the flag.
+* :func:`cross_flag_problems`: the rules that span several flags (unsupported features,
+  the FSDP2 and nccl_ext rules), worded with the flags;
+* :func:`build_run_config`: namespace -> :class:`RunConfig`; every dataclass checks its
+  own fields and fills its own derived defaults, naming fields, and :func:`flag_message`
+  maps those names back to flags.
 
-Any other flag is an argparse error naming it. All cross-flag rules live in
-:func:`validate_args`, which needs no process group.
+Every problem of a command line is reported in one ``ValueError`` (one line each), before
+any process group exists, so a bad flag fails fast and identically on every rank.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
-from typing import List, Optional
+import re
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from megadlms.distributed.config import DistributedDataParallelConfig
-from megadlms.distributed.fsdp2 import mixed_precision_policy, torch_supports_fsdp2
-from megadlms.optimizer.config import OptimizerConfig
+from megadlms.config_errors import ConfigError
+from megadlms.data import TokenizerConfig
+from megadlms.diffusion import DiffusionConfig
+from megadlms.distributed import DistributedDataParallelConfig
+from megadlms.distributed.fsdp2 import fsdp2_config_problems, mixed_precision_policy, torch_supports_fsdp2
+from megadlms.models import TransformerConfig
+from megadlms.optimizer import OptimizerConfig
 
+from .config import (
+    CheckpointConfig,
+    DataConfig,
+    LoggingConfig,
+    LRScheduleConfig,
+    ParallelConfig,
+    RunConfig,
+    TrainingConfig,
+)
+from .flags import build_parser
 from .megatron_compat import UNSUPPORTED, WANDB_DESTS, WITHOUT_EFFECT
 
-LEGACY_DEFAULT_SPLIT = "969, 30, 1"
+__all__ = ["build_parser", "build_run_config", "parse_args", "parse_config", "validate_args"]
+
+# Config fields whose flag is not simply "--" + the field name with dashes.
+_FIELD_FLAG_OVERRIDES = {
+    "mask_eps": "--difflm-mask-eps",
+    "p_mask": "--difflm-p-mask",
+    "varilen_prob": "--difflm-varilen-prob",
+    "eval_mc_samples": "--difflm-eval-mc-samples",
+    "mask_token_id": "--mask-token",
+    "attention": "--attention-mask-type",
+    "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",
+    "bucket_size": "--ddp-bucket-size",
+    "average_in_collective": "--ddp-average-in-collective",
+    "add_bias_linear": "--disable-bias-linear",
+}
+# Field names that are also plain English words in messages: never rewritten.
+_NOT_MAPPED = {"optimizer"}
 
 
-def _int_or_str(value: str):
-    return int(value) if value.lstrip("-").isdigit() else value
+def _field_flags() -> Dict[str, str]:
+    flags = {}
+    for action in build_parser()._actions:
+        long = [s for s in action.option_strings if s.startswith("--")]
+        if long and action.dest not in _NOT_MAPPED:
+            flags.setdefault(action.dest, long[0])
+    flags.update(_FIELD_FLAG_OVERRIDES)
+    return flags
 
 
-def _add(group, *flags, help, **kw):  # noqa: A002 - argparse's name
-    group.add_argument(*flags, help=help, **kw)
+_FIELD_FLAGS = _field_flags()
+_FIELD_RE = re.compile(
+    r"\b(" + "|".join(sorted(map(re.escape, _FIELD_FLAGS), key=len, reverse=True)) + r")\b"
+)
 
 
-def _model_args(p):
-    g = p.add_argument_group("model")
-    _add(g, "--num-layers", type=int, default=None, help="Number of transformer layers (required).")
-    _add(g, "--hidden-size", type=int, default=None, help="Transformer hidden size (required).")
-    _add(
-        g,
-        "--ffn-hidden-size",
-        type=int,
-        default=None,
-        help="MLP hidden size. Default 4*hidden-size, or int(8*hidden/3/64)*64 with --swiglu (Megatron's rule).",
-    )
-    _add(
-        g,
-        "--num-attention-heads",
-        type=int,
-        default=None,
-        help="Number of attention (query) heads (required).",
-    )
-    _add(
-        g,
-        "--group-query-attention",
-        action="store_true",
-        help="Use grouped-query attention (with --num-query-groups).",
-    )
-    _add(
-        g,
-        "--num-query-groups",
-        type=int,
-        default=1,
-        help="Key/value head groups with --group-query-attention; without it, equals --num-attention-heads.",
-    )
-    _add(
-        g,
-        "--kv-channels",
-        type=int,
-        default=None,
-        help="Per-head dimension. Default hidden-size / num-attention-heads.",
-    )
-    _add(g, "--seq-length", type=int, default=None, help="Training sequence length in tokens (required).")
-    _add(
-        g,
-        "--max-position-embeddings",
-        type=int,
-        default=None,
-        help="Longest sequence the model accepts (learned position table size). Default --seq-length.",
-    )
-    _add(
-        g,
-        "--position-embedding-type",
-        default="learned_absolute",
-        choices=["learned_absolute", "rope"],
-        help="Position encoding: learned absolute table or rotary (RoPE).",
-    )
-    _add(g, "--rotary-base", type=int, default=10000, help="RoPE base frequency.")
-    _add(
-        g,
-        "--rotary-percent",
-        type=float,
-        default=1.0,
-        help="Fraction of head dim rotated (only 1.0 supported).",
-    )
-    _add(
-        g,
-        "--normalization",
-        default="LayerNorm",
-        choices=["LayerNorm", "RMSNorm"],
-        help="Normalisation layer type.",
-    )
-    _add(g, "--norm-epsilon", type=float, default=1e-5, help="Epsilon of LayerNorm/RMSNorm.")
-    _add(g, "--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU) instead of GeLU.")
-    _add(
-        g,
-        "--disable-bias-linear",
-        action="store_false",
-        dest="add_bias_linear",
-        help="No bias in the linear layers.",
-    )
-    _add(g, "--add-qkv-bias", action="store_true", help="Bias only on QKV (not supported yet).")
-    _add(
-        g, "--qk-layernorm", action="store_true", help="Normalise queries and keys per head before attention."
-    )
-    _add(
-        g,
-        "--untie-embeddings-and-output-weights",
-        action="store_true",
-        help="Separate output-layer weight instead of reusing the input embedding (required by --use-torch-fsdp2).",
-    )
-    _add(g, "--attention-dropout", type=float, default=0.1, help="Dropout on attention probabilities.")
-    _add(g, "--hidden-dropout", type=float, default=0.1, help="Dropout on hidden states (residual branches).")
-    _add(g, "--init-method-std", type=float, default=0.02, help="Std of the normal weight initialisation.")
-    _add(g, "--vocab-size", type=int, default=None, help="Vocabulary size. Default: the tokenizer's.")
-    _add(
-        g,
-        "--make-vocab-size-divisible-by",
-        type=int,
-        default=128,
-        help="Pad the embedding rows to a multiple of this.",
-    )
-    _add(
-        g,
-        "--model-type",
-        default="gpt",
-        choices=["gpt"],
-        help="Model family: decoder-style stack; attention direction comes from --attention-mask-type.",
-    )
-    _add(
-        g,
-        "--attention-backend",
-        default="auto",
-        choices=["auto", "flash", "fused", "unfused", "local"],
-        help="Megatron attention kernel choice (no effect: torch SDPA picks the kernel).",
-    )
-    _add(
-        g,
-        "--attention-softmax-in-fp32",
-        action="store_true",
-        help="Accepted for Megatron scripts (no effect).",
-    )
-    for name in ("gelu", "dropout", "swiglu"):
-        _add(
-            g,
-            f"--no-bias-{name}-fusion",
-            action="store_false",
-            dest=f"bias_{name}_fusion",
-            help="Accepted for Megatron scripts (no fused kernels; no effect).",
-        )
-    _add(g, "--num-experts", type=int, default=None, help="Mixture of experts (not supported yet).")
-
-
-def _difflm_args(p):
-    g = p.add_argument_group("difflm (diffusion language model)")
-    _add(
-        g,
-        "--model-running-mode",
-        default="difflm-noshift",
-        choices=["difflm-noshift", "vanilla"],
-        help="difflm-noshift: masked diffusion LM on unshifted tokens; vanilla: autoregressive (causal, shifted labels).",
-    )
-    _add(
-        g,
-        "--base-model",
-        default="vanilla",
-        choices=["vanilla"],
-        help="MegaDLMs model series (only vanilla).",
-    )
-    _add(
-        g,
-        "--mask-token",
-        type=_int_or_str,
-        default=None,
-        help="Mask token id or string. Default: the tokenizer's mask token.",
-    )
-    _add(
-        g,
-        "--attention-mask-type",
-        default=None,
-        choices=["no_mask", "causal", "causal_bottom_right", "block_causal"],
-        help="no_mask (bidirectional) or causal. Default: no_mask for difflm-noshift, causal for vanilla. "
-        "causal_bottom_right equals causal here (queries and keys have the same length).",
-    )
-    _add(
-        g,
-        "--core-attn-implementation",
-        default=None,
-        help="MegaDLMs attention implementation (no effect: torch SDPA).",
-    )
-    _add(
-        g,
-        "--difflm-mask-eps",
-        type=float,
-        default=1e-3,
-        help="Mask probability p = (1-eps)*t + eps (LLaDA uses 1e-3; 0 reproduces MegaDLMs).",
-    )
-    _add(
-        g,
-        "--difflm-p-mask",
-        default="sampled",
-        choices=["sampled", "realised"],
-        help="Weight the loss by the sampled p (unbiased) or the realised mask fraction (MegaDLMs).",
-    )
-    _add(
-        g,
-        "--difflm-varilen-prob",
-        type=float,
-        default=0.01,
-        help="Probability that a step's batch is cropped to a random length (same on every rank).",
-    )
-    _add(
-        g,
-        "--difflm-eval-mc-samples",
-        type=int,
-        default=8,
-        help="K: Monte Carlo samples (stratified t, fixed seed) of the validation NELBO.",
-    )
-
-
-def _parallel_args(p):
-    g = p.add_argument_group("distributed")
-    _add(
-        g,
-        "--tensor-model-parallel-size",
-        type=int,
-        default=1,
-        help="Tensor parallel size (only 1 supported yet).",
-    )
-    _add(
-        g,
-        "--pipeline-model-parallel-size",
-        type=int,
-        default=1,
-        help="Pipeline parallel size (only 1 supported yet).",
-    )
-    _add(
-        g,
-        "--expert-model-parallel-size",
-        type=int,
-        default=1,
-        help="Expert parallel size (only 1 supported yet).",
-    )
-    _add(
-        g,
-        "--context-parallel-size",
-        type=int,
-        default=1,
-        help="Context parallel size (only 1 supported yet).",
-    )
-    _add(
-        g,
-        "--num-layers-per-virtual-pipeline-stage",
-        type=int,
-        default=None,
-        help="Interleaved pipeline schedule (not supported yet).",
-    )
-    _add(
-        g,
-        "--sequence-parallel",
-        action="store_true",
-        help="Megatron sequence parallelism (off when TP is 1).",
-    )
-    _add(
-        g,
-        "--data-parallel-size",
-        type=int,
-        default=None,
-        help="Data-parallel size; derived as world / (TP x PP). When given it must equal that.",
-    )
-    _add(
-        g,
-        "--use-torch-fsdp2",
-        action="store_true",
-        help="Shard params, grads and optimizer state with PyTorch FSDP2 instead of DDP.",
-    )
-    _add(
-        g,
-        "--torch-fsdp2-no-reshard-after-forward",
-        action="store_false",
-        dest="torch_fsdp2_reshard_after_forward",
-        help="FSDP2: keep gathered params after forward (accepted; the trainer always reshards).",
-    )
-    _add(
-        g,
-        "--use-distributed-optimizer",
-        action="store_true",
-        help="DDP: reduce-scatter grads and shard fp32 main params + Adam state across ranks.",
-    )
-    _add(
-        g,
-        "--num-distributed-optimizer-instances",
-        type=int,
-        default=1,
-        help="Partial distributed optimizer replicas (only 1 supported yet).",
-    )
-    _add(
-        g,
-        "--overlap-grad-reduce",
-        action="store_true",
-        help="Launch each bucket's grad collective during backward.",
-    )
-    _add(
-        g,
-        "--overlap-param-gather",
-        action="store_true",
-        help="Distributed optimizer: all-gather updated params during the next forward.",
-    )
-    _add(
-        g,
-        "--ddp-bucket-size",
-        type=int,
-        default=None,
-        help="Elements per grad bucket (default: Megatron's rule).",
-    )
-    _add(
-        g,
-        "--ddp-average-in-collective",
-        action="store_true",
-        help="Average inside the collective (ReduceOp.AVG) instead of pre-scaling by 1/dp.",
-    )
-    _add(
-        g,
-        "--accumulate-allreduce-grads-in-fp32",
-        action="store_true",
-        help="Keep and reduce grads in fp32 with bf16/fp16 params (implied by --bf16).",
-    )
-    _add(
-        g,
-        "--no-gradient-accumulation-fusion",
-        action="store_false",
-        dest="gradient_accumulation_fusion",
-        default=None,
-        help="Disable fused weight-gradient accumulation (megadlms has no such kernel: always off).",
-    )
-    _add(
-        g,
-        "--distributed-backend",
-        default=None,
-        choices=["nccl", "gloo"],
-        help="torch.distributed backend. Default: nccl when CUDA is available, else gloo.",
-    )
-    _add(g, "--distributed-timeout-minutes", type=int, default=10, help="Timeout of collectives, minutes.")
-    _add(
-        g,
-        "--comm-backend",
-        default="torch",
-        choices=["torch", "nccl_ext"],
-        help="DDP collectives through torch.distributed or the extension's own NCCL communicator (GPU).",
-    )
-    _add(
-        g,
-        "--local-rank",
-        "--local_rank",
-        type=int,
-        default=None,
-        help="Set by old launchers; torchrun passes LOCAL_RANK in the environment instead.",
-    )
-
-
-def _precision_args(p):
-    g = p.add_argument_group("mixed precision")
-    _add(g, "--bf16", action="store_true", help="bf16 params/compute, fp32 main params and grad reduction.")
-    _add(g, "--fp16", action="store_true", help="fp16 params/compute with loss scaling (DDP only).")
-    _add(g, "--loss-scale", type=float, default=None, help="Static fp16 loss scale; default dynamic scaling.")
-    _add(g, "--initial-loss-scale", type=float, default=2.0**32, help="Initial dynamic loss scale.")
-    _add(g, "--min-loss-scale", type=float, default=1.0, help="Lower bound of the dynamic loss scale.")
-    _add(g, "--loss-scale-window", type=float, default=1000, help="Clean steps before the loss scale grows.")
-    _add(g, "--hysteresis", type=int, default=2, help="Overflows tolerated before the loss scale backs off.")
-    _add(
-        g,
-        "--fp8-format",
-        dest="fp8",
-        default=None,
-        choices=["e4m3", "hybrid"],
-        help="FP8 training (not supported yet).",
-    )
-
-
-def _training_args(p):
-    g = p.add_argument_group("training / optimisation")
-    _add(
-        g, "--micro-batch-size", type=int, default=None, help="Sequences per rank per micro-step (required)."
-    )
-    _add(
-        g,
-        "--global-batch-size",
-        type=int,
-        default=None,
-        help="Sequences per optimizer step; a multiple of micro-batch x dp. Default micro-batch x dp.",
-    )
-    _add(g, "--rampup-batch-size", nargs="*", default=None, help="Batch-size ramp-up (not supported yet).")
-    _add(g, "--train-iters", type=int, default=None, help="Optimizer steps to train (required).")
-    _add(
-        g,
-        "--train-samples",
-        type=int,
-        default=None,
-        help="Sample-based training (not supported yet; use --train-iters).",
-    )
-    _add(
-        g,
-        "--optimizer",
-        default="adam",
-        choices=["adam", "sgd"],
-        help="AdamW (decoupled weight decay) or SGD.",
-    )
-    _add(g, "--lr", type=float, default=None, help="Peak learning rate (required).")
-    _add(g, "--min-lr", type=float, default=0.0, help="Learning-rate floor after decay.")
-    _add(
-        g,
-        "--lr-decay-style",
-        default="linear",
-        choices=["constant", "linear", "cosine", "WSD"],
-        help="Learning-rate decay after warmup.",
-    )
-    _add(g, "--lr-warmup-iters", type=int, default=0, help="Linear warmup steps.")
-    _add(
-        g, "--lr-warmup-fraction", type=float, default=None, help="Warmup as a fraction of --lr-decay-iters."
-    )
-    _add(g, "--lr-warmup-init", type=float, default=0.0, help="Learning rate at the start of warmup.")
-    _add(
-        g,
-        "--lr-decay-iters",
-        type=int,
-        default=None,
-        help="Steps over which the LR decays (incl. warmup). Default --train-iters.",
-    )
-    _add(
-        g,
-        "--lr-wsd-decay-style",
-        default="exponential",
-        choices=["exponential", "linear", "cosine", "minus_sqrt"],
-        help="WSD: shape of the final decay phase.",
-    )
-    _add(
-        g,
-        "--override-opt_param-scheduler",
-        action="store_true",
-        dest="override_opt_param_scheduler",
-        help="On resume, take the LR schedule from these flags instead of the checkpoint.",
-    )
-    _add(
-        g,
-        "--lr-wsd-decay-iters",
-        type=int,
-        default=None,
-        help="WSD: length of the final decay phase (required for WSD).",
-    )
-    _add(g, "--weight-decay", type=float, default=0.01, help="Decoupled weight decay (not on biases/norms).")
-    _add(g, "--adam-beta1", type=float, default=0.9, help="Adam beta1.")
-    _add(g, "--adam-beta2", type=float, default=0.999, help="Adam beta2.")
-    _add(g, "--adam-eps", type=float, default=1e-8, help="Adam epsilon.")
-    _add(g, "--sgd-momentum", type=float, default=0.9, help="SGD momentum.")
-    _add(g, "--clip-grad", type=float, default=1.0, help="Clip the global grad L2 norm to this (0 disables).")
-    _add(g, "--seed", type=int, default=1234, help="Seed of init, masking noise and data order.")
-    _add(
-        g,
-        "--nan-skip-limit",
-        type=int,
-        default=10,
-        help="Steps with a NaN/Inf loss are skipped on every rank; after this many the run stops (0: stop at the first).",
-    )
-    _add(
-        g,
-        "--no-check-for-nan-in-loss-and-grad",
-        action="store_false",
-        dest="check_for_nan_in_loss_and_grad",
-        help="Do not check loss and reduced grads for NaN/Inf.",
-    )
-    _add(
-        g,
-        "--rerun-mode",
-        default="disabled",
-        choices=["disabled", "validate_results", "report_stats"],
-        help="Megatron rerun state machine (no effect; NaN/Inf handling is --nan-skip-limit).",
-    )
-    _add(
-        g,
-        "--recompute-granularity",
-        default=None,
-        choices=["full", "selective"],
-        help="Activation recompute (not supported yet).",
-    )
-    _add(g, "--recompute-activations", action="store_true", help="Activation recompute (not supported yet).")
-
-
-def _data_args(p):
-    g = p.add_argument_group("data")
-    _add(
-        g,
-        "--data-path",
-        nargs="*",
-        default=None,
-        help="Blend of .bin/.idx prefixes: 'PREFIX' or 'W1 P1 W2 P2 ...'.",
-    )
-    _add(
-        g,
-        "--train-data-path",
-        nargs="*",
-        default=None,
-        help="Training blend (instead of --data-path + --split).",
-    )
-    _add(g, "--valid-data-path", nargs="*", default=None, help="Validation blend.")
-    _add(g, "--test-data-path", nargs="*", default=None, help="Test blend.")
-    _add(
-        g,
-        "--split",
-        default=None,
-        help="Train/valid/test split of --data-path, e.g. '969,30,1' (the default).",
-    )
-    _add(g, "--mock-data", action="store_true", help="Random tokens instead of files (smoke tests).")
-    _add(
-        g,
-        "--tokenizer-type",
-        default="ByteTokenizer",
-        choices=["ByteTokenizer", "HuggingFaceTokenizer"],
-        help="ByteTokenizer (offline: 256 bytes + eod/mask/pad) or a tokenizers-library tokenizer.json.",
-    )
-    _add(
-        g,
-        "--tokenizer-model",
-        default=None,
-        help="HuggingFaceTokenizer: tokenizer.json file or its directory.",
-    )
-    _add(g, "--data-cache-path", default=None, help="Directory for the dataset index caches.")
-    _add(g, "--eod-mask-loss", action="store_true", help="No loss on end-of-document tokens.")
-    _add(g, "--num-workers", type=int, default=2, help="DataLoader worker processes.")
-    _add(
-        g, "--reset-position-ids", action="store_true", help="Per-document position ids (not supported yet)."
-    )
-    _add(g, "--reset-attention-mask", action="store_true", help="Per-document attention (not supported yet).")
-
-
-def _checkpoint_args(p):
-    g = p.add_argument_group("checkpointing")
-    _add(g, "--save", default=None, help="Directory to save checkpoints to.")
-    _add(g, "--load", default=None, help="Directory to resume from (latest_checkpointed_iteration.txt).")
-    _add(g, "--save-interval", type=int, default=None, help="Save every N steps (required with --save).")
-    _add(
-        g,
-        "--ckpt-format",
-        default="torch_dist",
-        choices=["torch_dist", "torch", "torch_dcp", "fsdp_dtensor", "zarr"],
-        help="torch_dist: sharded torch.distributed.checkpoint, reshardable across wrappers and dp sizes; "
-        "torch: one rank-0 file.",
-    )
-    _add(
-        g,
-        "--auto-detect-ckpt-format",
-        action="store_true",
-        help="Accepted for Megatron scripts (the format is always read from the checkpoint).",
-    )
-    _add(
-        g,
-        "--ckpt-fully-parallel-load",
-        action="store_true",
-        help="Accepted for Megatron scripts (no effect).",
-    )
-    _add(
-        g, "--async-save", action="store_true", help="Accepted for Megatron scripts (saves are synchronous)."
-    )
-    _add(g, "--no-load-optim", action="store_true", help="Do not load optimizer state.")
-    _add(g, "--no-load-rng", action="store_true", help="Do not load RNG states.")
-    _add(g, "--no-save-optim", action="store_true", help="Do not save optimizer state.")
-    _add(g, "--no-save-rng", action="store_true", help="Do not save RNG states.")
-    _add(
-        g,
-        "--finetune",
-        action="store_true",
-        help="Load weights only; reset iteration, optimizer and scheduler.",
-    )
-    _add(
-        g,
-        "--use-checkpoint-args",
-        action="store_true",
-        help="Take model flags from the checkpoint (not supported yet).",
-    )
-    _add(
-        g,
-        "--exit-interval",
-        type=int,
-        default=None,
-        help="Save and exit when the iteration is a multiple of N.",
-    )
-    _add(
-        g, "--exit-duration-in-mins", type=float, default=None, help="Save and exit after this many minutes."
-    )
-    _add(
-        g, "--exit-signal-handler", action="store_true", help="On SIGTERM save a checkpoint and exit cleanly."
-    )
-    _add(
-        g,
-        "--non-persistent-save-interval",
-        type=int,
-        default=None,
-        help="Accepted for Megatron scripts (no effect).",
-    )
-    _add(
-        g,
-        "--non-persistent-ckpt-type",
-        default=None,
-        choices=["global", "local", "in_memory"],
-        help="Accepted for Megatron scripts (no effect).",
-    )
-    _add(
-        g, "--non-persistent-global-ckpt-dir", default=None, help="Accepted for Megatron scripts (no effect)."
-    )
-
-
-def _logging_args(p):
-    g = p.add_argument_group("logging / evaluation")
-    _add(g, "--log-interval", type=int, default=100, help="Print a progress line every N steps.")
-    _add(g, "--eval-interval", type=int, default=1000, help="Validation NELBO every N steps.")
-    _add(g, "--eval-iters", type=int, default=100, help="Validation batches per evaluation (0 disables).")
-    _add(
-        g,
-        "--tensorboard-dir",
-        default=None,
-        help="Write TensorBoard scalars here (if tensorboard is installed).",
-    )
-    _add(
-        g,
-        "--log-throughput",
-        action="store_true",
-        help="Accepted for Megatron scripts (tokens/s and TFLOP/s are always logged).",
-    )
-    _add(g, "--log-params-norm", action="store_true", help="Accepted for Megatron scripts (no effect).")
-    _add(
-        g,
-        "--metrics-jsonl",
-        default=None,
-        help="Append one JSON object per logged step (iteration, consumed_samples, lm_loss, lr, grad_norm, "
-        "loss_scale, skipped, tokens_per_sec, event='train'; at eval a separate event='eval' "
-        "record with valid_nelbo and valid_ppl_bound).",
-    )
-    for flag in (
-        "--log-num-zeros-in-grad",
-        "--log-progress",
-        "--log-timers-to-tensorboard",
-        "--log-validation-ppl-to-tensorboard",
-        "--log-memory-to-tensorboard",
-    ):
-        _add(g, flag, action="store_true", help="Accepted for Megatron scripts (no effect).")
-    _add(g, "--wandb-project", default="", help="Accepted for Megatron scripts (no wandb client; no effect).")
-    for flag in (
-        "--wandb-exp-name",
-        "--wandb-run-id",
-        "--wandb-save-dir",
-        "--wandb-mode",
-        "--wandb-tags",
-        "--wandb-notes",
-        "--wandb-resume",
-        "--wandb-group",
-    ):
-        _add(g, flag, default=None, help="Accepted with --wandb-project (no effect).")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    """The full Megatron-compatible parser (no validation; see :func:`parse_args`)."""
-    p = argparse.ArgumentParser(
-        prog="pretrain_difflm.py",
-        allow_abbrev=False,
-        description="Pretrain a diffusion language model (megadlms).",
-    )
-    for add in (
-        _model_args,
-        _difflm_args,
-        _parallel_args,
-        _precision_args,
-        _training_args,
-        _data_args,
-        _checkpoint_args,
-        _logging_args,
-    ):
-        add(p)
-    return p
+def flag_message(message: str) -> str:
+    """A config error worded with field names, reworded with the flags that set them."""
+    return _FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], message)
 
 
 def _default_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def fill_derived_args(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
-    """Fill Megatron's derived values in place (dp size, defaults that depend on others)."""
-    args.world_size = world_size
-    model_parallel = max(1, args.tensor_model_parallel_size) * max(1, args.pipeline_model_parallel_size)
-    if args.data_parallel_size is None:
-        args.data_parallel_size = max(1, world_size // model_parallel)
-    if args.max_position_embeddings is None:
-        args.max_position_embeddings = args.seq_length
-    if not args.group_query_attention and args.num_attention_heads is not None:
-        args.num_query_groups = args.num_attention_heads
-    if args.ffn_hidden_size is None and args.hidden_size is not None:
-        args.ffn_hidden_size = (
-            int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
-        )
-    if (
-        args.kv_channels is None
-        and args.hidden_size
-        and args.num_attention_heads
-        and args.hidden_size % args.num_attention_heads == 0
-    ):  # else validate_args names both flags
-        args.kv_channels = args.hidden_size // args.num_attention_heads
-    if args.global_batch_size is None and args.micro_batch_size is not None:
-        args.global_batch_size = args.micro_batch_size * args.data_parallel_size
-    if args.micro_batch_size and args.global_batch_size:
-        args.num_micro_batches = args.global_batch_size // (args.micro_batch_size * args.data_parallel_size)
-    if args.lr_decay_iters is None:
-        args.lr_decay_iters = args.train_iters
-    if args.lr_warmup_fraction is not None and args.lr_warmup_iters == 0 and args.lr_decay_iters:
-        args.lr_warmup_iters = int(args.lr_warmup_fraction * args.lr_decay_iters)
-    if args.data_path and args.split is None:
-        args.split = LEGACY_DEFAULT_SPLIT
-    if args.attention_mask_type is None:
-        args.attention_mask_type = "causal" if args.model_running_mode == "vanilla" else "no_mask"
-    elif args.attention_mask_type == "causal_bottom_right":
-        args.attention_mask_type = "causal"  # identical mask when query length == key length
-    if args.distributed_backend is None:
-        args.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if args.gradient_accumulation_fusion is None:
-        args.gradient_accumulation_fusion = False  # no fused wgrad kernel here (Megatron needs APEX)
-    if args.bf16:
-        args.accumulate_allreduce_grads_in_fp32 = True  # Megatron: bf16 reduces grads in fp32
-    args.flags_without_effect = [
-        f"{flag}: {why}" for dest, flag, off, why in WITHOUT_EFFECT if getattr(args, dest, off) != off
-    ]
-    if not args.wandb_project and any(getattr(args, d, None) is not None for d in WANDB_DESTS):
-        args.flags_without_effect.append("--wandb-*: no Weights & Biases client; the flags are ignored")
-    return args
-
-
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Every cross-flag rule, in one place, without a process group.
-
-    Raises one ValueError listing every problem found; each line names the flags
-    involved and the fix.
-    """
-    errors: List[str] = []
-    err = errors.append
-
+# ---------------------------------------------------------------------------- cross-flag rules
+def _unsupported_problems(args) -> List[str]:
+    out = []
     for dest, flag, off in UNSUPPORTED:
         value = getattr(args, dest, off)
         if value != off:
             shown = "" if isinstance(value, bool) else f" {value}"
             fix = "remove it" if off in (None, False) else f"remove it (or set it to {off})"
-            err(f"{flag}{shown} is not supported yet by megadlms: {fix}")
+            out.append(f"{flag}{shown} is not supported yet by megadlms: {fix}")
     if args.attention_mask_type == "block_causal":
-        err("--attention-mask-type block_causal is not supported yet: use no_mask or causal")
-    if args.ckpt_format not in ("torch_dist", "torch"):
-        err(f"--ckpt-format {args.ckpt_format} is not supported yet: use torch_dist (default) or torch")
+        out.append("--attention-mask-type block_causal is not supported yet: use no_mask or causal")
+    return out
 
-    for dest, flag in (
-        ("num_layers", "--num-layers"),
-        ("hidden_size", "--hidden-size"),
-        ("num_attention_heads", "--num-attention-heads"),
-        ("seq_length", "--seq-length"),
-        ("micro_batch_size", "--micro-batch-size"),
-        ("train_iters", "--train-iters"),
-        ("lr", "--lr"),
+
+def _fsdp2_problems(args, ddp: Optional[DistributedDataParallelConfig]) -> List[str]:
+    """Megatron's rules for --use-torch-fsdp2, each with its fix."""
+    out = []
+    for flag, value in (
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+        ("--expert-model-parallel-size", args.expert_model_parallel_size),
     ):
-        value = getattr(args, dest)
-        if value is None:
-            err(f"{flag} is required")
-        elif value <= 0 and dest != "lr":
-            err(f"{flag} must be positive, got {value}")
-        elif value < 0:
-            err(f"{flag} must be >= 0, got {value}")
-    heads, hidden = args.num_attention_heads, args.hidden_size
-    if heads and hidden and args.kv_channels is None and hidden % heads:
-        err(
-            f"--hidden-size {hidden} is not divisible by --num-attention-heads {heads}: "
-            "change one of them or pass --kv-channels"
+        if value != 1:
+            out.append(f"--use-torch-fsdp2 requires {flag} 1 (got {value})")
+    if ddp is not None:  # the wrapper's own rule (FSDP2 shards the optimizer state itself)
+        out += [flag_message(p) for p in fsdp2_config_problems(ddp, who="use_torch_fsdp2")]
+    if args.gradient_accumulation_fusion:
+        out.append(
+            "--use-torch-fsdp2 is incompatible with gradient accumulation fusion: "
+            "add --no-gradient-accumulation-fusion"
         )
-    if args.group_query_attention and heads and (args.num_query_groups <= 0 or heads % args.num_query_groups):
-        err(f"--num-attention-heads {heads} must be a multiple of --num-query-groups {args.num_query_groups}")
-    mpe = args.max_position_embeddings if args.max_position_embeddings is not None else args.seq_length
-    if args.seq_length and mpe is not None and args.seq_length > mpe:
-        err(
-            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {mpe}: "
-            "raise --max-position-embeddings or shorten --seq-length"
+    if args.ckpt_format != "torch_dist":
+        out.append(f"--use-torch-fsdp2 requires --ckpt-format torch_dist (got {args.ckpt_format})")
+    if not args.untie_embeddings_and_output_weights:
+        out.append(
+            "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights "
+            "(a tied weight cannot live in two FSDP units)"
         )
-    if args.vocab_size is not None and args.vocab_size <= 0:
-        err(f"--vocab-size must be positive, got {args.vocab_size}")
-    for flag, v in (
-        ("--attention-dropout", args.attention_dropout),
-        ("--hidden-dropout", args.hidden_dropout),
-        ("--difflm-varilen-prob", args.difflm_varilen_prob),
-    ):
-        if not 0.0 <= v <= 1.0:
-            err(f"{flag} must be in [0, 1], got {v}")
-    if not 0.0 <= args.difflm_mask_eps < 1.0:
-        err(f"--difflm-mask-eps must be in [0, 1), got {args.difflm_mask_eps}")
-    if args.difflm_eval_mc_samples < 1:
-        err(f"--difflm-eval-mc-samples must be >= 1, got {args.difflm_eval_mc_samples}")
+    if args.fp16:
+        out.append("--use-torch-fsdp2 is incompatible with --fp16: use --bf16 or drop --use-torch-fsdp2")
+    if not torch_supports_fsdp2():
+        out.append(
+            f"--use-torch-fsdp2 requires PyTorch >= 2.4 (found {torch.__version__}): "
+            "upgrade torch or drop --use-torch-fsdp2"
+        )
+    return out
 
-    # Parallel layout and batch arithmetic.
-    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    if tp < 1 or pp < 1 or world_size % (tp * pp):
-        err(
-            f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-            f"--pipeline-model-parallel-size {pp}: change --nproc_per_node/--nnodes or the parallel sizes"
-        )
-        dp = None
-    else:
-        dp = world_size // (tp * pp)
-        if args.data_parallel_size is not None and args.data_parallel_size != dp:
-            err(
-                f"--data-parallel-size {args.data_parallel_size} != world size {world_size} / "
-                f"(--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp}) = {dp}: "
-                f"drop --data-parallel-size or launch {args.data_parallel_size * tp * pp} ranks"
-            )
-    mbs, gbs = args.micro_batch_size, args.global_batch_size
-    if dp and mbs and mbs > 0 and gbs is not None:
-        if gbs <= 0 or gbs % (mbs * dp):
-            err(
-                f"--global-batch-size {gbs} is not a multiple of --micro-batch-size {mbs} x data-parallel "
-                f"size {dp} = {mbs * dp}: use a multiple of {mbs * dp}"
-            )
 
-    # Precision.
-    if args.fp16 and args.bf16:
-        err("--fp16 and --bf16 are exclusive: pick one")
-    for flag, v in (
-        ("--initial-loss-scale", args.initial_loss_scale),
-        ("--min-loss-scale", args.min_loss_scale),
-        ("--loss-scale-window", args.loss_scale_window),
-        ("--hysteresis", args.hysteresis),
-    ):
-        if v <= 0:
-            err(f"{flag} must be positive, got {v}")
-    if args.loss_scale is not None and args.loss_scale <= 0:
-        err(f"--loss-scale must be positive, got {args.loss_scale}")
-
-    # DDP / distributed optimizer / communication.
-    if args.overlap_param_gather and not (args.use_distributed_optimizer and args.overlap_grad_reduce):
-        err(
-            "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce: "
-            "add them or drop --overlap-param-gather"
-        )
-    if args.ddp_bucket_size is not None and args.ddp_bucket_size <= 0:
-        err(f"--ddp-bucket-size must be positive, got {args.ddp_bucket_size}")
+def cross_flag_problems(args, ddp: Optional[DistributedDataParallelConfig] = None) -> List[str]:
+    """Every rule that spans flags of different configs (the single-config rules live in
+    the dataclasses). Returns the problems, worded with flags."""
+    out = _unsupported_problems(args)
     if args.comm_backend == "nccl_ext":
         if args.distributed_backend == "gloo" or not torch.cuda.is_available():
-            err(
+            out.append(
                 "--comm-backend nccl_ext needs CUDA GPUs and --distributed-backend nccl: "
                 "use --comm-backend torch on CPU"
             )
         if args.use_torch_fsdp2:
-            err(
+            out.append(
                 "--comm-backend nccl_ext is for DDP; FSDP2 uses torch.distributed: "
                 "drop --comm-backend nccl_ext or --use-torch-fsdp2"
             )
-
-    # FSDP2 (Megatron's rules, each with its fix).
     if args.use_torch_fsdp2:
-        for flag, value in (
-            ("--tensor-model-parallel-size", tp),
-            ("--pipeline-model-parallel-size", pp),
-            ("--expert-model-parallel-size", args.expert_model_parallel_size),
-        ):
-            if value != 1:
-                err(f"--use-torch-fsdp2 requires {flag} 1 (got {value})")
-        if args.use_distributed_optimizer:
-            err(
-                "--use-torch-fsdp2 is incompatible with --use-distributed-optimizer (FSDP2 already shards "
-                "optimizer state): drop --use-distributed-optimizer"
-            )
-        if args.gradient_accumulation_fusion:
-            err(
-                "--use-torch-fsdp2 is incompatible with gradient accumulation fusion: "
-                "add --no-gradient-accumulation-fusion"
-            )
-        if args.ckpt_format != "torch_dist":
-            err(f"--use-torch-fsdp2 requires --ckpt-format torch_dist (got {args.ckpt_format})")
-        if not args.untie_embeddings_and_output_weights:
-            err(
-                "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights "
-                "(a tied weight cannot live in two FSDP units)"
-            )
-        if args.fp16:
-            err("--use-torch-fsdp2 is incompatible with --fp16: use --bf16 or drop --use-torch-fsdp2")
-        if not torch_supports_fsdp2():
-            err(
-                f"--use-torch-fsdp2 requires PyTorch >= 2.4 (found {torch.__version__}): "
-                "upgrade torch or drop --use-torch-fsdp2"
-            )
+        out += _fsdp2_problems(args, ddp)
+    return out
 
-    # Learning-rate schedule.
-    if args.lr is not None and args.min_lr > args.lr:
-        err(f"--min-lr {args.min_lr} exceeds --lr {args.lr}")
-    if (
-        args.lr_warmup_fraction is not None
-        and args.lr_warmup_iters not in (0, None)
-        and args.lr_warmup_iters != int(args.lr_warmup_fraction * (args.lr_decay_iters or 0))
-    ):
-        err("--lr-warmup-fraction and --lr-warmup-iters are exclusive: pass one")
-    decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
-    if args.lr_warmup_iters < 0:
-        err(f"--lr-warmup-iters must be >= 0, got {args.lr_warmup_iters}")
-    elif decay is not None and args.lr_decay_style != "constant" and args.lr_warmup_iters >= decay > 0:
-        err(f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters {decay}")
-    if args.lr_decay_style == "WSD":
-        if args.lr_wsd_decay_iters is None or args.lr_wsd_decay_iters <= 0:
-            err("--lr-decay-style WSD needs --lr-wsd-decay-iters N (length of the final decay)")
-        elif decay is not None and args.lr_wsd_decay_iters > decay:
-            err(f"--lr-wsd-decay-iters {args.lr_wsd_decay_iters} exceeds --lr-decay-iters {decay}")
 
-    # Data, checkpoints, logging.
-    sources = [
-        bool(args.mock_data),
-        bool(args.data_path),
-        bool(args.train_data_path or args.valid_data_path or args.test_data_path),
-    ]
-    if sum(sources) > 1:
-        err("use one data source: --mock-data, --data-path, or --train-data-path/--valid-data-path")
-    elif sum(sources) == 0:
-        err("no training data: pass --data-path PREFIX (or --train-data-path PREFIX) or --mock-data")
-    if args.tokenizer_type == "HuggingFaceTokenizer" and not args.tokenizer_model:
-        err(
-            "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH (tokenizer.json or its directory)"
-        )
-    if args.save is not None and args.save_interval is None:
-        err("--save needs --save-interval N")
-    for flag, v in (
-        ("--save-interval", args.save_interval),
-        ("--log-interval", args.log_interval),
-        ("--eval-interval", args.eval_interval),
-        ("--exit-interval", args.exit_interval),
-    ):
-        if v is not None and v <= 0:
-            err(f"{flag} must be positive, got {v}")
-    if args.eval_iters < 0:
-        err(f"--eval-iters must be >= 0, got {args.eval_iters}")
-    if args.finetune and not args.load:
-        err("--finetune needs --load DIR (the weights to start from)")
-    if args.nan_skip_limit < 0:
-        err(f"--nan-skip-limit must be >= 0, got {args.nan_skip_limit}")
-    if args.distributed_timeout_minutes <= 0:
-        err(f"--distributed-timeout-minutes must be positive, got {args.distributed_timeout_minutes}")
+# ---------------------------------------------------------------------------- namespace -> configs
+def _attention(args) -> str:
+    mask = args.attention_mask_type
+    if mask is None:  # Megatron/MegaDLMs: causal for autoregressive runs, none for DLMs
+        return "causal" if args.model_running_mode == "vanilla" else "bidirectional"
+    # causal_bottom_right is causal when queries and keys have the same length (always here)
+    return "causal" if mask in ("causal", "causal_bottom_right") else "bidirectional"
 
-    if errors:
-        lines = "\n".join(f"  - {e}" for e in errors)
-        raise ValueError(f"invalid arguments ({len(errors)} problem{'s' * (len(errors) > 1)}):\n{lines}")
+
+def _model_config(args) -> TransformerConfig:
+    # The vocabulary comes from the tokenizer at build time (RunConfig.with_tokenizer); until
+    # then the requested --vocab-size (or 1) stands in so every other field is checked now.
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size or 1,
+        seq_length=args.seq_length,
+        max_position_embeddings=args.max_position_embeddings,
+        ffn_hidden_size=args.ffn_hidden_size,
+        # Megatron ignores --num-query-groups without --group-query-attention
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+        normalization=args.normalization,
+        norm_epsilon=args.norm_epsilon,
+        swiglu=bool(args.swiglu),
+        add_bias_linear=bool(args.add_bias_linear),
+        qk_layernorm=bool(args.qk_layernorm),
+        position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
+        untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
+        init_method_std=args.init_method_std,
+        attention_dropout=args.attention_dropout,
+        hidden_dropout=args.hidden_dropout,
+        # fp32 parameters even with --bf16/--fp16 (cast by Float16Module or FSDP2's policy),
+        # so every wrapper starts from the same initial weights for a given --seed
+        params_dtype=torch.float32,
+        attention=_attention(args),
+    )
+
+
+def _diffusion_config(args) -> DiffusionConfig:
+    vanilla = args.model_running_mode == "vanilla"
+    placeholder = args.mask_token if isinstance(args.mask_token, int) else 0  # real id: with_tokenizer
+    return DiffusionConfig(
+        model_running_mode=args.model_running_mode,
+        mask_token_id=-1 if vanilla else placeholder,
+        mask_eps=args.difflm_mask_eps,
+        p_mask=args.difflm_p_mask,
+        varilen_prob=args.difflm_varilen_prob,
+        seed=args.seed,
+        eval_mc_samples=args.difflm_eval_mc_samples,
+    )
+
+
+def _data_config(args) -> DataConfig:
+    tokenizer = TokenizerConfig(
+        tokenizer_type=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        mask_token=args.mask_token,
+        vocab_size=args.vocab_size,
+    )
+    return DataConfig(
+        tokenizer=tokenizer,
+        data_path=args.data_path,
+        split=args.split,
+        train_data_path=args.train_data_path,
+        valid_data_path=args.valid_data_path,
+        test_data_path=args.test_data_path,
+        mock_data=bool(args.mock_data),
+        data_cache_path=args.data_cache_path,
+        eod_mask_loss=bool(args.eod_mask_loss),
+        num_workers=args.num_workers,
+    )
+
+
+def _parallel_config(args, world_size: int) -> ParallelConfig:
+    return ParallelConfig(
+        world_size=world_size,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        data_parallel_size=args.data_parallel_size,
+        use_torch_fsdp2=bool(args.use_torch_fsdp2),
+        distributed_backend=args.distributed_backend,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
+
+
+def _ddp_config(args) -> DistributedDataParallelConfig:
+    return DistributedDataParallelConfig(
+        # Megatron: bf16 always reduces gradients in fp32
+        grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32 or args.bf16),
+        overlap_grad_reduce=bool(args.overlap_grad_reduce),
+        overlap_param_gather=bool(args.overlap_param_gather),
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        # NaN/Inf steps are skipped by the loop while --nan-skip-limit allows; past it (or with
+        # --nan-skip-limit 0) a NaN reduced gradient raises on every rank, naming the parameter.
+        check_for_nan_in_grad=bool(args.check_for_nan_in_loss_and_grad) and args.nan_skip_limit == 0,
+        bucket_size=args.ddp_bucket_size,
+        average_in_collective=bool(args.ddp_average_in_collective),
+        comm_backend=args.comm_backend,
+        # the trainer divides the loss by the step's global loss-token count: sum-mode reduction
+        calculate_per_token_loss=not args.ddp_average_in_collective,
+    )
+
+
+def _optimizer_config(args) -> OptimizerConfig:
+    return OptimizerConfig(
+        lr=args.lr,
+        min_lr=args.min_lr,
+        optimizer=args.optimizer,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum,
+        clip_grad=args.clip_grad,
+        bf16=bool(args.bf16),
+        fp16=bool(args.fp16),
+        use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale,
+        min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window,
+        hysteresis=args.hysteresis,
+    )
+
+
+def _schedule_config(args) -> LRScheduleConfig:
+    return LRScheduleConfig(
+        train_iters=args.train_iters,
+        lr_decay_style=args.lr_decay_style,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_warmup_fraction=args.lr_warmup_fraction,
+        lr_warmup_init=args.lr_warmup_init,
+        lr_decay_iters=args.lr_decay_iters,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        lr_wsd_decay_iters=args.lr_wsd_decay_iters,
+        override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
+    )
+
+
+def _training_config(args, data_parallel_size: Optional[int]) -> TrainingConfig:
+    return TrainingConfig(
+        micro_batch_size=args.micro_batch_size,
+        # with an invalid layout the batch rule cannot be checked: the layout error stands alone
+        global_batch_size=args.global_batch_size if data_parallel_size else None,
+        data_parallel_size=data_parallel_size or 1,
+        train_iters=args.train_iters,
+        seed=args.seed,
+        nan_skip_limit=args.nan_skip_limit,
+        check_for_nan_in_loss_and_grad=bool(args.check_for_nan_in_loss_and_grad),
+        exit_interval=args.exit_interval,
+        exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_signal_handler=bool(args.exit_signal_handler),
+    )
+
+
+def _checkpoint_config(args) -> CheckpointConfig:
+    return CheckpointConfig(
+        save=args.save,
+        load=args.load,
+        save_interval=args.save_interval,
+        ckpt_format=args.ckpt_format,
+        no_save_optim=bool(args.no_save_optim),
+        no_load_optim=bool(args.no_load_optim),
+        no_save_rng=bool(args.no_save_rng),
+        no_load_rng=bool(args.no_load_rng),
+        finetune=bool(args.finetune),
+    )
+
+
+def _notes(args) -> List[str]:
+    notes = [f"{flag}: {why}" for dest, flag, off, why in WITHOUT_EFFECT if getattr(args, dest, off) != off]
+    if not args.wandb_project and any(getattr(args, d, None) is not None for d in WANDB_DESTS):
+        notes.append("--wandb-*: no Weights & Biases client; the flags are ignored")
+    return notes
+
+
+def _logging_config(args) -> LoggingConfig:
+    return LoggingConfig(
+        log_interval=args.log_interval,
+        eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters,
+        tensorboard_dir=args.tensorboard_dir,
+        metrics_jsonl=args.metrics_jsonl,
+        log_params_norm=bool(args.log_params_norm),
+        notes=_notes(args),
+    )
+
+
+def _collect(problems: List[str], build: Callable):
+    """``build()``, or None with its ConfigError's problems (reworded with flags) recorded."""
+    try:
+        return build()
+    except ConfigError as exc:
+        problems.extend(flag_message(p) for p in exc.problems)
+        return None
+
+
+def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None) -> RunConfig:
+    """The :class:`RunConfig` of parsed flags; one ValueError lists every problem found."""
+    world_size = _default_world_size() if world_size is None else world_size
+    problems: List[str] = []
+    parts = {
+        "model": _collect(problems, lambda: _model_config(args)),
+        "diffusion": _collect(problems, lambda: _diffusion_config(args)),
+        "data": _collect(problems, lambda: _data_config(args)),
+        "parallel": _collect(problems, lambda: _parallel_config(args, world_size)),
+        "ddp": _collect(problems, lambda: _ddp_config(args)),
+        "optimizer": _collect(problems, lambda: _optimizer_config(args)),
+        "schedule": _collect(problems, lambda: _schedule_config(args)),
+        "checkpoint": _collect(problems, lambda: _checkpoint_config(args)),
+        "logging": _collect(problems, lambda: _logging_config(args)),
+    }
+    dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None
+    parts["training"] = _collect(problems, lambda: _training_config(args, dp))
+    problems = cross_flag_problems(args, parts["ddp"]) + problems
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ValueError(f"invalid arguments ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{lines}")
+    return RunConfig(vocab_divisible_by=args.make_vocab_size_divisible_by, **parts)
+
+
+def validate_args(args: argparse.Namespace, world_size: int) -> RunConfig:
+    """Check parsed flags (every rule, one error listing all problems); returns the config."""
+    return build_run_config(args, world_size)
+
+
+def parse_config(argv: Optional[List[str]] = None, *, world_size: Optional[int] = None) -> RunConfig:
+    """Parse ``argv`` (default sys.argv) into the validated :class:`RunConfig`."""
+    return build_run_config(build_parser().parse_args(argv), world_size)
 
 
 def parse_args(argv: Optional[List[str]] = None, *, world_size: Optional[int] = None) -> argparse.Namespace:
-    """Parse ``argv`` (default sys.argv), fill derived values, validate.
+    """Parse and validate ``argv``; returns the namespace (``parse_config`` for the configs).
 
     ``world_size`` defaults to $WORLD_SIZE (set by torchrun) or 1.
     """
     args = build_parser().parse_args(argv)
-    world_size = _default_world_size() if world_size is None else world_size
-    fill_derived_args(args, world_size)
-    validate_args(args, world_size)
+    build_run_config(args, world_size)
     return args
 
 
-def _pick_fields(cls, values: dict):
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in values.items() if k in names})
-
-
-def ddp_config_from_args(args: argparse.Namespace) -> DistributedDataParallelConfig:
-    """The DDP (and FSDP2) config of the parsed flags."""
-    return _pick_fields(
-        DistributedDataParallelConfig,
-        dict(
-            grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
-            overlap_grad_reduce=bool(args.overlap_grad_reduce),
-            overlap_param_gather=bool(args.overlap_param_gather),
-            use_distributed_optimizer=bool(args.use_distributed_optimizer),
-            # NaN/Inf steps are skipped by the loop while --nan-skip-limit allows; past it (or with
-            # --nan-skip-limit 0) a NaN reduced gradient raises, naming the parameter.
-            check_for_nan_in_grad=bool(args.check_for_nan_in_loss_and_grad) and args.nan_skip_limit == 0,
-            bucket_size=args.ddp_bucket_size,
-            average_in_collective=bool(args.ddp_average_in_collective),
-            comm_backend=args.comm_backend,
-        ),
-    )
-
-
-def optimizer_config_from_args(args: argparse.Namespace) -> OptimizerConfig:
-    """The optimizer config of the parsed flags (Megatron-core field names)."""
-    return _pick_fields(
-        OptimizerConfig,
-        dict(
-            lr=args.lr,
-            min_lr=args.min_lr,
-            optimizer=args.optimizer,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            sgd_momentum=args.sgd_momentum,
-            clip_grad=args.clip_grad,
-            bf16=bool(args.bf16),
-            fp16=bool(args.fp16),
-            use_distributed_optimizer=bool(args.use_distributed_optimizer),
-            overlap_param_gather=bool(args.overlap_param_gather),
-            loss_scale=args.loss_scale,
-            initial_loss_scale=args.initial_loss_scale,
-            min_loss_scale=args.min_loss_scale,
-            loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis,
-        ),
-    )
-
-
-def fsdp_mixed_precision_from_args(args: argparse.Namespace):
+def fsdp_mixed_precision(config: RunConfig):
     """FSDP2 MixedPrecisionPolicy for --bf16 (fp32 grad reduction), None for fp32 runs."""
-    return mixed_precision_policy(bool(args.bf16), grad_reduce_in_fp32=True)
-
-
-def config_from_args(args: argparse.Namespace, kind: str):
-    """``kind`` "ddp" -> DistributedDataParallelConfig, "optimizer" -> OptimizerConfig."""
-    builders = {"ddp": ddp_config_from_args, "optimizer": optimizer_config_from_args}
-    if kind not in builders:
-        raise ValueError(f"config_from_args: kind must be one of {sorted(builders)}, got {kind!r}")
-    return builders[kind](args)
+    return mixed_precision_policy(config.optimizer.bf16, grad_reduce_in_fp32=True)

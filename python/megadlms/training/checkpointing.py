@@ -14,8 +14,8 @@ Layout (Megatron's names)::
 Tensors are stored under flat keys ``model/<fqn>`` and ``optimizer/state/<fqn>/<name>``
 (``/`` never occurs in a parameter name) with each parameter's FULL logical shape:
 plain tensors for DDP (identical on every rank; DCP writes each once), DTensors for
-FSDP2, full tensors gathered by the distributed optimizer (brief_ddp's CHECKPOINT
-FORMAT). DCP maps saved chunks onto whatever sharding the loading run has, so a
+FSDP2, full tensors gathered by the distributed optimizer (docs/checkpoints.md). DCP
+maps saved chunks onto whatever sharding the loading run has, so a
 checkpoint from {DDP, DDP + distributed optimizer, FSDP2} at dp=N loads into any of
 them at dp=M.
 
@@ -30,20 +30,20 @@ is JSON. Nothing else is unpickled.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import pickle
 import random
 import shutil
 import warnings
-from typing import Any, Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 try:
     from torch.distributed.tensor import DTensor, distribute_tensor
@@ -52,10 +52,13 @@ except ImportError:  # torch < 2.4: no FSDP2 either
 
 from megadlms.distributed.wrappers import unwrap_model
 
+from .checkpoint_format import SafeFileSystemReader, join_state, split_state, tensor_paths
+
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"
 TORCH_FILE = os.path.join("mp_rank_00", "model_optim_rng.pt")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: common.json carries the tokenizer record (``tokenizer``); 1 had only the flags (``args``)."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -92,97 +95,6 @@ def resolve_checkpoint(path: str) -> Optional[str]:
 def read_common(ckpt: str) -> dict:
     with open(os.path.join(ckpt, COMMON_FILE)) as f:
         return json.load(f)
-
-
-# ---------------------------------------------------------------------------- nesting
-def _split(obj: Any, prefix: str, tensors: Dict[str, torch.Tensor]) -> Any:
-    """Move tensor leaves of a nested dict/list into ``tensors``; return a JSON skeleton
-    with ``{"__tensor__": key}`` where they were."""
-    if isinstance(obj, torch.Tensor):
-        tensors[prefix] = obj
-        return {"__tensor__": prefix}
-    if isinstance(obj, dict):
-        for k in obj:
-            if not isinstance(k, (str, int)) or "/" in str(k):
-                raise ValueError(f"checkpoint key {k!r} under {prefix!r} must be a str/int without '/'")
-        return {"__dict__": [[k, _split(v, f"{prefix}/{k}", tensors)] for k, v in obj.items()]}
-    if isinstance(obj, (list, tuple)):
-        kind = "__tuple__" if isinstance(obj, tuple) else "__list__"
-        return {kind: [_split(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]}
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    if isinstance(obj, (np.integer, np.floating)):
-        return obj.item()
-    raise TypeError(
-        f"cannot store {type(obj).__name__} at {prefix!r} in a checkpoint "
-        "(only tensors, numbers, strings, lists and dicts)"
-    )
-
-
-def _join(skel: Any, tensors: Dict[str, torch.Tensor]) -> Any:
-    if isinstance(skel, dict):
-        if "__tensor__" in skel:
-            return tensors[skel["__tensor__"]]
-        if "__dict__" in skel:
-            return {k: _join(v, tensors) for k, v in skel["__dict__"]}
-        if "__list__" in skel:
-            return [_join(v, tensors) for v in skel["__list__"]]
-        if "__tuple__" in skel:
-            return tuple(_join(v, tensors) for v in skel["__tuple__"])
-    return skel
-
-
-def _tensor_paths(skel: Any, path: Tuple = ()):
-    """Yield (path, key) for every tensor leaf of a skeleton."""
-    if isinstance(skel, dict):
-        if "__tensor__" in skel:
-            yield path, skel["__tensor__"]
-        for k, v in skel.get("__dict__", []):
-            yield from _tensor_paths(v, path + (k,))
-        for i, v in enumerate(skel.get("__list__", skel.get("__tuple__", []))):
-            yield from _tensor_paths(v, path + (i,))
-
-
-# ---------------------------------------------------------------------------- safe DCP reader
-class _MetadataUnpickler(pickle.Unpickler):
-    """Admits only the classes DCP's ``.metadata`` is made of."""
-
-    _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"}
-    _NAMES = {
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("collections", "OrderedDict"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("pathlib", "PurePosixPath"),
-        ("builtins", "set"),
-        ("builtins", "frozenset"),
-    }
-
-    def find_class(self, module, name):
-        if module in self._MODULES or (module, name) in self._NAMES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata refers to {module}.{name}, which is not "
-            "a torch.distributed.checkpoint metadata class; refusing to load"
-        )
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """FileSystemReader whose ``.metadata`` is read with :class:`_MetadataUnpickler`
-    (the base class uses a bare ``pickle.load``)."""
-
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -266,14 +178,16 @@ def save_checkpoint(
     consumed_samples: int = 0,
     args: Optional[dict] = None,
     model_config: Optional[dict] = None,
+    tokenizer: Optional[dict] = None,
     extra: Optional[dict] = None,
     save_rng: bool = True,
 ) -> str:
     """Write ``root/iter_XXXXXXX`` (collective: every rank calls). Returns its path.
 
     ``model``: our wrapper or a plain module (its unwrapped state dict is stored).
-    ``optimizer``: anything whose ``state_dict()`` follows brief_ddp's CHECKPOINT FORMAT
-    (or a torch.optim optimizer). ``args`` / ``model_config`` / ``extra``: JSON-able dicts.
+    ``optimizer``: anything whose ``state_dict()`` has MixedPrecisionOptimizer's format
+    (docs/checkpoints.md), or a torch.optim optimizer. ``args`` / ``model_config`` /
+    ``tokenizer`` / ``extra``: JSON-able dicts.
     """
     if ckpt_format not in ("torch_dist", "torch"):
         raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
@@ -293,7 +207,7 @@ def save_checkpoint(
             tensors[f"model/{k}"] = v
     opt_skel = None
     if optimizer is not None:
-        opt_skel = _split(optimizer.state_dict(), "optimizer", tensors)
+        opt_skel = split_state(optimizer.state_dict(), "optimizer", tensors)
 
     if ckpt_format == "torch_dist":
         dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
@@ -315,6 +229,7 @@ def save_checkpoint(
             "world_size": dist.get_world_size() if dist.is_initialized() else 1,
             "wrapper": type(model).__name__,
             "model_config": model_config or {},
+            "tokenizer": tokenizer,
             "args": args or {},
             "scheduler": scheduler.state_dict() if scheduler else None,
             "optimizer": opt_skel,
@@ -456,7 +371,7 @@ def load_optimizer_state(ckpt: str, optimizer, model) -> None:
     shapes = _metadata_shapes(ckpt, common)
     params = dict(unwrap_model(model).named_parameters())
     template: Dict[str, torch.Tensor] = {}
-    for path, key in _tensor_paths(skel):
+    for path, key in tensor_paths(skel):
         shape, dtype = shapes[key]
         p = params.get(path[1]) if len(path) >= 3 and path[0] == "state" else None
         if DTensor and isinstance(p, DTensor) and tuple(p.shape) == shape:
@@ -464,7 +379,7 @@ def load_optimizer_state(ckpt: str, optimizer, model) -> None:
         else:
             template[key] = torch.empty(shape, dtype=dtype)
     _read_tensors(ckpt, common, template)
-    optimizer.load_state_dict(_join(skel, template))
+    optimizer.load_state_dict(join_state(skel, template))
 
 
 def load_rng_state(ckpt: str) -> bool:
@@ -477,3 +392,69 @@ def load_rng_state(ckpt: str) -> bool:
         return False
     _set_rng_state(torch.load(path, map_location="cpu", weights_only=True))
     return True
+
+
+# ---------------------------------------------------------------------------- restore
+@dataclasses.dataclass
+class TrainState:
+    """Where a restored run continues (what :func:`load_checkpoint` read)."""
+
+    iteration: int
+    consumed_samples: int
+    extra: dict
+    rng_restored: bool
+    common: dict
+
+
+def load_checkpoint(
+    ckpt: str,
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    restore_optimizer: bool = True,
+    load_rng: bool = True,
+    override_scheduler: bool = False,
+    model_config: Optional[dict] = None,
+) -> TrainState:
+    """Restore everything a run needs from checkpoint dir ``ckpt``, in one place and in
+    the only safe order (collective under DTensor / distributed-optimizer layouts):
+
+    1. the weights into ``model`` (our wrapper, any data-parallel size and layout);
+    2. ``optimizer``: its saved state when ``restore_optimizer``, else its main params
+       are refreshed from the loaded weights (``--finetune`` / ``--no-load-optim``);
+    3. ``scheduler`` (with ``restore_optimizer``; ``override_scheduler`` keeps its flags);
+    4. this rank's RNG states when ``load_rng`` and the world size matches.
+
+    Returns the counters to continue from; ``model_config`` (a ``TransformerConfig.to_dict()``)
+    is checked against the checkpoint's record first."""
+    common = load_model_state(ckpt, model, model_config=model_config)
+    if optimizer is not None:
+        if restore_optimizer:
+            load_optimizer_state(ckpt, optimizer, model)
+        else:
+            optimizer.reload_model_params()
+    if scheduler is not None and restore_optimizer and common.get("scheduler") is not None:
+        scheduler.load_state_dict(common["scheduler"], override=override_scheduler)
+    rng = bool(load_rng) and load_rng_state(ckpt)
+    return TrainState(
+        iteration=int(common["iteration"]),
+        consumed_samples=int(common["consumed_samples"]),
+        extra=dict(common.get("extra", {})),
+        rng_restored=rng,
+        common=common,
+    )
+
+
+def tokenizer_record(common: dict) -> dict:
+    """The checkpoint's tokenizer record (``TokenizerConfig`` fields). Format-1 checkpoints
+    stored only the run's flags: their record is read from those, here and only here."""
+    if common.get("tokenizer"):
+        return dict(common["tokenizer"])
+    saved = common.get("args", {})
+    return {
+        "tokenizer_type": saved.get("tokenizer_type") or "ByteTokenizer",
+        "tokenizer_model": saved.get("tokenizer_model"),
+        "mask_token": saved.get("mask_token"),
+        "vocab_size": saved.get("vocab_size"),
+    }

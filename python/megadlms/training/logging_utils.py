@@ -2,7 +2,8 @@
 
 A progress line reads left to right as "where am I, how is it going, how fast"::
 
-    iter     40/200 ( 20%) | loss 4.8123 | lr 2.00e-04 | gnorm 1.31 | 11.2k tok/s | 0.05 TFLOP/s/dev | 182 ms/it | mem 0.9 GB | eta 0:00:29
+    iter 40/200 ( 20%) | loss 4.8123 | lr 2.00e-04 | gnorm 1.31 | 11.2k tok/s | 0.05 TFLOP/s/dev | 182 ms/it
+        | mem 0.9 GB | eta 0:00:29   (one line)
 
 ``skipped``/``nan`` counters and the fp16 loss scale are appended only when they matter.
 """

@@ -2,11 +2,12 @@
 
 One optimizer step (``train_step``):
 
-1. Take this rank's ``num_micro`` micro-batches of the global batch and count their loss
-   tokens (after the step's variable-length crop); ONE all-reduce gives the step's
-   global count N. Each micro-batch's summed loss is scaled by dp / N before backward,
-   so after the wrapper averages over dp the gradient is d(sum of all losses)/dN: the
-   same for 1, 2 or 3 ranks and any gradient accumulation (up to fp reduction order).
+1. Draw the step's variable-length crop once, count this rank's loss tokens of its
+   ``num_micro`` micro-batches; ONE all-reduce gives the step's global count N. Each
+   micro-batch's summed loss is divided by N before backward and the wrapper reduces in
+   sum mode (``calculate_per_token_loss``: no 1/dp anywhere), so the gradient is
+   d(sum of all losses)/N: the same for 1, 2 or 3 ranks and any gradient accumulation (up
+   to fp reduction order). This is the one place gradients are normalised.
 2. All but the last micro-batch run under ``model.no_sync()``; ``finish_grad_sync()``.
 3. ONE all-reduce of [loss sum, non-finite flag, exit flags]: if any rank saw a NaN/Inf
    loss every rank skips the optimizer step (MegaDLMs' nan skipping, --nan-skip-limit).
@@ -14,13 +15,16 @@ One optimizer step (``train_step``):
    inside); on success the LR schedule advances by one global batch of samples.
 
 The data-parallel wrapper is whatever ``builders.wrap_model`` chose; this file only uses
-the interface common to our DDP and FSDP2 (DESIGN.md).
+the ``DataParallel`` protocol (docs/architecture.md). A failure on one rank inside the
+forward/backward is carried by the step's reductions, so every rank stops (DDP).
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import signal
@@ -31,12 +35,19 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from megadlms.diffusion import compute_loss, validation_nelbo, varilen_length
+from megadlms.diffusion import (
+    check_model_for_mode,
+    compute_loss,
+    loss_token_count,
+    validation_nelbo,
+    varilen_length,
+)
 from megadlms.distributed import unwrap_model
 from megadlms.models import num_floating_point_operations
 from megadlms.optimizer import get_optimizer
 
 from . import builders, checkpointing
+from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
 
 _log = logging.getLogger("megadlms.training")
@@ -86,18 +97,6 @@ def _to_device(batch: dict, device: torch.device) -> dict:
     }
 
 
-def _loss_token_count(batch: dict, crop: Optional[int]) -> torch.Tensor:
-    """Loss tokens compute_loss will report for ``batch`` (checked after the forward)."""
-    mask = batch.get("loss_mask")
-    ref = batch["labels"]
-    if crop is not None:
-        ref = ref[:, :crop]
-        mask = None if mask is None else mask[:, :crop]
-    if mask is not None:
-        return mask.to(torch.float64).sum()
-    return torch.tensor(float(ref.numel()), dtype=torch.float64, device=ref.device)
-
-
 @dataclasses.dataclass
 class _StepOut:
     loss: float
@@ -108,6 +107,18 @@ class _StepOut:
     seq_length: int
 
 
+def _forward_backward(model, optimizer, micro_batches, diff_cfg, iteration, crop, scale, device):
+    """Loss sum of this rank's micro-batches; backward of each, synced on the last."""
+    local_loss = torch.zeros((), dtype=torch.float64, device=device)
+    for i, batch in enumerate(micro_batches):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else model.no_sync():
+            loss_sum, _, _ = compute_loss(model, batch, diff_cfg, iteration, crop, check=False)
+            optimizer.scale_loss(loss_sum * scale).backward()
+        local_loss += loss_sum.detach().to(torch.float64)
+    return local_loss
+
+
 def train_step(
     model,
     optimizer,
@@ -115,7 +126,6 @@ def train_step(
     diff_cfg,
     iteration: int,
     *,
-    dp_size: int,
     device: torch.device,
     exit_flags: Callable[[], List[float]] = list,
 ) -> _StepOut:
@@ -129,51 +139,42 @@ def train_step(
             diff_cfg.seed, iteration, micro_batches[0]["labels"].shape[1], diff_cfg.varilen_prob
         )
     # Device tensors throughout: no host sync until the single reduction after backward.
-    local_tokens = torch.stack([_loss_token_count(b, crop) for b in micro_batches]).sum()
-    global_tokens = local_tokens.to(device=device, dtype=torch.float64).reshape(1).clone()
+    local_tokens = torch.stack([loss_token_count(b, crop).to(torch.float64) for b in micro_batches]).sum()
+    global_tokens = local_tokens.to(device=device).reshape(1).clone()
     dist.all_reduce(global_tokens)
-    scale = (dp_size / global_tokens).to(torch.float32)  # a 0-token step gives inf -> NaN skip
+    # Sum mode divides by N here, once; an averaging wrapper divides by dp itself.
+    dp = 1 if model.ddp_config.calculate_per_token_loss else model.comm.world_size
+    scale = (dp / global_tokens).to(torch.float32)[0]  # a 0-token step gives inf -> NaN skip
 
-    model.zero_grad_buffer()
-    optimizer.zero_grad()
-    local_loss = torch.zeros((), dtype=torch.float64, device=device)
-    reported_tokens = torch.zeros((), dtype=torch.float64, device=device)
-    seq_length = micro_batches[0]["labels"].shape[1] if crop is None else crop
-    for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            loss_sum, num_tokens, _ = compute_loss(model, batch, diff_cfg, iteration)
-            # dp / N: the wrapper averages over dp, so gradients become d(sum loss)/N.
-            optimizer.scale_loss(loss_sum * scale[0]).backward()
-        local_loss += loss_sum.detach().to(torch.float64)
-        reported_tokens += torch.as_tensor(num_tokens, device=device, dtype=torch.float64)
-    model.finish_grad_sync()
+    optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step
+    error = None
+    try:
+        local_loss = _forward_backward(
+            model, optimizer, micro_batches, diff_cfg, iteration, crop, scale, device
+        )
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank knows
+        error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
+    model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
 
-    # One reduction carries the loss, the NaN/Inf verdict and the exit requests.
+    # One reduction carries the loss, the NaN/Inf verdict, failures and the exit requests.
     nonfinite = (~torch.isfinite(local_loss)).to(torch.float64)
     flags = torch.tensor(exit_flags(), dtype=torch.float64, device=device)
+    failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=device)
     packed = torch.cat(
-        [
-            torch.where(nonfinite > 0, 0.0, local_loss).reshape(1),
-            nonfinite.reshape(1),
-            flags,
-            global_tokens,
-            reported_tokens.reshape(1),
-            local_tokens.to(device).reshape(1),
-        ]
+        [torch.where(nonfinite > 0, 0.0, local_loss).reshape(1), nonfinite.reshape(1), failed, flags]
     )
-    dist.all_reduce(packed[: 2 + len(flags)])  # the tail (token counts) stays local
-    loss_total, nan_ranks, *rest = packed.tolist()
-    exit_reduced = rest[: len(flags)]
-    n_global, reported, counted = rest[len(flags) :]
-    if reported != counted:
+    dist.all_reduce(packed)
+    loss_total, nan_ranks, failed_ranks, *exit_reduced = packed.tolist()
+    seq_length = micro_batches[0]["labels"].shape[1] if crop is None else crop
+    if failed_ranks > 0:
+        if error is not None:
+            raise error
         raise RuntimeError(
-            f"iteration {iteration + 1}: compute_loss reported {reported:g} loss tokens, "
-            f"the trainer counted {counted:g}; the loss normalisation would be wrong"
+            f"iteration {iteration + 1}: {int(failed_ranks)} other rank(s) failed inside the step "
+            "(see their error); stopping this rank too"
         )
+    n_global = float(global_tokens.item())
     if nan_ranks > 0 or n_global <= 0:
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
         return _StepOut(float("nan"), None, False, True, exit_reduced, seq_length)
     success, grad_norm = optimizer.step()
     return _StepOut(
@@ -214,79 +215,54 @@ def params_norm(model, device: torch.device) -> float:
     return math.sqrt((sharded + replicated).item())
 
 
-def _args_dict(args) -> dict:
-    return {
-        k: (v if isinstance(v, (int, float, str, bool, type(None), list)) else str(v))
-        for k, v in vars(args).items()
-    }
-
-
 class Trainer:
-    """Owns one run: builds everything from ``args`` (parsed and validated), restores a
-    checkpoint, then :meth:`train` loops over optimizer steps. Needs an initialised
-    default process group (see ``megadlms.pretrain.run``)."""
+    """Owns one run: builds everything from a :class:`RunConfig`, restores a checkpoint,
+    then :meth:`train` loops over optimizer steps. Needs an initialised default process
+    group (see ``megadlms.pretrain.run``)."""
 
-    def __init__(self, args) -> None:
-        self.args = args
+    def __init__(self, config: RunConfig) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = builders.device_for_rank()
-        self.gbs, self.mbs, self.num_micro = builders.batch_schedule(args, self.world)
-        for note in args.flags_without_effect:
+        tokenizer = config.data.tokenizer.build()
+        self.config = config = config.with_tokenizer(tokenizer)
+        t = config.training
+        self.gbs, self.mbs, self.num_micro = t.global_batch_size, t.micro_batch_size, t.num_micro_batches
+        self.dp_size = config.parallel.data_parallel_size
+        for note in config.logging.notes:
             _log.info(f"note: {note}")
 
-        tokenizer = builders.tokenizer_from_args(args)
-        self.tcfg = builders.transformer_config_from_args(args, tokenizer)
-        self.attention = builders.attention_kind(args)
-        self.diff_cfg = builders.diffusion_config_from_args(args, tokenizer)
-        self.model_cfg = builders.model_config_dict(self.tcfg, self.attention)
-        model = builders.build_model(self.tcfg, self.attention, seed=args.seed, device=self.device)
+        model = builders.build_model(config.model, seed=t.seed, device=self.device)
+        check_model_for_mode(model, config.diffusion)  # once, not per micro-batch
         self.num_params = sum(p.numel() for p in model.parameters())
-
-        self.ckpt, self.common = None, {}
-        if args.load:
-            self.ckpt = checkpointing.resolve_checkpoint(args.load)
-            if self.ckpt is None:
-                _log.warning(
-                    f"no checkpoint in --load {args.load} (no "
-                    f"{checkpointing.LATEST_FILE}); training from scratch"
-                )
-            else:
-                # Weights go into the plain model before wrapping: every wrapper then
-                # shards or replicates them itself, whatever produced the checkpoint.
-                self.common = checkpointing.load_model_state(self.ckpt, model, model_config=self.model_cfg)
-        self.model = builders.wrap_model(model, args, builders.ddp_config_from_args(args))
-        self.optimizer = get_optimizer(builders.optimizer_config_from_args(args), self.model)
-        self.scheduler = builders.build_scheduler(args, self.optimizer, self.gbs)
+        self.model = builders.wrap_model(model, config)
+        self.optimizer = get_optimizer(config.optimizer, self.model)
+        self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
-        self._restore()
+        self.ckpt = self._restore()
 
-        train_ds, valid_ds = builders.build_datasets(args, tokenizer, global_batch_size=self.gbs)
-        self.train_loader = builders.build_loader(
-            train_ds,
-            consumed_samples=self.consumed,
-            micro_batch_size=self.mbs,
-            dp_rank=self.rank,
-            dp_size=self.world,
-            num_workers=args.num_workers,
+        log = config.logging
+        valid_samples = log.eval_iters * self.gbs if log.eval_interval else 0
+        train_ds, valid_ds = builders.build_datasets(
+            config.data,
+            tokenizer,
+            seq_length=config.model.seq_length,
+            seed=t.seed,
+            train_samples=t.train_iters * self.gbs,
+            valid_samples=valid_samples,
         )
-        self.valid_loader = (
-            None
-            if valid_ds is None
-            else builders.build_loader(
-                valid_ds,
-                consumed_samples=0,
-                micro_batch_size=self.mbs,
-                dp_rank=self.rank,
-                dp_size=self.world,
-                num_workers=0,
-            )
+        loader = functools.partial(
+            builders.build_loader, micro_batch_size=self.mbs, dp_rank=self.rank, dp_size=self.dp_size
         )
+        self.train_loader = loader(
+            train_ds, consumed_samples=self.consumed, num_workers=config.data.num_workers
+        )
+        self.valid_loader = None if valid_ds is None else loader(valid_ds, consumed_samples=0, num_workers=0)
         self.metrics = MetricsLogger(
             rank=self.rank,
-            train_iters=args.train_iters,
-            metrics_jsonl=args.metrics_jsonl,
-            tensorboard_dir=args.tensorboard_dir,
-            fp16=bool(args.fp16),
+            train_iters=t.train_iters,
+            metrics_jsonl=log.metrics_jsonl,
+            tensorboard_dir=log.tensorboard_dir,
+            fp16=config.optimizer.fp16,
         )
         self.result = RunResult(
             self.iteration,
@@ -303,70 +279,80 @@ class Trainer:
         )
         self._log_start()
 
-    def _restore(self) -> None:
-        """Optimizer, schedule, RNG and counters from the checkpoint (unless --finetune)."""
-        args, ckpt, common = self.args, self.ckpt, self.common
-        if ckpt is None:
-            return
-        if not args.finetune:
-            if not args.no_load_optim:
-                checkpointing.load_optimizer_state(ckpt, self.optimizer, self.model)
-                # --override-opt-param-scheduler is Megatron's; keep the flags' schedule then
-                override = bool(getattr(args, "override_opt_param_scheduler", False))
-                self.scheduler.load_state_dict(common["scheduler"], override=override)
-            if not args.no_load_rng and not checkpointing.load_rng_state(ckpt):
-                _log.info(
-                    f"RNG states not restored: {ckpt} was saved by {common.get('world_size')} "
-                    f"ranks, this run has {self.world} (the diffusion noise does not depend "
-                    "on them)"
-                )
-            self.iteration, self.consumed = int(common["iteration"]), int(common["consumed_samples"])
-            extra = common.get("extra", {})
-            self.nan_total = int(extra.get("nan_iterations", 0))
-            self.skipped_total = int(extra.get("skipped_iterations", 0))
-        _log.info(
-            f"loaded {ckpt} (iteration {common['iteration']}, saved by "
-            f"{common.get('wrapper')} on {common.get('world_size')} ranks)"
-            + (" as the --finetune start" if args.finetune else "")
+    def _restore(self) -> Optional[str]:
+        """Everything from --load in one call (weights, optimizer, schedule, RNG, counters)."""
+        ck = self.config.checkpoint
+        if not ck.load:
+            return None
+        path = checkpointing.resolve_checkpoint(ck.load)
+        if path is None:
+            _log.warning(
+                f"no checkpoint in --load {ck.load} (no {checkpointing.LATEST_FILE}); training from scratch"
+            )
+            return None
+        state = checkpointing.load_checkpoint(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            restore_optimizer=not (ck.finetune or ck.no_load_optim),
+            load_rng=not (ck.finetune or ck.no_load_rng),
+            override_scheduler=self.config.schedule.override_opt_param_scheduler,
+            model_config=self.config.model.to_dict(),
         )
+        common = state.common
+        if not ck.finetune:
+            if not ck.no_load_rng and not state.rng_restored:
+                _log.info(
+                    f"RNG states not restored: {path} was saved by {common.get('world_size')} ranks, this "
+                    f"run has {self.world} (the diffusion noise does not depend on them)"
+                )
+            self.iteration, self.consumed = state.iteration, state.consumed_samples
+            self.nan_total = int(state.extra.get("nan_iterations", 0))
+            self.skipped_total = int(state.extra.get("skipped_iterations", 0))
+        _log.info(
+            f"loaded {path} (iteration {state.iteration}, saved by {common.get('wrapper')} on "
+            f"{common.get('world_size')} ranks)" + (" as the --finetune start" if ck.finetune else "")
+        )
+        return path
 
     def _log_start(self) -> None:
-        args, tcfg = self.args, self.tcfg
-        precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+        c, m = self.config, self.config.model
         _log.info(
             f"megadlms: {type(self.model).__name__} | {self.world} rank(s), "
             f"{dist.get_backend()}, {self.device.type} | GPTModel {self.num_params / 1e6:.2f}M "
-            f"params, {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, {self.attention} "
-            f"attention, vocab {tcfg.vocab_size} | {self.diff_cfg.model_running_mode} | global "
-            f"batch {self.gbs} = micro {self.mbs} x dp {self.world} x {self.num_micro} accum | "
-            f"seq {args.seq_length} | {precision}"
+            f"params, {m.num_layers} layers, hidden {m.hidden_size}, {m.attention} "
+            f"attention, vocab {m.vocab_size} | {c.diffusion.model_running_mode} | global "
+            f"batch {self.gbs} = micro {self.mbs} x dp {self.dp_size} x {self.num_micro} accum | "
+            f"seq {m.seq_length} | {c.precision}"
         )
         _log.info(
-            f"training iterations {self.iteration + 1}..{args.train_iters} | lr {args.lr:g} "
+            f"training iterations {self.iteration + 1}..{c.training.train_iters} | lr {c.optimizer.lr:g} "
             f"({self.scheduler.lr_decay_style}, warmup "
             f"{self.scheduler.lr_warmup_steps // self.gbs} it)"
         )
 
     def save(self) -> None:
-        args = self.args
+        ck = self.config.checkpoint
         self.result.last_checkpoint = checkpointing.save_checkpoint(
-            args.save,
+            ck.save,
             self.iteration,
             model=self.model,
             scheduler=self.scheduler,
-            optimizer=None if args.no_save_optim else self.optimizer,
-            ckpt_format=args.ckpt_format,
+            optimizer=None if ck.no_save_optim else self.optimizer,
+            ckpt_format=ck.ckpt_format,
             consumed_samples=self.consumed,
-            args=_args_dict(args),
-            model_config=self.model_cfg,
+            args=self.config.to_dict(),
+            model_config=self.config.model.to_dict(),
+            tokenizer=self.config.data.tokenizer.to_dict(),
             extra={"nan_iterations": self.nan_total, "skipped_iterations": self.skipped_total},
-            save_rng=not args.no_save_rng,
+            save_rng=not ck.no_save_rng,
         )
         _log.info(f"saved checkpoint {self.result.last_checkpoint}")
 
     def _account(self, out: _StepOut, lr: float) -> None:
         """Counters after a step: schedule, NaN/skip counts, the result record."""
-        it = self.iteration
+        it, limit = self.iteration, self.config.training.nan_skip_limit
         if out.nonfinite:
             self.nan_total += 1
             self.result.nan_iterations.append(it)
@@ -374,11 +360,10 @@ class Trainer:
                 f"iteration {it}: NaN/Inf loss on some rank; step skipped everywhere "
                 f"({self.nan_total} so far)"
             )
-            if self.nan_total > self.args.nan_skip_limit:
+            if self.nan_total > limit:
                 raise RuntimeError(
-                    f"loss was NaN/Inf on {self.nan_total} iterations, more than "
-                    f"--nan-skip-limit {self.args.nan_skip_limit}: stopping (lower "
-                    "--lr, check the data, or raise --nan-skip-limit)"
+                    f"loss was NaN/Inf on {self.nan_total} iterations, more than --nan-skip-limit {limit}: "
+                    "stopping (lower --lr, check the data, or raise --nan-skip-limit)"
                 )
         elif out.success:
             self.scheduler.step(self.gbs)
@@ -389,7 +374,7 @@ class Trainer:
             self.result.grad_norms[it] = out.grad_norm
 
     def _log_window(self, w: dict, out: _StepOut, lr: float) -> None:
-        args, it = self.args, self.iteration
+        it, c = self.iteration, self.config
         self.metrics.log_train(
             {
                 "iteration": it,
@@ -398,13 +383,13 @@ class Trainer:
                 "lr": lr,
                 "grad_norm": out.grad_norm,
                 "loss_scale": float(self.optimizer.get_loss_scale()),
-                "params_norm": params_norm(self.model, self.device) if args.log_params_norm else None,
+                "params_norm": params_norm(self.model, self.device) if c.logging.log_params_norm else None,
                 "skipped": int(not out.success),
                 "tokens_per_sec": w["tokens"] / w["time"],
                 "tflops_per_device": w["flops"] / w["time"] / self.world / 1e12,
                 "ms_per_iter": 1e3 * w["time"] / w["iters"],
                 "mem_gb": memory_gb(),
-                "eta_sec": (args.train_iters - it) * w["time"] / w["iters"],
+                "eta_sec": (c.training.train_iters - it) * w["time"] / w["iters"],
                 "skipped_total": self.skipped_total,
                 "nan_total": self.nan_total,
             }
@@ -415,96 +400,86 @@ class Trainer:
             return "signal"
         if out.exit_flags[1] > 0:
             return "exit_duration"
-        if self.args.exit_interval and self.iteration % self.args.exit_interval == 0:
+        interval = self.config.training.exit_interval
+        if interval and self.iteration % interval == 0:
             return "exit_interval"
         return None
 
+    def _maybe_evaluate(self) -> None:
+        log = self.config.logging
+        eval_micro = log.eval_iters * self.num_micro
+        if not (log.eval_interval and self.valid_loader is not None and eval_micro):
+            return
+        if self.iteration % log.eval_interval:
+            return
+        ev = evaluate(
+            self.model,
+            self.valid_loader,
+            self.config.diffusion,
+            num_micro_batches=eval_micro,
+            num_mc_samples=self.config.diffusion.eval_mc_samples,
+            seed=self.config.training.seed,
+            device=self.device,
+        )
+        self.result.evals[self.iteration] = ev["nelbo"]
+        self.metrics.log_eval(self.iteration, self.consumed, ev)
+        self.model.train()
+
+    def _step(self, data_iter, window: dict, exit_flags) -> _StepOut:
+        """One optimizer step with its accounting and throughput window."""
+        t0 = time.perf_counter()
+        micro = [_to_device(next(data_iter), self.device) for _ in range(self.num_micro)]
+        lr = self.optimizer.param_groups[0]["lr"]
+        out = train_step(
+            self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
+            device=self.device, exit_flags=exit_flags,
+        )  # fmt: skip
+        self.iteration += 1
+        self.consumed += self.gbs
+        self._account(out, lr)
+        window["time"] += time.perf_counter() - t0
+        window["iters"] += 1
+        window["tokens"] += self.gbs * out.seq_length
+        window["flops"] += num_floating_point_operations(
+            self.config.model, self.gbs, out.seq_length, causal=self.config.model.attention == "causal"
+        )
+        if not out.nonfinite:
+            window["loss"] += out.loss
+            window["n_loss"] += 1
+        train_iters = self.config.training.train_iters
+        if self.iteration % self.config.logging.log_interval == 0 or self.iteration == train_iters:
+            self._log_window(window, out, lr)
+            window.update(_new_window())
+        return out
+
     def train(self) -> RunResult:
         """Optimizer steps until --train-iters or an exit request; saves as asked."""
-        args = self.args
-        signal_flag = _SignalFlag(bool(args.exit_signal_handler))
+        t, ck = self.config.training, self.config.checkpoint
+        signal_flag = _SignalFlag(t.exit_signal_handler)
         start = time.perf_counter()
 
         def exit_flags():
-            minutes = args.exit_duration_in_mins
+            minutes = t.exit_duration_in_mins
             over_time = minutes is not None and (time.perf_counter() - start) / 60 > minutes
             return [float(signal_flag.received), float(over_time)]
 
-        new_window = lambda: {
-            "time": 0.0,
-            "iters": 0,
-            "loss": 0.0,
-            "n_loss": 0,
-            "tokens": 0,  # noqa: E731
-            "flops": 0.0,
-        }
-        window = new_window()
+        window = _new_window()
         last_saved = self.iteration if self.ckpt is not None else None
         data_iter = iter(self.train_loader)
-        eval_micro = args.eval_iters * self.num_micro
         self.model.train()
         try:
-            while self.iteration < args.train_iters:
-                t0 = time.perf_counter()
-                micro = [_to_device(next(data_iter), self.device) for _ in range(self.num_micro)]
-                lr = self.optimizer.param_groups[0]["lr"]
-                out = train_step(
-                    self.model,
-                    self.optimizer,
-                    micro,
-                    self.diff_cfg,
-                    self.iteration,
-                    dp_size=self.world,
-                    device=self.device,
-                    exit_flags=exit_flags,
-                )
-                self.iteration += 1
-                self.consumed += self.gbs
-                self._account(out, lr)
-
-                window["time"] += time.perf_counter() - t0
-                window["iters"] += 1
-                window["tokens"] += self.gbs * out.seq_length
-                window["flops"] += num_floating_point_operations(
-                    self.tcfg, self.gbs, out.seq_length, causal=self.attention == "causal"
-                )
-                if not out.nonfinite:
-                    window["loss"] += out.loss
-                    window["n_loss"] += 1
-                if self.iteration % args.log_interval == 0 or self.iteration == args.train_iters:
-                    self._log_window(window, out, lr)
-                    window = new_window()
-
-                if (
-                    args.eval_interval
-                    and self.valid_loader is not None
-                    and eval_micro
-                    and self.iteration % args.eval_interval == 0
-                ):
-                    ev = evaluate(
-                        self.model,
-                        self.valid_loader,
-                        self.diff_cfg,
-                        num_micro_batches=eval_micro,
-                        num_mc_samples=args.difflm_eval_mc_samples,
-                        seed=args.seed,
-                        device=self.device,
-                    )
-                    self.result.evals[self.iteration] = ev["nelbo"]
-                    self.metrics.log_eval(self.iteration, self.consumed, ev)
-                    self.model.train()
-
+            while self.iteration < t.train_iters:
+                out = self._step(data_iter, window, exit_flags)
+                self._maybe_evaluate()
                 stop = self._stop_reason(out)
-                if args.save and (
-                    stop is not None or (args.save_interval and self.iteration % args.save_interval == 0)
-                ):
+                if ck.save and (stop is not None or self.iteration % ck.save_interval == 0):
                     self.save()
                     last_saved = self.iteration
                 if stop is not None:
                     _log.info(f"exiting at iteration {self.iteration} ({stop})")
                     self.result.exit_reason = stop
                     break
-            if args.save and last_saved != self.iteration:
+            if ck.save and last_saved != self.iteration:
                 self.save()
         finally:
             signal_flag.restore()
@@ -514,6 +489,15 @@ class Trainer:
         return self.result
 
 
-def pretrain(args) -> RunResult:
-    """Build everything from ``args`` (parsed and validated) and train; see :class:`Trainer`."""
-    return Trainer(args).train()
+def _new_window() -> dict:
+    return {"time": 0.0, "iters": 0, "loss": 0.0, "n_loss": 0, "tokens": 0, "flops": 0.0}
+
+
+def pretrain(config) -> RunResult:
+    """Train one run from a :class:`RunConfig` (or a parsed ``argparse.Namespace``, turned
+    into one here); see :class:`Trainer`."""
+    if isinstance(config, argparse.Namespace):
+        from .arguments import build_run_config
+
+        config = build_run_config(config, dist.get_world_size())
+    return Trainer(config).train()

@@ -1,0 +1,83 @@
+"""The one interface every data-parallel wrapper implements (docs/architecture.md).
+
+The trainer and the optimizer use a wrapper only through :class:`DataParallel`; they
+never ask which class it is. Both of ours implement it: ``DistributedDataParallel``
+(Megatron-style grad buffers) and ``TorchFullyShardedDataParallel`` (FSDP2).
+
+How a gradient is reduced is the wrapper's business; what the optimizer needs to know is
+``optimizer_layout``:
+
+* ``"replicated"``: every rank holds the full reduced gradient of every parameter
+  (``main_grad(p)``); the optimizer keeps full (fp32) main params.
+* ``"bucket_shards"``: the distributed optimizer. Gradients live in ``grad_buckets``; rank
+  r owns ``bucket.shard_range(r, dp)`` of every bucket, reduced there by reduce-scatter;
+  after the step the updated shards are gathered back by ``start_param_sync()``.
+* ``"dtensor"``: FSDP2. Parameters and gradients are DTensors sharded on dim 0; they are
+  the optimizer's main params and grads.
+
+``comm`` (see ``comm.py``) is the data-parallel communicator the optimizer reduces norms
+and overflow flags with.
+"""
+
+from __future__ import annotations
+
+from typing import ContextManager, Dict, List, Optional, Protocol, runtime_checkable
+
+import torch
+
+from .config import DistributedDataParallelConfig
+
+OPTIMIZER_LAYOUTS = ("replicated", "bucket_shards", "dtensor")
+
+
+@runtime_checkable
+class DataParallel(Protocol):
+    """What the trainer and the optimizer may call on a data-parallel wrapper."""
+
+    module: torch.nn.Module
+    """The wrapped model (``unwrap_model`` peels every wrapper)."""
+    ddp_config: DistributedDataParallelConfig
+    optimizer_layout: str
+    """One of ``OPTIMIZER_LAYOUTS`` (module docstring)."""
+    comm: object
+    """Communicator over the data-parallel group: ``world_size``, ``rank``, ``all_reduce``,
+    ``all_gather`` (``comm.py``)."""
+
+    def forward(self, *args, **kwargs): ...
+
+    def no_sync(self) -> ContextManager:
+        """Accumulate gradients locally; the next synced backward reduces the sum."""
+
+    def start_grad_sync(self) -> None:
+        """Launch every gradient collective not launched yet."""
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the gradient collectives; afterwards the reduced gradients are final.
+        With ``check_for_nan_in_grad`` a NaN/Inf on any rank raises on every rank."""
+
+    def zero_grad_buffer(self) -> None:
+        """Zero the gradients before a step's first micro-batch."""
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        """Multiply every local gradient (or gradient shard) in place."""
+
+    def broadcast_params(self) -> None:
+        """Make every replica equal to data-parallel rank 0's (no-op where nothing is replicated)."""
+
+    def named_trainable_parameters(self) -> Dict[torch.nn.Parameter, str]:
+        """Each trainable parameter once (tied weights once), in registration order, with
+        its fully qualified name in the unwrapped model."""
+
+    def main_grad(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """``"replicated"`` layout: the reduced gradient of ``param`` (None if it has none)."""
+
+    @property
+    def grad_buckets(self) -> List:
+        """``"bucket_shards"`` layout: the gradient buckets (``param_and_grad_buffer.Bucket``)."""
+
+    def start_param_sync(self, *, force_sync: bool = False) -> None:
+        """``"bucket_shards"`` layout: all-gather the updated parameter shards."""
+
+    def state_dict(self, *args, **kwargs): ...
+
+    def load_state_dict(self, state_dict, strict: bool = True, **kwargs): ...

@@ -1,0 +1,285 @@
+"""The run's configuration as one tree of typed dataclasses (docs/architecture.md).
+
+``megadlms.training.arguments.build_run_config`` turns the parsed flags into a
+:class:`RunConfig` once, at start-up; nothing below ``training/`` sees argparse. Each
+dataclass owns its derived defaults (``__post_init__``) and checks its own fields,
+reporting every problem at once by FIELD name (:mod:`megadlms.config_errors`); the CLI
+maps field names back to flags. The library layers' configs are reused as they are:
+``TransformerConfig`` (models), ``DiffusionConfig`` (diffusion), ``TokenizerConfig``
+(data), ``DistributedDataParallelConfig`` (distributed), ``OptimizerConfig`` (optimizer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+
+from megadlms.config_errors import Problems
+from megadlms.data import TokenizerConfig
+from megadlms.diffusion import DiffusionConfig
+from megadlms.distributed import DistributedDataParallelConfig
+from megadlms.models import TransformerConfig
+from megadlms.optimizer import OptimizerConfig
+
+LEGACY_DEFAULT_SPLIT = "969, 30, 1"
+"""Megatron's --split default when --data-path is given without one."""
+CKPT_FORMATS = ("torch_dist", "torch")
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
+    """Megatron's padding of the embedding table: round up to divisible_by x tp."""
+    multiple = max(1, divisible_by) * max(1, tensor_parallel_size)
+    return -(-vocab_size // multiple) * multiple
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    """World size and the parallel sizes; ``data_parallel_size`` = world / (tp x pp)."""
+
+    world_size: int = 1
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    data_parallel_size: Optional[int] = None
+    """Derived when None; when given it must equal world / (tp x pp)."""
+    use_torch_fsdp2: bool = False
+    """The data-parallel wrapper: PyTorch FSDP2 instead of megadlms DistributedDataParallel."""
+    distributed_backend: Optional[str] = None
+    """torch.distributed backend; None: nccl when CUDA is available, else gloo."""
+    distributed_timeout_minutes: int = 10
+
+    def __post_init__(self) -> None:
+        bad = Problems("ParallelConfig")
+        bad.positive(self, "world_size", "distributed_timeout_minutes")
+        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        if tp < 1 or pp < 1 or self.world_size % (tp * pp):
+            bad.add(
+                f"world size {self.world_size} is not divisible by tensor_model_parallel_size {tp} x "
+                f"pipeline_model_parallel_size {pp}: change --nproc_per_node/--nnodes or the parallel sizes"
+            )
+        else:
+            dp = self.world_size // (tp * pp)
+            if self.data_parallel_size is None:
+                self.data_parallel_size = dp
+            bad.check(
+                self.data_parallel_size == dp,
+                f"data_parallel_size {self.data_parallel_size} != world size {self.world_size} / "
+                f"(tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}) = {dp}: "
+                f"drop data_parallel_size or launch {self.data_parallel_size * tp * pp} ranks",
+            )
+        if self.distributed_backend is None:
+            self.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
+        bad.check(
+            self.distributed_backend in ("nccl", "gloo"),
+            f"distributed_backend must be 'nccl' or 'gloo', got {self.distributed_backend!r}",
+        )
+        bad.raise_if_any()
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    """Batch arithmetic, length of the run, NaN handling and exit conditions."""
+
+    micro_batch_size: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    """Sequences per optimizer step; default micro_batch_size x data_parallel_size."""
+    data_parallel_size: int = 1
+    train_iters: Optional[int] = None
+    seed: int = 1234
+    nan_skip_limit: int = 10
+    """NaN/Inf-loss steps skipped (on every rank) before the run stops."""
+    check_for_nan_in_loss_and_grad: bool = True
+    exit_interval: Optional[int] = None
+    exit_duration_in_mins: Optional[float] = None
+    exit_signal_handler: bool = False
+
+    def __post_init__(self) -> None:
+        bad = Problems("TrainingConfig")
+        bad.positive(self, "micro_batch_size", "train_iters", "data_parallel_size")
+        bad.positive(self, "exit_interval", required=False)
+        bad.check(self.nan_skip_limit >= 0, f"nan_skip_limit must be >= 0, got {self.nan_skip_limit}")
+        mbs, dp = self.micro_batch_size, self.data_parallel_size
+        if isinstance(mbs, int) and mbs > 0 and isinstance(dp, int) and dp > 0:
+            if self.global_batch_size is None:
+                self.global_batch_size = mbs * dp
+            gbs = self.global_batch_size
+            bad.check(
+                gbs > 0 and gbs % (mbs * dp) == 0,
+                f"global_batch_size {gbs} is not a multiple of micro_batch_size {mbs} x data-parallel "
+                f"size {dp} = {mbs * dp}: use a multiple of {mbs * dp}",
+            )
+        bad.raise_if_any()
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per rank per optimizer step (gradient accumulation)."""
+        return self.global_batch_size // (self.micro_batch_size * self.data_parallel_size)
+
+
+@dataclass(kw_only=True)
+class LRScheduleConfig:
+    """Megatron's iteration-based learning-rate schedule (peak/min lr: OptimizerConfig)."""
+
+    train_iters: int
+    lr_decay_style: str = "linear"
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None
+    """Warmup as a fraction of lr_decay_iters (exclusive with lr_warmup_iters)."""
+    lr_warmup_init: float = 0.0
+    lr_decay_iters: Optional[int] = None
+    """Default: train_iters."""
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: Optional[int] = None
+    override_opt_param_scheduler: bool = False
+    """On resume, keep this schedule instead of the checkpoint's."""
+
+    def __post_init__(self) -> None:
+        bad = Problems("LRScheduleConfig")
+        if self.lr_decay_iters is None:
+            self.lr_decay_iters = self.train_iters
+        decay = self.lr_decay_iters
+        if self.lr_warmup_fraction is not None:
+            if self.lr_warmup_iters:
+                bad.add("lr_warmup_fraction and lr_warmup_iters are exclusive: pass one")
+            elif decay:
+                self.lr_warmup_iters = int(self.lr_warmup_fraction * decay)
+        if bad.check(self.lr_warmup_iters >= 0, f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}"):
+            bad.check(
+                decay is None or self.lr_decay_style == "constant" or not self.lr_warmup_iters >= decay > 0,
+                f"lr_warmup_iters {self.lr_warmup_iters} must be smaller than lr_decay_iters {decay}",
+            )
+        if self.lr_decay_style == "WSD":
+            wsd = self.lr_wsd_decay_iters
+            if wsd is None or wsd <= 0:
+                bad.add("lr_decay_style WSD needs lr_wsd_decay_iters N (length of the final decay)")
+            elif decay is not None:
+                bad.check(wsd <= decay, f"lr_wsd_decay_iters {wsd} exceeds lr_decay_iters {decay}")
+        bad.raise_if_any()
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where the samples come from (Megatron's .bin/.idx blends or mock data)."""
+
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data_path: Optional[List[str]] = None
+    split: Optional[str] = None
+    """Train/valid/test split of data_path; default Megatron's "969, 30, 1"."""
+    train_data_path: Optional[List[str]] = None
+    valid_data_path: Optional[List[str]] = None
+    test_data_path: Optional[List[str]] = None
+    mock_data: bool = False
+    data_cache_path: Optional[str] = None
+    eod_mask_loss: bool = False
+    num_workers: int = 2
+
+    def __post_init__(self) -> None:
+        bad = Problems("DataConfig")
+        if self.split is None:
+            self.split = LEGACY_DEFAULT_SPLIT
+        sources = [
+            bool(self.mock_data),
+            bool(self.data_path),
+            bool(self.train_data_path or self.valid_data_path or self.test_data_path),
+        ]
+        if sum(sources) > 1:
+            bad.add("use one data source: mock_data, data_path, or train_data_path/valid_data_path")
+        elif sum(sources) == 0:
+            bad.add("no training data: pass data_path PREFIX (or train_data_path PREFIX) or mock_data")
+        bad.check(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
+        bad.raise_if_any()
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    """Saving and resuming (docs/checkpoints.md)."""
+
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    ckpt_format: str = "torch_dist"
+    no_save_optim: bool = False
+    no_load_optim: bool = False
+    no_save_rng: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+    """Load weights only; start at iteration 0 with a fresh optimizer and schedule."""
+
+    def __post_init__(self) -> None:
+        bad = Problems("CheckpointConfig")
+        bad.check(
+            self.ckpt_format in CKPT_FORMATS,
+            f"ckpt_format {self.ckpt_format} is not supported yet: use torch_dist (default) or torch",
+        )
+        bad.check(self.save is None or self.save_interval is not None, "save needs save_interval N")
+        bad.positive(self, "save_interval", required=False)
+        bad.check(not self.finetune or bool(self.load), "finetune needs load DIR (the weights to start from)")
+        bad.raise_if_any()
+
+
+@dataclass(kw_only=True)
+class LoggingConfig:
+    """Progress lines, metrics files and validation."""
+
+    log_interval: int = 100
+    eval_interval: Optional[int] = 1000
+    eval_iters: int = 100
+    """Validation batches (global) per evaluation; 0 disables validation."""
+    tensorboard_dir: Optional[str] = None
+    metrics_jsonl: Optional[str] = None
+    log_params_norm: bool = False
+    notes: List[str] = field(default_factory=list)
+    """One-time notices for the start of the run (flags accepted without effect)."""
+
+    def __post_init__(self) -> None:
+        bad = Problems("LoggingConfig")
+        bad.positive(self, "log_interval")
+        bad.positive(self, "eval_interval", required=False)
+        bad.check(self.eval_iters >= 0, f"eval_iters must be >= 0, got {self.eval_iters}")
+        bad.raise_if_any()
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    """Everything one pretraining run needs; the trainer hands each part to its layer."""
+
+    model: TransformerConfig
+    diffusion: DiffusionConfig
+    data: DataConfig
+    parallel: ParallelConfig
+    ddp: DistributedDataParallelConfig
+    optimizer: OptimizerConfig
+    schedule: LRScheduleConfig
+    training: TrainingConfig
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    vocab_divisible_by: int = 128
+    """Pad the embedding rows to a multiple of this x tensor-parallel size (Megatron's
+    --make-vocab-size-divisible-by)."""
+
+    def with_tokenizer(self, tokenizer) -> RunConfig:
+        """The config with the fields only the tokenizer knows filled in: the padded
+        ``model.vocab_size`` and ``diffusion.mask_token_id`` (called once, at build time)."""
+        vocab = self.data.tokenizer.vocab_size or tokenizer.vocab_size
+        padded = padded_vocab_size(vocab, self.vocab_divisible_by, self.parallel.tensor_model_parallel_size)
+        model = dataclasses.replace(self.model, vocab_size=padded)
+        vanilla = self.diffusion.model_running_mode == "vanilla"
+        diffusion = dataclasses.replace(
+            self.diffusion, mask_token_id=-1 if vanilla else tokenizer.mask_token_id
+        )
+        diffusion.check_vocab(padded)
+        return dataclasses.replace(self, model=model, diffusion=diffusion)
+
+    @property
+    def precision(self) -> str:
+        return "bf16" if self.optimizer.bf16 else "fp16" if self.optimizer.fp16 else "fp32"
+
+    def to_dict(self) -> dict:
+        """A JSON-able record of the whole configuration (stored in checkpoints)."""
+        d = dataclasses.asdict(self)
+        d["model"] = self.model.to_dict()
+        return d
