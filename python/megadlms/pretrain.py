@@ -71,12 +71,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(argv if argv is not None else sys.argv[1:])
     except ValueError as exc:  # bad flags / data / checkpoint: the message names the fix
+        from megadlms.training.arguments import flag_message
+
         if os.environ.get("RANK", "0") == "0":
             tb = exc.__traceback__
             while tb.tb_next is not None:
                 tb = tb.tb_next
             where = f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
-            print(f"pretrain_difflm.py: error: {exc} [raised at {where}]", file=sys.stderr)
+            # library errors name config fields; say them as the flags that set them
+            print(f"pretrain_difflm.py: error: {flag_message(str(exc))} [raised at {where}]", file=sys.stderr)
         return 2
     return 0
 

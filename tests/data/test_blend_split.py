@@ -160,7 +160,7 @@ def test_flag_errors(tmp_path):
         build_pretraining_datasets(**common)
     with pytest.raises(ValueError, match="cannot be combined"):
         build_pretraining_datasets(data_path=[a], train_data_path=[a], **common)
-    with pytest.raises(ValueError, match="--split"):
+    with pytest.raises(ValueError, match="split"):
         parse_split("x")
     with pytest.raises(ValueError, match="weights must be"):
         parse_blend(["-1", a, "2", a])

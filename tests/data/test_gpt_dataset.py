@@ -161,7 +161,7 @@ def test_index_cache_is_written_once_and_reused(tmp_path, monkeypatch):
 
 def test_bad_inputs(tmp_path):
     prefix, _ = _corpus(tmp_path, [3, 2])
-    with pytest.raises(ValueError, match="fewer than one sample of --seq-length 16"):
+    with pytest.raises(ValueError, match="fewer than one sample of seq_length 16"):
         GPTDataset(IndexedDataset(prefix), np.arange(2), None, seq_length=16, seed=1, eod=EOD)
     sent = str(tmp_path / "sent")
     b = IndexedDatasetBuilder(sent + ".bin", dtype=np.int32)

@@ -54,7 +54,7 @@ def test_resume_from_consumed_samples(dp):
 def test_bad_arguments():
     with pytest.raises(ValueError, match="consumed_samples"):
         PretrainingSampler(10, 10, 1, 0, 1)
-    with pytest.raises(ValueError, match="micro-batch"):
+    with pytest.raises(ValueError, match="micro_batch"):
         PretrainingSampler(10, 0, 0, 0, 1)
     with pytest.raises(ValueError, match="rank 2"):
         PretrainingSampler(10, 0, 1, 2, 2)

@@ -28,11 +28,11 @@ def test_byte_tokenizer_ids_and_mask_flag():
     assert build_tokenizer("ByteTokenizer", mask_token="257").mask == 257
     assert build_tokenizer("ByteTokenizer", mask_token=7).mask == 7
     for bad in ("<|nope|>", "259", -1):
-        with pytest.raises(ValueError, match="--mask-token"):
+        with pytest.raises(ValueError, match="mask_token"):
             build_tokenizer("ByteTokenizer", mask_token=bad)
-    with pytest.raises(ValueError, match="--tokenizer-type"):
+    with pytest.raises(ValueError, match="tokenizer_type"):
         build_tokenizer("GPT2BPETokenizer")
-    with pytest.raises(ValueError, match="--vocab-size"):
+    with pytest.raises(ValueError, match="vocab_size"):
         build_tokenizer("ByteTokenizer", vocab_size=100)
     assert build_tokenizer("ByteTokenizer", vocab_size=512).vocab_size == 259
 
@@ -65,9 +65,9 @@ def test_huggingface_tokenizer_json(tmp_path):
     # a directory holding tokenizer.json works too; --mask-token by string and by id
     assert HuggingFaceTokenizer(str(tmp_path), mask_token="<pad>").mask == tok.pad
     assert HuggingFaceTokenizer(str(tmp_path), mask_token=str(vocab["god"])).mask == vocab["god"]
-    with pytest.raises(ValueError, match="--mask-token '<MASK>' is not a token"):
+    with pytest.raises(ValueError, match="mask_token '<MASK>' is not a token"):
         HuggingFaceTokenizer(str(path), mask_token="<MASK>")
-    with pytest.raises(ValueError, match="--mask-token.*outside the vocabulary"):
+    with pytest.raises(ValueError, match="mask_token.*outside the vocabulary"):
         HuggingFaceTokenizer(str(path), mask_token=tok.vocab_size)
 
 
@@ -75,7 +75,7 @@ def test_huggingface_tokenizer_without_mask_or_eod(tmp_path):
     path = tmp_path / "plain.json"
     _word_level_json(path, [])
     tok = HuggingFaceTokenizer(str(path))
-    with pytest.raises(RuntimeError, match="--mask-token"):
+    with pytest.raises(RuntimeError, match="mask_token"):
         tok.mask
     with pytest.raises(RuntimeError, match="end-of-document"):
         tok.eod
@@ -83,12 +83,12 @@ def test_huggingface_tokenizer_without_mask_or_eod(tmp_path):
 
 
 def test_bad_tokenizer_files(tmp_path):
-    with pytest.raises(ValueError, match="needs --tokenizer-model"):
+    with pytest.raises(ValueError, match="needs tokenizer_model"):
         build_tokenizer("HuggingFaceTokenizer")
-    with pytest.raises(FileNotFoundError, match="--tokenizer-model"):
+    with pytest.raises(FileNotFoundError, match="tokenizer_model"):
         build_tokenizer("HuggingFaceTokenizer", str(tmp_path / "missing.json"))
     for i, content in enumerate(["{not json", json.dumps({"model": {"type": "Nope"}}), ""]):
         bad = tmp_path / f"bad{i}.json"
         bad.write_text(content)
-        with pytest.raises(ValueError, match=f"--tokenizer-model .*bad{i}.json: not a valid tokenizer.json"):
+        with pytest.raises(ValueError, match=f"tokenizer_model .*bad{i}.json: not a valid tokenizer.json"):
             build_tokenizer("HuggingFaceTokenizer", str(bad))

@@ -131,7 +131,7 @@ def test_bad_arguments():
         generate(model, prompt, mask_token_id=MASK, gen_length=8, block_length=4, steps=3)
     with pytest.raises(ValueError, match="remasking"):
         generate(model, prompt, mask_token_id=MASK, gen_length=4, block_length=4, steps=4, remasking="top_k")
-    with pytest.raises(ValueError, match="--mask-token"):
+    with pytest.raises(ValueError, match="mask_token"):
         generate(model, prompt, mask_token_id=V, gen_length=4, block_length=4, steps=4)
 
 

@@ -121,11 +121,11 @@ def test_state_dict_round_trip_and_mismatch():
 @pytest.mark.parametrize(
     "kw,msg",
     [
-        (dict(lr_decay_style="exp"), "--lr-decay-style"),
-        (dict(lr_decay_style="WSD"), "--lr-wsd-decay-iters"),
-        (dict(lr_warmup_steps=20), "--lr-warmup-iters"),
-        (dict(min_lr=2.0), "--min-lr"),
-        (dict(lr_decay_style="WSD", wsd_decay_steps=5, lr_wsd_decay_style="step"), "--lr-wsd-decay-style"),
+        (dict(lr_decay_style="exp"), "lr_decay_style"),
+        (dict(lr_decay_style="WSD"), "lr_wsd_decay_iters"),
+        (dict(lr_warmup_steps=20), "lr_warmup_iters"),
+        (dict(min_lr=2.0), "min_lr"),
+        (dict(lr_decay_style="WSD", wsd_decay_steps=5, lr_wsd_decay_style="step"), "lr_wsd_decay_style"),
     ],
 )
 def test_bad_settings_name_the_flag(kw, msg):

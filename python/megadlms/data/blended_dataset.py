@@ -23,7 +23,7 @@ import torch
 from .gpt_dataset import _atomic_save
 
 
-def normalize_weights(weights: Sequence[float], what: str = "--data-path") -> List[float]:
+def normalize_weights(weights: Sequence[float], what: str = "data_path") -> List[float]:
     w = [float(x) for x in weights]
     if not w or any(not np.isfinite(x) or x < 0 for x in w) or sum(w) <= 0:
         raise ValueError(f"{what}: blend weights must be finite, >= 0 and not all 0, got {list(weights)}")
@@ -71,7 +71,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         if len(datasets) != len(weights) or not datasets:
             raise ValueError(f"BlendedDataset: {len(datasets)} datasets but {len(weights)} weights")
         if len(datasets) > np.iinfo(np.int16).max:
-            raise ValueError(f"--data-path blends at most 32767 datasets, got {len(datasets)}")
+            raise ValueError(f"data_path blends at most 32767 datasets, got {len(datasets)}")
         self.datasets = list(datasets)
         self.weights = normalize_weights(weights)
         self.size = int(size)

@@ -31,7 +31,7 @@ _SURPLUS = 0.005
 
 
 def parse_blend(
-    blend: Optional[Sequence[str]], flag: str = "--data-path"
+    blend: Optional[Sequence[str]], flag: str = "data_path"
 ) -> Optional[Tuple[List[str], Optional[List[float]]]]:
     """Megatron's get_blend_from_list: ["0.3", "A", "0.7", "B"] -> (["A", "B"], [0.3, 0.7])."""
     if blend is None:
@@ -77,7 +77,7 @@ def parse_split(split: str) -> List[float]:
         vec = []
     if not vec or len(vec) > 3 or sum(vec) <= 0:
         raise ValueError(
-            f"--split {split!r}: expected up to three non-negative numbers with a positive sum, e.g. 969,30,1"
+            f"split {split!r}: expected up to three non-negative numbers with a positive sum, e.g. 969,30,1"
         )
     vec += [0.0] * (3 - len(vec))
     return [x / sum(vec) for x in vec]
@@ -138,7 +138,7 @@ def build_pretraining_datasets(
     given = [data_path is not None, any(p is not None for p in per_split)]
     if mock:
         if any(given):
-            raise ValueError("--mock-data cannot be combined with --data-path / --train-data-path")
+            raise ValueError("mock_data cannot be combined with data_path / train_data_path")
         try:
             mask = tokenizer.mask
         except RuntimeError:  # AR (vanilla) runs need no mask token
@@ -160,11 +160,11 @@ def build_pretraining_datasets(
         )
     if given[0] and given[1]:
         raise ValueError(
-            "--data-path cannot be combined with --train-data-path / --valid-data-path "
-            "/ --test-data-path; use one or the other"
+            "data_path cannot be combined with train_data_path / valid_data_path "
+            "/ test_data_path; use one or the other"
         )
     if not any(given):
-        raise ValueError("no data: pass --data-path PREFIX (or --train-data-path ...), or --mock-data")
+        raise ValueError("no data: pass data_path PREFIX (or train_data_path ...), or mock_data")
     common = dict(
         seq_length=seq_length,
         seed=seed,
@@ -235,11 +235,11 @@ def build_pretraining_datasets(
         def ranges(i):
             return lambda ds: split_document_ranges(shares, len(ds.document_indices) - 1)[i]
 
-        return tuple(build_split(blend, "--data-path", i, ranges(i)) for i in range(3))
+        return tuple(build_split(blend, "data_path", i, ranges(i)) for i in range(3))
     whole = lambda ds: np.arange(len(ds.document_indices) - 1, dtype=np.int64)  # noqa: E731
     out = []
     for i, (paths, flag) in enumerate(
-        zip(per_split, ("--train-data-path", "--valid-data-path", "--test-data-path"))
+        zip(per_split, ("train_data_path", "valid_data_path", "test_data_path"))
     ):
         out.append(None if paths is None else build_split(parse_blend(paths, flag), flag, i, whole))
     return tuple(out)

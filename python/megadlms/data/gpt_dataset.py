@@ -132,7 +132,7 @@ class GPTDataset(torch.utils.data.Dataset):
         data_cache_path: Optional[str] = None,
     ):
         if seq_length < 1:
-            raise ValueError(f"--seq-length must be >= 1, got {seq_length}")
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
         n_seq, n_doc = len(indexed.sequence_lengths), len(indexed.document_indices) - 1
         if n_seq != n_doc:
             raise ValueError(
@@ -143,7 +143,7 @@ class GPTDataset(torch.utils.data.Dataset):
         self.indexed = indexed
         self.document_ids = np.asarray(document_ids, dtype=np.int64)
         if eod_mask_loss and eod is None:
-            raise ValueError("--eod-mask-loss needs a tokenizer with an end-of-document token")
+            raise ValueError("eod_mask_loss needs a tokenizer with an end-of-document token")
         self.seq_length, self.seed, self.eod = int(seq_length), int(seed), eod
         self.eod_mask_loss, self.split_name = bool(eod_mask_loss), split_name
         self.num_samples = num_samples
@@ -151,8 +151,8 @@ class GPTDataset(torch.utils.data.Dataset):
         if self.tokens_per_epoch < seq_length + 1:
             raise ValueError(
                 f"{indexed.path_prefix} ({split_name} split): {self.tokens_per_epoch} tokens in "
-                f"{len(self.document_ids)} documents, fewer than one sample of --seq-length "
-                f"{seq_length} + 1; use more data, a smaller --seq-length, or another --split"
+                f"{len(self.document_ids)} documents, fewer than one sample of seq_length "
+                f"{seq_length} + 1; use more data, a smaller seq_length, or another split"
             )
         idx_stat = os.stat(indexed.path_prefix + ".idx")
         # Everything the indices depend on; a rewritten .idx (new size/mtime) is a new key.
@@ -216,7 +216,7 @@ class GPTDataset(torch.utils.data.Dataset):
             os.replace(tmp, f"{base}-description.txt")
         except OSError as exc:
             raise RuntimeError(
-                f"--data-cache-path {cache_dir}: cannot write the dataset index "
+                f"data_cache_path {cache_dir}: cannot write the dataset index "
                 f"cache ({exc}); pass a writable directory"
             ) from exc
         return arrays
@@ -270,7 +270,7 @@ class MockGPTDataset(torch.utils.data.Dataset):
             )
         self.num_samples, self.seq_length, self.seed = int(num_samples), int(seq_length), int(seed)
         if eod_mask_loss and eod is None:
-            raise ValueError("--eod-mask-loss needs a tokenizer with an end-of-document token")
+            raise ValueError("eod_mask_loss needs a tokenizer with an end-of-document token")
         self.vocab_size, self.eod, self.mask = int(vocab_size), eod, mask
         self.eod_mask_loss, self.stream = bool(eod_mask_loss), int(stream)
 

@@ -169,7 +169,7 @@ class IndexedDataset:
         missing = [p for p in (idx_path, bin_path) if not os.path.isfile(p)]
         if missing:
             raise FileNotFoundError(
-                f"indexed dataset {path_prefix!r}: missing {', '.join(missing)}; --data-path takes "
+                f"indexed dataset {path_prefix!r}: missing {', '.join(missing)}; data_path takes "
                 "the prefix without .bin/.idx (e.g. data/kjv_text_document)"
             )
         self.index = _Index(idx_path, os.path.getsize(bin_path))

@@ -35,7 +35,7 @@ class PretrainingSampler:
                 f"[0, {total_samples}) (the dataset is exhausted; build more samples)"
             )
         if micro_batch_size <= 0:
-            raise ValueError(f"--micro-batch-size must be > 0, got {micro_batch_size}")
+            raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
         if data_parallel_size <= 0 or not 0 <= data_parallel_rank < data_parallel_size:
             raise ValueError(f"data-parallel rank {data_parallel_rank} is not in [0, {data_parallel_size})")
         self.total_samples, self.consumed_samples = int(total_samples), int(consumed_samples)

@@ -34,12 +34,12 @@ def _resolve_mask(mask_token: Union[str, int], token_to_id, vocab_size: int, whe
             tid = int(text)
             if not 0 <= tid < vocab_size:
                 raise ValueError(
-                    f"--mask-token {mask_token!r}: id {tid} is outside the vocabulary "
+                    f"mask_token {mask_token!r}: id {tid} is outside the vocabulary "
                     f"of {where} (ids 0..{vocab_size - 1})"
                 )
         else:
             raise ValueError(
-                f"--mask-token {mask_token!r} is not a token of {where}; pass a token "
+                f"mask_token {mask_token!r} is not a token of {where}; pass a token "
                 "string that is in its vocabulary or a token id"
             )
     return int(tid)
@@ -100,7 +100,7 @@ class HuggingFaceTokenizer:
             path = os.path.join(path, "tokenizer.json")
         if not path or not os.path.isfile(path):
             raise FileNotFoundError(
-                f"--tokenizer-model {tokenizer_json_path!r}: no tokenizer.json there; pass the "
+                f"tokenizer_model {tokenizer_json_path!r}: no tokenizer.json there; pass the "
                 "path of a Hugging Face tokenizer.json (or the directory that holds it)"
             )
         try:
@@ -112,7 +112,7 @@ class HuggingFaceTokenizer:
         try:
             self._tok = Tokenizer.from_file(path)
         except Exception as exc:  # tokenizers raises a bare Exception on parse errors
-            raise ValueError(f"--tokenizer-model {path}: not a valid tokenizer.json ({exc})") from exc
+            raise ValueError(f"tokenizer_model {path}: not a valid tokenizer.json ({exc})") from exc
         self.path = path
         self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._eod = self._find(_EOD_NAMES)
@@ -163,7 +163,7 @@ class HuggingFaceTokenizer:
         if self._mask is None:
             raise RuntimeError(
                 f"{self.path} has none of the mask tokens {_MASK_NAMES}; a diffusion "
-                "LM needs one: pass --mask-token TOKEN_OR_ID"
+                "LM needs one: pass mask_token TOKEN_OR_ID"
             )
         return self._mask
 
@@ -192,20 +192,20 @@ def build_tokenizer(
     elif tokenizer_type == "HuggingFaceTokenizer":
         if tokenizer_model is None:
             raise ValueError(
-                "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model PATH/TO/tokenizer.json"
+                "tokenizer_type HuggingFaceTokenizer needs tokenizer_model PATH/TO/tokenizer.json"
             )
         tok = HuggingFaceTokenizer(tokenizer_model, mask_token=mask_token)
     else:
         raise ValueError(
-            f"--tokenizer-type {tokenizer_type!r} is not supported; use one of "
+            f"tokenizer_type {tokenizer_type!r} is not supported; use one of "
             f"{', '.join(SUPPORTED_TOKENIZERS)} (Megatron's GPT2BPETokenizer / "
             "HuggingFace models: export their tokenizer.json and use "
             "HuggingFaceTokenizer)"
         )
     if vocab_size is not None and vocab_size < tok.vocab_size:
         raise ValueError(
-            f"--vocab-size {vocab_size} is smaller than the {tokenizer_type}'s "
-            f"{tok.vocab_size} ids; drop --vocab-size or raise it"
+            f"vocab_size {vocab_size} is smaller than the {tokenizer_type}'s "
+            f"{tok.vocab_size} ids; drop vocab_size or raise it"
         )
     return tok
 

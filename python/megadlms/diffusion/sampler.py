@@ -94,9 +94,7 @@ def generate(
         base = base.module
     vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
     if vocab_size is not None and not 0 <= mask_token_id < vocab_size:
-        raise ValueError(
-            f"mask_token_id {mask_token_id} (--mask-token) is outside the model's vocabulary of {vocab_size}"
-        )
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the model's vocabulary of {vocab_size}")
     device = prompt.device
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
@@ -124,7 +122,7 @@ def generate(
                     logits = model(x)
                 if not 0 <= mask_token_id < logits.shape[-1]:
                     raise ValueError(
-                        f"mask_token_id {mask_token_id} (--mask-token) is outside "
+                        f"mask_token_id {mask_token_id} is outside "
                         f"the model's vocabulary of {logits.shape[-1]}"
                     )
                 logits = logits.clone()

@@ -55,7 +55,7 @@ def require_fsdp2_torch(version: Optional[str] = None) -> None:
         have = version if version is not None else torch.__version__
         raise RuntimeError(
             f"FSDP2 requires PyTorch >= 2.4 (found {have}): upgrade torch or drop "
-            "--use-torch-fsdp2 to use DistributedDataParallel"
+            "use_torch_fsdp2 to use DistributedDataParallel"
         )
 
 
@@ -138,7 +138,7 @@ def select_fsdp_units(root: torch.nn.Module, fsdp_unit_modules: Optional[Sequenc
     if shared:
         _log.warning(
             "FSDP2: leaving %s to the root unit because they hold weights used "
-            "elsewhere (tied embeddings?); --untie-embeddings-and-output-weights "
+            "elsewhere (tied embeddings?); untie_embeddings_and_output_weights "
             "gives each its own unit",
             sorted(shared),
         )
@@ -245,7 +245,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         if problems:
             raise ValueError("; ".join(problems))
         if cfg.bucket_size is not None:
-            _log.info("FSDP2: --ddp-bucket-size is ignored (each unit reduces in one collective)")
+            _log.info("FSDP2: bucket_size is ignored (each unit reduces in one collective)")
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
             raise ValueError(
                 "mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy "
@@ -262,7 +262,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         if device.type == "cpu" and backend == "nccl":
             raise RuntimeError(
                 "FSDP2 with the nccl backend needs the model on CUDA: move it with "
-                ".cuda() before wrapping, or use --distributed-backend gloo on CPU"
+                ".cuda() before wrapping, or use distributed_backend gloo on CPU"
             )
         self.mesh = DeviceMesh.from_group(self.process_group, device.type)
 

@@ -8,7 +8,7 @@ class ConstantGradScaler:
 
     def __init__(self, scale: float) -> None:
         if scale <= 0:
-            raise ValueError(f"--loss-scale must be positive, got {scale}")
+            raise ValueError(f"loss_scale must be positive, got {scale}")
         self.scale = float(scale)
 
     def update(self, found_inf: bool) -> None:
@@ -42,14 +42,12 @@ class DynamicGradScaler:
         hysteresis: int = 2,
     ) -> None:
         if initial_scale <= 0 or min_scale <= 0 or min_scale > initial_scale:
-            raise ValueError(
-                f"need 0 < --min-loss-scale ({min_scale}) <= --initial-loss-scale ({initial_scale})"
-            )
+            raise ValueError(f"need 0 < min_loss_scale ({min_scale}) <= initial_loss_scale ({initial_scale})")
         if growth_factor <= 1 or not 0 < backoff_factor < 1:
             raise ValueError("growth_factor must be > 1 and backoff_factor in (0, 1)")
         if growth_interval < 1 or hysteresis < 1:
             raise ValueError(
-                f"--loss-scale-window ({growth_interval}) and --hysteresis ({hysteresis}) must be >= 1"
+                f"loss_scale_window ({growth_interval}) and hysteresis ({hysteresis}) must be >= 1"
             )
         self.scale = float(initial_scale)
         self.min_scale = float(min_scale)

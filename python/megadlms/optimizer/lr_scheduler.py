@@ -70,30 +70,30 @@ class OptimizerParamScheduler:
         weight_decay: Optional[float] = None,
     ) -> None:
         if lr_decay_style not in DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style must be one of {DECAY_STYLES}, got {lr_decay_style!r}")
+            raise ValueError(f"lr_decay_style must be one of {DECAY_STYLES}, got {lr_decay_style!r}")
         if lr_wsd_decay_style not in WSD_DECAY_STYLES:
             raise ValueError(
-                f"--lr-wsd-decay-style must be one of {WSD_DECAY_STYLES}, got {lr_wsd_decay_style!r}"
+                f"lr_wsd_decay_style must be one of {WSD_DECAY_STYLES}, got {lr_wsd_decay_style!r}"
             )
         if not 0.0 <= min_lr <= max_lr:
-            raise ValueError(f"need 0 <= --min-lr ({min_lr}) <= --lr ({max_lr})")
+            raise ValueError(f"need 0 <= min_lr ({min_lr}) <= lr ({max_lr})")
         if lr_decay_steps <= 0:
             raise ValueError(
-                f"lr decay length must be positive (--lr-decay-iters / --train-iters), "
+                f"lr decay length must be positive (lr_decay_iters / train_iters), "
                 f"got {lr_decay_steps} samples"
             )
         if not 0 <= lr_warmup_steps < lr_decay_steps:
             raise ValueError(
-                f"--lr-warmup-iters ({lr_warmup_steps} samples) must be smaller "
-                f"than --lr-decay-iters ({lr_decay_steps} samples)"
+                f"lr_warmup_iters ({lr_warmup_steps} samples) must be smaller "
+                f"than lr_decay_iters ({lr_decay_steps} samples)"
             )
         if lr_decay_style == "WSD":
             if wsd_decay_steps is None or wsd_decay_steps <= 0:
-                raise ValueError("--lr-decay-style WSD needs --lr-wsd-decay-iters > 0")
+                raise ValueError("lr_decay_style WSD needs lr_wsd_decay_iters > 0")
             if wsd_decay_steps > lr_decay_steps - lr_warmup_steps:
                 raise ValueError(
-                    f"--lr-wsd-decay-iters ({wsd_decay_steps} samples) must fit in "
-                    f"--lr-decay-iters minus --lr-warmup-iters "
+                    f"lr_wsd_decay_iters ({wsd_decay_steps} samples) must fit in "
+                    f"lr_decay_iters minus lr_warmup_iters "
                     f"({lr_decay_steps - lr_warmup_steps} samples)"
                 )
         self.optimizer = optimizer
@@ -163,7 +163,7 @@ class OptimizerParamScheduler:
                     raise ValueError(
                         f"LR schedule mismatch: {key} is {state_dict[key]!r} in the checkpoint but "
                         f"{getattr(self, key)!r} from the flags; use the checkpoint's value or pass "
-                        f"--override-opt-param-scheduler to keep the new schedule"
+                        f"override_opt_param_scheduler to keep the new schedule"
                     )
         self.num_steps = int(state_dict["num_steps"])
         self.step(0)
