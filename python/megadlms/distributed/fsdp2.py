@@ -233,7 +233,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         require_fsdp2_torch()
         super().__init__()
         from torch.distributed.device_mesh import DeviceMesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
@@ -269,19 +269,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         if sync_module_states and dist.get_world_size(self.process_group) > 1:
             self._broadcast_from_rank0(module)
 
-        attrs = _param_attrs(module)
-        kw = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
-        if mixed_precision is not None:
-            kw["mp_policy"] = mixed_precision
-        self.fsdp_units = select_fsdp_units(
-            module, None if fsdp_unit_modules is None else list(fsdp_unit_modules)
-        )
-        for unit in self.fsdp_units:
-            fully_shard(unit, **kw)
-        fully_shard(module, **kw)
-        _restore_param_attrs(module, attrs)
-        self.module = module
-
+        self._shard(module, fsdp_unit_modules, reshard_after_forward)
         self.comm = build_communicator("torch", self.process_group)
         self._grad_post_scale = 1.0
         self.avg_corrected = False
@@ -291,6 +279,22 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                 unit.set_force_sum_reduction_for_comms(True)
         else:
             self._ensure_backend_averages(module, backend)
+
+    def _shard(self, module: torch.nn.Module, fsdp_unit_modules, reshard_after_forward: bool) -> None:
+        """``fully_shard`` every unit, then the root (which owns the rest)."""
+        from torch.distributed.fsdp import fully_shard
+
+        attrs = _param_attrs(module)
+        kw = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        if self.mixed_precision is not None:
+            kw["mp_policy"] = self.mixed_precision
+        units = None if fsdp_unit_modules is None else list(fsdp_unit_modules)
+        self.fsdp_units = select_fsdp_units(module, units)
+        for unit in self.fsdp_units:
+            fully_shard(unit, **kw)
+        fully_shard(module, **kw)
+        _restore_param_attrs(module, attrs)
+        self.module = module
 
     def _ensure_backend_averages(self, module: torch.nn.Module, backend: str) -> None:
         """Averaging mode. pytorch#162338: if this group sums under ReduceOp.AVG (older gloo

@@ -26,10 +26,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import math
 import signal
 import time
-from itertools import islice
 from typing import Callable, Dict, List, Optional
 
 import torch
@@ -39,16 +37,16 @@ from megadlms.diffusion import (
     check_model_for_mode,
     compute_loss,
     loss_token_count,
-    validation_nelbo,
     varilen_length,
 )
-from megadlms.distributed import unwrap_model
 from megadlms.models import num_floating_point_operations
 from megadlms.optimizer import get_optimizer
 
 from . import builders, checkpointing
 from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
+from .validation import evaluate, params_norm
+from .validation import to_device as _to_device
 
 _log = logging.getLogger("megadlms.training")
 
@@ -91,12 +89,6 @@ class _SignalFlag:
             self._previous = None
 
 
-def _to_device(batch: dict, device: torch.device) -> dict:
-    return {
-        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-    }
-
-
 @dataclasses.dataclass
 class _StepOut:
     loss: float
@@ -117,6 +109,26 @@ def _forward_backward(model, optimizer, micro_batches, diff_cfg, iteration, crop
             optimizer.scale_loss(loss_sum * scale).backward()
         local_loss += loss_sum.detach().to(torch.float64)
     return local_loss
+
+
+def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, device):
+    """ONE all-reduce of [loss sum, NaN/Inf flag, failure flag, exit flags]; a failure on
+    any rank raises on every rank (the failing one re-raises its own error)."""
+    nonfinite = (~torch.isfinite(local_loss)).to(torch.float64)
+    flags = torch.tensor(exit_flags, dtype=torch.float64, device=device)
+    failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=device)
+    loss = torch.where(nonfinite > 0, 0.0, local_loss).reshape(1)
+    packed = torch.cat([loss, nonfinite.reshape(1), failed, flags])
+    dist.all_reduce(packed)
+    loss_total, nan_ranks, failed_ranks, *exit_reduced = packed.tolist()
+    if failed_ranks > 0:
+        if error is not None:
+            raise error
+        raise RuntimeError(
+            f"iteration {iteration + 1}: {int(failed_ranks)} other rank(s) failed inside the step "
+            "(see their error); stopping this rank too"
+        )
+    return loss_total, nan_ranks, exit_reduced
 
 
 def train_step(
@@ -156,23 +168,8 @@ def train_step(
         error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
     model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
 
-    # One reduction carries the loss, the NaN/Inf verdict, failures and the exit requests.
-    nonfinite = (~torch.isfinite(local_loss)).to(torch.float64)
-    flags = torch.tensor(exit_flags(), dtype=torch.float64, device=device)
-    failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=device)
-    packed = torch.cat(
-        [torch.where(nonfinite > 0, 0.0, local_loss).reshape(1), nonfinite.reshape(1), failed, flags]
-    )
-    dist.all_reduce(packed)
-    loss_total, nan_ranks, failed_ranks, *exit_reduced = packed.tolist()
+    loss_total, nan_ranks, exit_reduced = _reduce_step(local_loss, error, exit_flags(), iteration, device)
     seq_length = micro_batches[0]["labels"].shape[1] if crop is None else crop
-    if failed_ranks > 0:
-        if error is not None:
-            raise error
-        raise RuntimeError(
-            f"iteration {iteration + 1}: {int(failed_ranks)} other rank(s) failed inside the step "
-            "(see their error); stopping this rank too"
-        )
     n_global = float(global_tokens.item())
     if nan_ranks > 0 or n_global <= 0:
         return _StepOut(float("nan"), None, False, True, exit_reduced, seq_length)
@@ -185,34 +182,6 @@ def train_step(
         exit_reduced,
         seq_length,
     )
-
-
-def evaluate(
-    model, loader, diff_cfg, *, num_micro_batches: int, num_mc_samples: int, seed: int, device: torch.device
-) -> dict:
-    """Validation NELBO over the first ``num_micro_batches`` of ``loader`` on every rank,
-    combined over ranks (the same samples every time, so evaluations are comparable)."""
-    batches = (_to_device(b, device) for b in islice(iter(loader), num_micro_batches))
-    res = validation_nelbo(model, batches, diff_cfg, num_mc_samples=num_mc_samples, seed=seed)
-    t = torch.tensor([float(res["loss_sum"]), float(res["num_tokens"])], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    loss_sum, n = t.tolist()
-    nelbo = loss_sum / max(n, 1.0)
-    return {"nelbo": nelbo, "ppl_bound": math.exp(min(nelbo, 700.0)), "num_tokens": n}
-
-
-def params_norm(model, device: torch.device) -> float:
-    """Global L2 norm of the parameters (collective: sharded DTensor pieces are summed
-    over ranks; replicated parameters count once)."""
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    replicated = torch.zeros((), dtype=torch.float64, device=device)
-    for p in unwrap_model(model).parameters():
-        if hasattr(p, "to_local"):
-            sharded += p.to_local().detach().double().square().sum().to(device)
-        else:
-            replicated += p.detach().double().square().sum().to(device)
-    dist.all_reduce(sharded)
-    return math.sqrt((sharded + replicated).item())
 
 
 class Trainer:

@@ -1,0 +1,46 @@
+"""Validation and parameter norms of a run (collectives over the data-parallel ranks)."""
+
+from __future__ import annotations
+
+import math
+from itertools import islice
+
+import torch
+import torch.distributed as dist
+
+from megadlms.diffusion import validation_nelbo
+from megadlms.distributed import unwrap_model
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {
+        k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
+
+
+def evaluate(
+    model, loader, diff_cfg, *, num_micro_batches: int, num_mc_samples: int, seed: int, device: torch.device
+) -> dict:
+    """Validation NELBO over the first ``num_micro_batches`` of ``loader`` on every rank,
+    combined over ranks (the same samples every time, so evaluations are comparable)."""
+    batches = (to_device(b, device) for b in islice(iter(loader), num_micro_batches))
+    res = validation_nelbo(model, batches, diff_cfg, num_mc_samples=num_mc_samples, seed=seed)
+    t = torch.tensor([float(res["loss_sum"]), float(res["num_tokens"])], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    loss_sum, n = t.tolist()
+    nelbo = loss_sum / max(n, 1.0)
+    return {"nelbo": nelbo, "ppl_bound": math.exp(min(nelbo, 700.0)), "num_tokens": n}
+
+
+def params_norm(model, device: torch.device) -> float:
+    """Global L2 norm of the parameters (collective: sharded DTensor pieces are summed
+    over ranks; replicated parameters count once)."""
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = torch.zeros((), dtype=torch.float64, device=device)
+    for p in unwrap_model(model).parameters():
+        if hasattr(p, "to_local"):
+            sharded += p.to_local().detach().double().square().sum().to(device)
+        else:
+            replicated += p.detach().double().square().sum().to(device)
+    dist.all_reduce(sharded)
+    return math.sqrt((sharded + replicated).item())
