@@ -131,3 +131,23 @@ def test_cli_reports_every_problem_once(env, capsys, monkeypatch):
     for needle in ("--hidden-dropout must be in [0, 1)", "--lr must be >= 0", "--global-batch-size 7"):
         assert err.count(needle) == 1, (needle, err)
     assert os.environ.get("WORLD_SIZE") in (None, "1")
+
+
+def _modes_world(rank, world):
+    from megadlms.pretrain import run
+
+    argv = TINY + ["--attention-dropout", "0", "--hidden-dropout", "0", "--seed", "3"]
+    summed = run(argv)  # the trainer's sum mode: loss / N, SUM over ranks
+    averaged = run(argv + ["--ddp-average-in-collective"])  # loss x dp / N, AVG over ranks
+    fsdp = run(argv + ["--use-torch-fsdp2"])  # FSDP2 in sum mode
+    return (
+        [summed.losses[i] for i in (1, 2, 3, 4)],
+        [averaged.losses[i] for i in (1, 2, 3, 4)],
+        [fsdp.losses[i] for i in (1, 2, 3, 4)],
+    )
+
+
+def test_sum_and_average_modes_train_the_same_curve():
+    for summed, averaged, fsdp in run_distributed(_modes_world, 2, timeout=300):
+        for a, b, c in zip(summed, averaged, fsdp):
+            assert abs(a - b) <= 1e-6 * abs(a) and abs(a - c) <= 1e-5 * abs(a), (summed, averaged, fsdp)
