@@ -18,6 +18,7 @@ any process group exists, so a bad flag fails fast and identically on every rank
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import re
 from typing import Callable, Dict, List, Optional
@@ -165,31 +166,23 @@ def _attention(args) -> str:
     return "causal" if mask in ("causal", "causal_bottom_right") else "bidirectional"
 
 
+def _from_args(cls, args, **explicit):
+    """``cls`` built from the flags whose dest equals a field name, plus ``explicit`` values
+    for fields whose flag differs (the few mappings that are not one to one)."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    kw.update(explicit)
+    return cls(**kw)
+
+
 def _model_config(args) -> TransformerConfig:
-    # The vocabulary comes from the tokenizer at build time (RunConfig.with_tokenizer); until
-    # then the requested --vocab-size (or 1) stands in so every other field is checked now.
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
+    return _from_args(
+        TransformerConfig,
+        args,
+        # The vocabulary comes from the tokenizer at build time (RunConfig.with_tokenizer);
+        # until then the requested --vocab-size (or 1) stands in so the rest is checked now.
         vocab_size=args.vocab_size or 1,
-        seq_length=args.seq_length,
-        max_position_embeddings=args.max_position_embeddings,
-        ffn_hidden_size=args.ffn_hidden_size,
         # Megatron ignores --num-query-groups without --group-query-attention
         num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        kv_channels=args.kv_channels,
-        normalization=args.normalization,
-        norm_epsilon=args.norm_epsilon,
-        swiglu=bool(args.swiglu),
-        add_bias_linear=bool(args.add_bias_linear),
-        qk_layernorm=bool(args.qk_layernorm),
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        untie_embeddings_and_output_weights=bool(args.untie_embeddings_and_output_weights),
-        init_method_std=args.init_method_std,
-        attention_dropout=args.attention_dropout,
-        hidden_dropout=args.hidden_dropout,
         # fp32 parameters even with --bf16/--fp16 (cast by Float16Module or FSDP2's policy),
         # so every wrapper starts from the same initial weights for a given --seed
         params_dtype=torch.float32,
@@ -200,133 +193,46 @@ def _model_config(args) -> TransformerConfig:
 def _diffusion_config(args) -> DiffusionConfig:
     vanilla = args.model_running_mode == "vanilla"
     placeholder = args.mask_token if isinstance(args.mask_token, int) else 0  # real id: with_tokenizer
-    return DiffusionConfig(
-        model_running_mode=args.model_running_mode,
+    return _from_args(
+        DiffusionConfig,
+        args,
         mask_token_id=-1 if vanilla else placeholder,
         mask_eps=args.difflm_mask_eps,
         p_mask=args.difflm_p_mask,
         varilen_prob=args.difflm_varilen_prob,
-        seed=args.seed,
         eval_mc_samples=args.difflm_eval_mc_samples,
     )
 
 
 def _data_config(args) -> DataConfig:
-    tokenizer = TokenizerConfig(
-        tokenizer_type=args.tokenizer_type,
-        tokenizer_model=args.tokenizer_model,
-        mask_token=args.mask_token,
-        vocab_size=args.vocab_size,
-    )
-    return DataConfig(
-        tokenizer=tokenizer,
-        data_path=args.data_path,
-        split=args.split,
-        train_data_path=args.train_data_path,
-        valid_data_path=args.valid_data_path,
-        test_data_path=args.test_data_path,
-        mock_data=bool(args.mock_data),
-        data_cache_path=args.data_cache_path,
-        eod_mask_loss=bool(args.eod_mask_loss),
-        num_workers=args.num_workers,
-    )
-
-
-def _parallel_config(args, world_size: int) -> ParallelConfig:
-    return ParallelConfig(
-        world_size=world_size,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        expert_model_parallel_size=args.expert_model_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        use_torch_fsdp2=bool(args.use_torch_fsdp2),
-        distributed_backend=args.distributed_backend,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
-    )
+    return _from_args(DataConfig, args, tokenizer=_from_args(TokenizerConfig, args))
 
 
 def _ddp_config(args) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(
         # Megatron: bf16 always reduces gradients in fp32
         grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32 or args.bf16),
-        overlap_grad_reduce=bool(args.overlap_grad_reduce),
-        overlap_param_gather=bool(args.overlap_param_gather),
-        use_distributed_optimizer=bool(args.use_distributed_optimizer),
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        overlap_param_gather=args.overlap_param_gather,
+        use_distributed_optimizer=args.use_distributed_optimizer,
         # NaN/Inf steps are skipped by the loop while --nan-skip-limit allows; past it (or with
         # --nan-skip-limit 0) a NaN reduced gradient raises on every rank, naming the parameter.
         check_for_nan_in_grad=bool(args.check_for_nan_in_loss_and_grad) and args.nan_skip_limit == 0,
         bucket_size=args.ddp_bucket_size,
-        average_in_collective=bool(args.ddp_average_in_collective),
+        average_in_collective=args.ddp_average_in_collective,
         comm_backend=args.comm_backend,
         # the trainer divides the loss by the step's global loss-token count: sum-mode reduction
         calculate_per_token_loss=not args.ddp_average_in_collective,
     )
 
 
-def _optimizer_config(args) -> OptimizerConfig:
-    return OptimizerConfig(
-        lr=args.lr,
-        min_lr=args.min_lr,
-        optimizer=args.optimizer,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad,
-        bf16=bool(args.bf16),
-        fp16=bool(args.fp16),
-        use_distributed_optimizer=bool(args.use_distributed_optimizer),
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-    )
-
-
-def _schedule_config(args) -> LRScheduleConfig:
-    return LRScheduleConfig(
-        train_iters=args.train_iters,
-        lr_decay_style=args.lr_decay_style,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_warmup_fraction=args.lr_warmup_fraction,
-        lr_warmup_init=args.lr_warmup_init,
-        lr_decay_iters=args.lr_decay_iters,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
-        lr_wsd_decay_iters=args.lr_wsd_decay_iters,
-        override_opt_param_scheduler=bool(args.override_opt_param_scheduler),
-    )
-
-
 def _training_config(args, data_parallel_size: Optional[int]) -> TrainingConfig:
-    return TrainingConfig(
-        micro_batch_size=args.micro_batch_size,
+    return _from_args(
+        TrainingConfig,
+        args,
         # with an invalid layout the batch rule cannot be checked: the layout error stands alone
         global_batch_size=args.global_batch_size if data_parallel_size else None,
         data_parallel_size=data_parallel_size or 1,
-        train_iters=args.train_iters,
-        seed=args.seed,
-        nan_skip_limit=args.nan_skip_limit,
-        check_for_nan_in_loss_and_grad=bool(args.check_for_nan_in_loss_and_grad),
-        exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins,
-        exit_signal_handler=bool(args.exit_signal_handler),
-    )
-
-
-def _checkpoint_config(args) -> CheckpointConfig:
-    return CheckpointConfig(
-        save=args.save,
-        load=args.load,
-        save_interval=args.save_interval,
-        ckpt_format=args.ckpt_format,
-        no_save_optim=bool(args.no_save_optim),
-        no_load_optim=bool(args.no_load_optim),
-        no_save_rng=bool(args.no_save_rng),
-        no_load_rng=bool(args.no_load_rng),
-        finetune=bool(args.finetune),
     )
 
 
@@ -335,18 +241,6 @@ def _notes(args) -> List[str]:
     if not args.wandb_project and any(getattr(args, d, None) is not None for d in WANDB_DESTS):
         notes.append("--wandb-*: no Weights & Biases client; the flags are ignored")
     return notes
-
-
-def _logging_config(args) -> LoggingConfig:
-    return LoggingConfig(
-        log_interval=args.log_interval,
-        eval_interval=args.eval_interval,
-        eval_iters=args.eval_iters,
-        tensorboard_dir=args.tensorboard_dir,
-        metrics_jsonl=args.metrics_jsonl,
-        log_params_norm=bool(args.log_params_norm),
-        notes=_notes(args),
-    )
 
 
 def _collect(problems: List[str], build: Callable):
@@ -366,12 +260,12 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
         "model": _collect(problems, lambda: _model_config(args)),
         "diffusion": _collect(problems, lambda: _diffusion_config(args)),
         "data": _collect(problems, lambda: _data_config(args)),
-        "parallel": _collect(problems, lambda: _parallel_config(args, world_size)),
+        "parallel": _collect(problems, lambda: _from_args(ParallelConfig, args, world_size=world_size)),
         "ddp": _collect(problems, lambda: _ddp_config(args)),
-        "optimizer": _collect(problems, lambda: _optimizer_config(args)),
-        "schedule": _collect(problems, lambda: _schedule_config(args)),
-        "checkpoint": _collect(problems, lambda: _checkpoint_config(args)),
-        "logging": _collect(problems, lambda: _logging_config(args)),
+        "optimizer": _collect(problems, lambda: _from_args(OptimizerConfig, args)),
+        "schedule": _collect(problems, lambda: _from_args(LRScheduleConfig, args)),
+        "checkpoint": _collect(problems, lambda: _from_args(CheckpointConfig, args)),
+        "logging": _collect(problems, lambda: _from_args(LoggingConfig, args, notes=_notes(args))),
     }
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None
     parts["training"] = _collect(problems, lambda: _training_config(args, dp))
