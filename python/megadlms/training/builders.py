@@ -112,8 +112,16 @@ def build_datasets(
 
 
 def build_loader(
-    dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int = 0
+    dataset,
+    *,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    seed: int = 0,
 ) -> Optional[torch.utils.data.DataLoader]:
+    """The loader draws from its own generator (``seed``), never the global torch RNG."""
     return build_pretraining_data_loader(
-        dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, num_workers=num_workers
+        dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, num_workers=num_workers, seed=seed
     )

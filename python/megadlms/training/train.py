@@ -251,7 +251,11 @@ class Trainer:
             valid_samples=valid_samples,
         )
         loader = functools.partial(
-            builders.build_loader, micro_batch_size=self.mbs, dp_rank=self.rank, dp_size=self.dp_size
+            builders.build_loader,
+            micro_batch_size=self.mbs,
+            dp_rank=self.rank,
+            dp_size=self.dp_size,
+            seed=t.seed,
         )
         self.train_loader = loader(
             train_ds, consumed_samples=self.consumed, num_workers=config.data.num_workers
