@@ -16,9 +16,11 @@ from .fsdp2 import (
 from .protocol import OPTIMIZER_LAYOUTS, DataParallel
 from .wrappers import Float16Module, unwrap_model
 
-ALL_MODULE_WRAPPER_CLASSNAMES = (DistributedDataParallel,) + (
-    (TorchFullyShardedDataParallel,) if torch_supports_fsdp2() else ()
-) + (Float16Module,)
+ALL_MODULE_WRAPPER_CLASSNAMES = (
+    (DistributedDataParallel,)
+    + ((TorchFullyShardedDataParallel,) if torch_supports_fsdp2() else ())
+    + (Float16Module,)
+)
 """The wrapper classes that hold the real model in ``.module``, as Megatron's
 ``megatron.training.utils.ALL_MODULE_WRAPPER_CLASSNAMES`` (classes despite the name, so
 ``isinstance(model, ALL_MODULE_WRAPPER_CLASSNAMES)`` works; FSDP2 is left out where torch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+
 def _default_wrappers() -> tuple:
     from . import ALL_MODULE_WRAPPER_CLASSNAMES  # the class tuple, defined once the classes exist
 

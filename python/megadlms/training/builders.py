@@ -42,10 +42,16 @@ def device_for_rank() -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(config: TransformerConfig, *, seed: int, device: torch.device) -> torch.nn.Module:
+def build_model(
+    config: TransformerConfig,
+    *,
+    seed: int,
+    device: torch.device,
+    core_attn_implementation: str = "TEDotProductAttention",
+) -> torch.nn.Module:
     """The plain GPTModel, initialised from ``seed`` identically on every rank."""
     torch.manual_seed(seed)
-    return GPTModel(config).to(device)
+    return GPTModel(config, core_attn_implementation=core_attn_implementation).to(device)
 
 
 def wrap_model(model: torch.nn.Module, config: RunConfig):
@@ -87,9 +93,12 @@ def build_datasets(
     seed: int,
     train_samples: int,
     valid_samples: int,
+    test_samples: int = 0,
+    with_test: bool = False,
 ):
-    """(train, valid) datasets with the given numbers of samples."""
-    train, valid, _ = build_pretraining_datasets(
+    """(train, valid) datasets with the given numbers of samples; (train, valid, test) with
+    ``with_test``."""
+    train, valid, test = build_pretraining_datasets(
         data_path=data.data_path,
         train_data_path=data.train_data_path,
         valid_data_path=data.valid_data_path,
@@ -98,7 +107,7 @@ def build_datasets(
         seed=seed,
         train_samples=train_samples,
         valid_samples=valid_samples,
-        test_samples=0,
+        test_samples=test_samples,
         tokenizer=tokenizer,
         data_cache_path=data.data_cache_path,
         eod_mask_loss=data.eod_mask_loss,
@@ -108,7 +117,7 @@ def build_datasets(
         raise ValueError(
             "no training data: the split gives the train split no share (or train_data_path is missing)"
         )
-    return train, valid
+    return (train, valid, test) if with_test else (train, valid)
 
 
 def build_loader(
