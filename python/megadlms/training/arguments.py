@@ -119,6 +119,11 @@ def _megadlms_problems(args) -> List[str]:
             f"--core-attn-implementation FlexAttention has no attention dropout: add --attention-dropout 0 "
             f"(got {args.attention_dropout}) or use TEDotProductAttention"
         )
+    if args.core_attn_implementation == "FlexAttention" and not torch.cuda.is_available():
+        out.append(
+            "--core-attn-implementation FlexAttention needs CUDA: torch's flex_attention has no CPU "
+            "backward; use TEDotProductAttention (SDPA with a block mask) on CPU"
+        )
     if args.checkpoint_steps is not None:
         try:
             _checkpoint_steps(args)
