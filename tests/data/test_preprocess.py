@@ -60,11 +60,12 @@ def test_preprocess_content_and_workers_identical(tmp_path):
             assert a == b
     tok = ByteTokenizer()
     ds = IndexedDataset(f"{outs[2]}_text_document")
-    assert ds.dtype == np.uint16 and len(ds) == len(DOCS)  # Megatron's choice below 65500 ids
-    assert ds.document_indices.tolist() == list(range(len(DOCS) + 1))
-    for i, d in enumerate(DOCS):
-        want = list(d["text"].encode("utf-8")) + ([tok.eod] if d["text"] else [])
-        assert ds[i].tolist() == want
+    # Megatron: the empty text (DOCS[5]) is a document with no sequence
+    assert ds.dtype == np.uint16 and len(ds) == len(DOCS) - 1  # Megatron's choice below 65500 ids
+    assert ds.document_indices.tolist() == list(range(6)) + list(range(5, len(DOCS)))
+    nonempty = [d for d in DOCS if d["text"]]
+    for i, d in enumerate(nonempty):
+        assert ds[i].tolist() == list(d["text"].encode("utf-8")) + [tok.eod]
     titles = IndexedDataset(f"{outs[1]}_title_document")
     assert tok.detokenize(titles[42]) == "T42" and titles[42][-1] == tok.eod
 

@@ -334,7 +334,9 @@ def test_fsdp2_against_references(world):
     results = run_distributed(fsdp_world, world)
     r = results[0]
     assert r["type"] == "TorchFullyShardedDataParallel"
-    assert r["unwrap_is_base"] and "TorchFullyShardedDataParallel" in r["classnames"]
+    from megadlms.distributed import TorchFullyShardedDataParallel
+
+    assert r["unwrap_is_base"] and TorchFullyShardedDataParallel in r["classnames"]
     assert r["units"] == ["decoder.layers.0", "decoder.layers.1", "embedding", "output_layer"]
     assert not r["rotary_is_unit"] and r["root_is_fsdp"] and r["all_dtensor"]
     assert r["attr_shared"] is True and r["attr_allreduce"] is False

@@ -18,7 +18,11 @@ import pytest
 
 from tests.dist_utils import run_distributed
 
+# Runs are compared across data-parallel sizes (resharded resumes): the LLaDA objective draws
+# the random-length crop once per step, so its loss curve does not depend on the layout;
+# MegaDLMs' (the default) draws it per micro-batch, seeded by the micro-batch count.
 TINY = (
+    "--difflm-objective llada "
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
     "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
     "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 2 --global-batch-size 12 "

@@ -233,10 +233,10 @@ def build_pretraining_datasets(
         shares = parse_split(split)
 
         def ranges(i):
-            return lambda ds: split_document_ranges(shares, len(ds.document_indices) - 1)[i]
+            return lambda ds: split_document_ranges(shares, len(ds.sequence_lengths))[i]
 
         return tuple(build_split(blend, "data_path", i, ranges(i)) for i in range(3))
-    whole = lambda ds: np.arange(len(ds.document_indices) - 1, dtype=np.int64)  # noqa: E731
+    whole = lambda ds: np.arange(len(ds.sequence_lengths), dtype=np.int64)  # noqa: E731
     out = []
     for i, (paths, flag) in enumerate(
         zip(per_split, ("train_data_path", "valid_data_path", "test_data_path"))

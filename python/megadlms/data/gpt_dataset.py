@@ -133,13 +133,9 @@ class GPTDataset(torch.utils.data.Dataset):
     ):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-        n_seq, n_doc = len(indexed.sequence_lengths), len(indexed.document_indices) - 1
-        if n_seq != n_doc:
-            raise ValueError(
-                f"{indexed.path_prefix}: {n_doc} documents made of {n_seq} sequences (sentence-split "
-                "data); GPT samples need one sequence per document: re-run preprocessing without "
-                "--split-sentences"
-            )
+        # Megatron's GPTDataset samples over SEQUENCES (numel_low_level_dataset): a document
+        # written as a list of sentences contributes one "document" per sentence, and a
+        # document with no sequence (an empty text) contributes none.
         self.indexed = indexed
         self.document_ids = np.asarray(document_ids, dtype=np.int64)
         if eod_mask_loss and eod is None:

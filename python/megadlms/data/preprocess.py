@@ -6,9 +6,11 @@ Flags follow Megatron's tools/preprocess_data.py:
         --tokenizer-type ByteTokenizer --append-eod --workers 4
 
 writes ``data/corpus_text_document.bin`` and ``.idx`` (one pair per --json-keys key). Each
-JSON line is one document stored as one sequence; --append-eod ends every non-empty
-document with the tokenizer's eod id. An empty text becomes an empty document, so document
-i is always line i. Workers tokenize in parallel but results are written in input order:
+JSON line is one document, as in Megatron's preprocess_data.py: a string value is one
+sequence, a list of strings one sequence per non-empty string; --append-eod ends every
+non-empty document with the tokenizer's eod id (after its last sequence). An empty text
+becomes a document with no sequence (so document i is always line i, while the readers,
+which sample over sequences, skip it). Workers tokenize in parallel but results are written in input order:
 the output is byte-identical for any --workers.
 """
 
@@ -61,12 +63,23 @@ def _encode(item: Tuple[int, str]) -> Tuple[int, Dict[str, np.ndarray]]:
         if key not in doc:
             raise ValueError(f"--input {where}: no key {key!r} (--json-keys); keys are {sorted(doc)}")
         text = doc[key]
-        if not isinstance(text, str):
-            raise ValueError(f"--input {where}: {key!r} is a {type(text).__name__}, expected a string")
-        ids = _worker_state["tok"].tokenize(text)
+        sentences = text if isinstance(text, list) else [text]
+        if not all(isinstance(t, str) for t in sentences):
+            raise ValueError(
+                f"--input {where}: {key!r} is a {type(text).__name__}, expected a string or a list of strings"
+            )
+        # Megatron's encode: one sequence per non-empty sentence, eod after the last; an
+        # empty text gives a document with no sequence.
+        ids, lengths = [], []
+        for sentence in sentences:
+            sentence_ids = list(_worker_state["tok"].tokenize(sentence))
+            if sentence_ids:
+                ids.extend(sentence_ids)
+                lengths.append(len(sentence_ids))
         if ids and _worker_state["append_eod"]:
-            ids = list(ids) + [_worker_state["eod"]]
-        out[key] = np.asarray(ids, dtype=np.int64)
+            ids.append(_worker_state["eod"])
+            lengths[-1] += 1
+        out[key] = (np.asarray(ids, dtype=np.int64), lengths)
     return len(line.encode("utf-8")), out
 
 
@@ -141,8 +154,8 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
     try:
         for n, (nbytes, docs) in enumerate(results, start=1):
             total_bytes += nbytes
-            for k, ids in docs.items():
-                builders[k].add_document(ids, [ids.size])
+            for k, (ids, lengths) in docs.items():
+                builders[k].add_document(ids, lengths)
             if n % args.log_interval == 0:
                 dt = max(time.time() - t0, 1e-9)
                 print(

@@ -74,9 +74,15 @@ def build_pretraining_data_loader(
     num_workers: int = 0,
     drop_last: bool = True,
     total_samples: Optional[int] = None,
+    seed: int = 0,
 ):
     """A DataLoader over ``dataset`` with PretrainingSampler; batches are dicts of stacked
-    tensors including ``sample_idx`` int64[b]. None if ``dataset`` is None."""
+    tensors including ``sample_idx`` int64[b]. None if ``dataset`` is None.
+
+    The loader owns a ``torch.Generator`` seeded with ``seed``: each ``iter(loader)`` draws
+    its workers' base seed from it, never from the global torch RNG, so building or
+    iterating a loader after a checkpoint's RNG restore leaves the dropout stream exactly
+    where the uninterrupted run has it (bitwise resume with dropout)."""
     if dataset is None:
         return None
     sampler = PretrainingSampler(
@@ -93,4 +99,5 @@ def build_pretraining_data_loader(
         num_workers=num_workers,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=num_workers > 0,
+        generator=torch.Generator().manual_seed(seed),
     )

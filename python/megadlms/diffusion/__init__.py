@@ -42,16 +42,26 @@ Sampling (``generate``): LLaDA's semi-autoregressive low-confidence remasking sa
 optional Gumbel temperature (float64) and classifier-free guidance.
 """
 
-from .config import MODEL_RUNNING_MODES, P_MASK_MODES, DiffusionConfig
+from .config import MODEL_RUNNING_MODES, OBJECTIVES, P_MASK_MODES, DiffusionConfig
 from .evaluation import validation_nelbo, validation_times
-from .loss import ar_loss, check_model_for_mode, compute_loss, diffusion_loss, loss_token_count
-from .noise import counter_uniform, forward_process, varilen_length
+from .loss import (
+    ar_loss,
+    check_model_for_mode,
+    compute_loss,
+    diffusion_loss,
+    loss_token_count,
+    objective_inputs,
+)
+from .noise import counter_uniform, forward_process, micro_batch_crop, varilen_length
 from .sampler import add_gumbel_noise, generate, get_num_transfer_tokens
 
 __all__ = [
     "DiffusionConfig",
     "MODEL_RUNNING_MODES",
     "P_MASK_MODES",
+    "OBJECTIVES",
+    "objective_inputs",
+    "micro_batch_crop",
     "forward_process",
     "varilen_length",
     "counter_uniform",

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from megadlms.config_errors import Problems
 
 MODEL_RUNNING_MODES = ("difflm-noshift", "vanilla")
 P_MASK_MODES = ("sampled", "realised")
+OBJECTIVES = ("megadlms", "llada")
+_OBJECTIVE_DEFAULTS = {"megadlms": (0.0, "realised"), "llada": (1e-3, "sampled")}
 
 
 @dataclass(kw_only=True)
@@ -19,13 +22,13 @@ class DiffusionConfig:
     labels) (--model-running-mode)."""
     mask_token_id: int = -1
     """Id of [MASK] in the vocabulary (--mask-token); required in difflm-noshift mode."""
-    mask_eps: float = 1e-3
-    """Per-token mask probability p = (1 - eps) * t + eps (--difflm-mask-eps); LLaDA uses
-    1e-3, 0 reproduces MegaDLMs."""
-    p_mask: str = "sampled"
+    mask_eps: Optional[float] = None
+    """Per-token mask probability p = (1 - eps) * t + eps (--difflm-mask-eps); default from
+    ``objective``: 0 (MegaDLMs) or 1e-3 (LLaDA)."""
+    p_mask: Optional[str] = None
     """Loss weight 1/p with p the sampled probability ('sampled', LLaDA/MDLM) or the
     realised masked fraction of the row, forcing >= 1 masked token ('realised', MegaDLMs)
-    (--difflm-p-mask)."""
+    (--difflm-p-mask); default from ``objective``."""
     varilen_prob: float = 0.01
     """Probability that a step's batch is cropped to a random length in [2, seq_length]
     (--difflm-varilen-prob)."""
@@ -34,9 +37,28 @@ class DiffusionConfig:
 
     eval_mc_samples: int = 1
     """K: Monte Carlo copies per sequence of the validation NELBO (--difflm-eval-mc-samples)."""
+    objective: str = "llada"
+    """difflm-noshift details (--difflm-objective; the CLI defaults to 'megadlms'):
+
+    * 'megadlms' (MegaDLMs' pretrain_difflm.py + difflm GPTModel): the model input and the
+      target are text[1:L] (``labels[:, :L-1]``, positions ``position_ids[:, 1:L]``), L = the
+      crop or seq_length; eps 0 and the realised mask fraction with >= 1 masked token per
+      row by default; the variable-length crop is drawn per micro-batch from
+      numpy.random.seed(iteration * num_micro + micro), only with bidirectional attention.
+    * 'llada' (LLaDA's pretraining recipe): the target is ``labels`` = text[1:S+1], S tokens;
+      eps 1e-3 and the sampled p by default; one crop per step (counter-based).
+    """
 
     def __post_init__(self) -> None:
         bad = Problems("DiffusionConfig")
+        if bad.check(
+            self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}, got {self.objective!r}"
+        ):
+            eps, p_mask = _OBJECTIVE_DEFAULTS[self.objective]
+            self.mask_eps = eps if self.mask_eps is None else self.mask_eps
+            self.p_mask = p_mask if self.p_mask is None else self.p_mask
+        else:  # keep the remaining checks meaningful
+            self.mask_eps, self.p_mask = self.mask_eps or 0.0, self.p_mask or "sampled"
         bad.check(
             self.model_running_mode in MODEL_RUNNING_MODES,
             f"model_running_mode must be one of {MODEL_RUNNING_MODES}, got {self.model_running_mode!r}",

@@ -9,7 +9,7 @@ from typing import Dict, Iterable, Optional
 import torch
 
 from .config import DiffusionConfig
-from .loss import ar_loss, check_model_for_mode, diffusion_loss
+from .loss import ar_loss, check_model_for_mode, diffusion_loss, objective_inputs
 from .noise import TAG_VALID_TIME, counter_uniform, forward_process
 
 
@@ -33,7 +33,7 @@ def validation_nelbo(
     model: torch.nn.Module,
     batches: Iterable[Dict[str, torch.Tensor]],
     config: DiffusionConfig,
-    num_mc_samples: int = 8,
+    num_mc_samples: int = 1,
     seed: Optional[int] = None,
 ) -> Dict[str, float]:
     """Per-token negative ELBO over ``batches`` (dicts as for ``compute_loss``).
@@ -68,7 +68,9 @@ def validation_nelbo(
                 total += loss_sum.double().item()
                 count += num_tokens.double().item()
                 continue
-            clean = batch["labels"]
+            inputs = objective_inputs(batch, config)  # the objective's sequence, no crop
+            clean, loss_mask, position_ids = inputs["clean"], inputs["loss_mask"], inputs["position_ids"]
+            extra = {} if inputs["document_ids"] is None else {"document_ids": inputs["document_ids"]}
             sample_idx = torch.as_tensor(batch["sample_idx"], dtype=torch.int64, device=clean.device)
             for k in range(num_mc_samples):
                 t = validation_times(seed, sample_idx, k, num_mc_samples)
@@ -77,7 +79,7 @@ def validation_nelbo(
                     clean, sample_idx, config, loss_mask, t=t, draw=k + 1, p_mask_mode="sampled"
                 )
                 loss_sum, num_tokens = diffusion_loss(
-                    model(noisy, position_ids), clean, masked, p_mask, loss_mask
+                    model(noisy, position_ids, **extra), clean, masked, p_mask, loss_mask
                 )
                 total += loss_sum.double().item() / num_mc_samples
             count += num_tokens.double().item()

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import DiffusionConfig
-from .noise import forward_process, varilen_length
+from .noise import forward_process, micro_batch_crop
 
 
 def _num_tokens(reference: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -72,14 +72,63 @@ def check_model_for_mode(model: torch.nn.Module, config: DiffusionConfig) -> Non
         config.check_vocab(model_config.vocab_size)
 
 
-def loss_token_count(batch: Dict[str, torch.Tensor], crop: Optional[int] = None) -> torch.Tensor:
+def objective_inputs(
+    batch: Dict[str, torch.Tensor], config: DiffusionConfig, crop: Optional[int] = None
+) -> Dict[str, Optional[torch.Tensor]]:
+    """The clean sequence the difflm-noshift objective denoises, with its loss mask, position
+    ids and (document packing) document ids, after an optional crop to ``crop`` positions.
+
+    'megadlms': MegaDLMs crops tokens/labels/positions to L = crop (or S), then drops one
+    position: input and target are text[1:L] = ``labels[:, :L-1]``, positions
+    ``position_ids[:, 1:L]``, loss mask ``loss_mask[:, :L-1]`` (L-1 tokens).
+    'llada': the target is ``labels[:, :L]`` with ``position_ids[:, :L]`` (L tokens).
+    ``document_ids`` (present when packing) are aligned with ``labels``; cropped like them.
+    """
+    labels = batch["labels"]
+    S = labels.shape[1]
+    L = S if crop is None else crop
+    loss_mask, position_ids = batch.get("loss_mask"), batch.get("position_ids")
+    document_ids = batch.get("document_ids")
+    if config.objective == "megadlms":
+        lab, pos = slice(0, L - 1), slice(1, L)
+    else:
+        lab, pos = slice(0, L), slice(0, L)
+    docs = None if document_ids is None else document_ids[:, lab]
+    if docs is not None and config.objective == "llada":
+        # the target is labels (text[1:]): positions restart at each of ITS documents
+        idx = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
+        new_doc = torch.ones_like(docs, dtype=torch.bool)
+        new_doc[:, 1:] = docs[:, 1:] != docs[:, :-1]
+        position_ids = idx - torch.where(new_doc, idx, torch.zeros_like(idx)).cummax(dim=1).values
+        pos = slice(None)
+    return {
+        "clean": labels[:, lab],
+        "loss_mask": None if loss_mask is None else loss_mask[:, lab],
+        "position_ids": None if position_ids is None else position_ids[:, pos],
+        "document_ids": docs,
+    }
+
+
+def loss_token_count(
+    batch: Dict[str, torch.Tensor], crop: Optional[int] = None, config: Optional[DiffusionConfig] = None
+) -> torch.Tensor:
     """Loss tokens of ``batch`` after an optional crop to ``crop`` positions (0-d fp32), the
-    count ``compute_loss`` returns; the trainer sums it over the step before the forward."""
+    count ``compute_loss`` returns; the trainer sums it over the step before the forward.
+    With a difflm-noshift ``config`` its objective's inputs are counted (MegaDLMs': L-1)."""
+    if config is not None and config.model_running_mode != "vanilla":
+        inputs = objective_inputs(batch, config, crop)
+        return _num_tokens(inputs["clean"], inputs["loss_mask"])
     labels, loss_mask = batch["labels"], batch.get("loss_mask")
     if crop is not None:
         labels = labels[:, :crop]
         loss_mask = None if loss_mask is None else loss_mask[:, :crop]
     return _num_tokens(labels, loss_mask)
+
+
+def _model_forward(model, tokens, position_ids, document_ids):
+    if document_ids is None:
+        return model(tokens, position_ids)
+    return model(tokens, position_ids, document_ids=document_ids)
 
 
 _AUTO = object()
@@ -96,39 +145,38 @@ def compute_loss(
 ) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, object]]:
     """One micro-batch: (loss_sum 0-d fp32, num_loss_tokens 0-d, stats).
 
-    batch: "tokens", "labels" (= text[1:]), "loss_mask", "position_ids", "sample_idx".
-    difflm-noshift: the clean sequence is ``labels`` (aligned with loss_mask), cropped to
-    ``crop`` positions (default: drawn here by ``varilen_length(seed, iteration, ...)``; the
-    trainer draws it once per step and passes it), masked by ``forward_process`` and
-    scored with ``diffusion_loss``. vanilla: model(tokens) scored against labels.
+    batch: "tokens", "labels" (= text[1:]), "loss_mask", "position_ids", "sample_idx" and,
+    when packing documents, "document_ids". difflm-noshift: the clean sequence is
+    :func:`objective_inputs` (per ``config.objective``) after a crop to ``crop`` positions
+    (default: drawn here with :func:`micro_batch_crop` for micro-batch 0 of 1; the trainer
+    draws it per micro-batch and passes it), masked by ``forward_process`` and scored with
+    ``diffusion_loss``. vanilla: model(tokens) scored against labels.
     The caller divides by the global number of loss tokens of the step.
     ``check``: run :func:`check_model_for_mode` on ``model`` first (the trainer has already).
-    stats: "seq_length" (int, after any crop) and, in difflm mode, "num_masked" (0-d tensor;
-    reading it with .item() is a device sync).
+    stats: "seq_length" (int, the model's input length) and, in difflm mode, "num_masked"
+    (0-d tensor; reading it with .item() is a device sync).
     """
     if check:
         check_model_for_mode(model, config)
-    loss_mask = batch.get("loss_mask")
-    position_ids = batch.get("position_ids")
     if config.model_running_mode == "vanilla":
         tokens, labels = batch["tokens"], batch["labels"]
-        logits = model(tokens, position_ids)
-        loss_sum, num_tokens = ar_loss(logits, labels, loss_mask)
+        logits = _model_forward(model, tokens, batch.get("position_ids"), batch.get("document_ids"))
+        loss_sum, num_tokens = ar_loss(logits, labels, batch.get("loss_mask"))
         return loss_sum, num_tokens, {"seq_length": tokens.shape[1]}
-    clean = batch["labels"]
     if "sample_idx" not in batch:
         raise ValueError(
             "difflm-noshift needs batch['sample_idx'] (the global sample indices "
             "that seed the noise); use the data package's collate"
         )
     if crop is _AUTO:
-        crop = varilen_length(config.seed, iteration, clean.shape[1], config.varilen_prob)
-    if crop is not None:
-        clean = clean[:, :crop]
-        loss_mask = loss_mask[:, :crop] if loss_mask is not None else None
-        position_ids = position_ids[:, :crop] if position_ids is not None else None
+        bidirectional = getattr(model, "attention", "bidirectional") != "causal"
+        crop = micro_batch_crop(
+            config, iteration, 0, 1, batch["labels"].shape[1], bidirectional=bidirectional
+        )
+    inputs = objective_inputs(batch, config, crop)
+    clean, loss_mask = inputs["clean"], inputs["loss_mask"]
     noisy, masked, p_mask = forward_process(clean, batch["sample_idx"], config, loss_mask)
-    logits = model(noisy, position_ids)
+    logits = _model_forward(model, noisy, inputs["position_ids"], inputs["document_ids"])
     loss_sum, num_tokens = diffusion_loss(logits, clean, masked, p_mask, loss_mask)
     stats = {"seq_length": clean.shape[1], "num_masked": masked.sum()}
     return loss_sum, num_tokens, stats

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Optional, Tuple
 
+import numpy as np
 import torch
 
 from .config import DiffusionConfig
@@ -79,6 +80,35 @@ def varilen_length(seed: int, iteration: int, seq_length: int, prob: float) -> O
     if u[0].item() >= prob:
         return None
     return 2 + min(int(u[1].item() * (seq_length - 1)), seq_length - 2)
+
+
+def micro_batch_crop(
+    config: DiffusionConfig,
+    iteration: int,
+    micro_batch: int,
+    num_micro_batches: int,
+    seq_length: int,
+    *,
+    bidirectional: bool = True,
+) -> Optional[int]:
+    """Crop length (in ``tokens`` positions, before any shift) of one training micro-batch, or None.
+
+    'megadlms' objective: MegaDLMs' ``use_varilen_data``: numpy seeded with
+    ``iteration * num_micro_batches + micro_batch`` draws u ~ U(0, 1) and L uniform in
+    [2, seq_length]; crop iff u < varilen_prob, and only with bidirectional attention. The
+    same on every rank, different per micro-batch (a local RandomState: numpy's global
+    state is untouched, as MegaDLMs restores it). 'llada': :func:`varilen_length`, one per step.
+    """
+    if config.model_running_mode == "vanilla":
+        return None
+    if config.objective == "llada":
+        return varilen_length(config.seed, iteration, seq_length, config.varilen_prob)
+    if not bidirectional or config.varilen_prob <= 0.0:
+        return None
+    rng = np.random.RandomState(iteration * num_micro_batches + micro_batch)
+    u = rng.uniform(0, 1)
+    length = int(rng.randint(low=2, high=seq_length + 1))
+    return length if u < config.varilen_prob else None
 
 
 def forward_process(

@@ -11,9 +11,11 @@ probability of x0 ("low_confidence" remasking keeps the least confident masked) 
 uniform draw ("random"). Classifier-free guidance mixes logits with those of a copy
 whose prompt is masked: l = l_u + (w + 1)(l_c - l_u).
 
-One deliberate difference from LLaDA's reference: the [MASK] logit is set to -inf before
-drawing, so a committed position can never hold [MASK] again (LLaDA's trained model
-never predicts it; a small model might, which would leave holes).
+Confidence is LLaDA's: p(x0) under the softmax of the model's unmodified logits (in their
+dtype), so p(MASK) > 0 lowers a position's confidence exactly as in LLaDA's generate.py.
+The one deliberate difference from LLaDA's reference: the [MASK] logit is set to -inf for
+the draw of x0 (only there), so a committed position can never hold [MASK] again
+(LLaDA's trained model never predicts it; a small model might, which would leave holes).
 """
 
 from __future__ import annotations
@@ -125,12 +127,14 @@ def generate(
                         f"mask_token_id {mask_token_id} is outside "
                         f"the model's vocabulary of {logits.shape[-1]}"
                     )
-                logits = logits.clone()
-                logits[..., mask_token_id] = float("-inf")
-                x0 = add_gumbel_noise(logits, temperature, generator).argmax(dim=-1)
+                # [MASK] is excluded from the draw only; confidence is LLaDA's p(x0) from the
+                # unmodified logits (not renormalised over the non-[MASK] tokens).
+                draw_logits = logits.clone()
+                draw_logits[..., mask_token_id] = float("-inf")
+                x0 = add_gumbel_noise(draw_logits, temperature, generator).argmax(dim=-1)
                 if remasking == "low_confidence":
-                    probs = F.softmax(logits.to(torch.float64), dim=-1)
-                    conf = probs.gather(-1, x0[..., None]).squeeze(-1)
+                    probs = F.softmax(logits, dim=-1)
+                    conf = probs.gather(-1, x0[..., None]).squeeze(-1).to(torch.float64)
                 else:
                     conf = torch.rand(x0.shape, dtype=torch.float64, device=device, generator=generator)
                 conf[:, end:] = float("-inf")  # later blocks wait their turn

@@ -7,9 +7,24 @@ and the optimizer use nothing else. Knows nothing about diffusion; works on any
 
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel
-from .fsdp2 import TorchFullyShardedDataParallel, fsdp2_config_problems, mixed_precision_policy
+from .fsdp2 import (
+    TorchFullyShardedDataParallel,
+    fsdp2_config_problems,
+    mixed_precision_policy,
+    torch_supports_fsdp2,
+)
 from .protocol import OPTIMIZER_LAYOUTS, DataParallel
-from .wrappers import ALL_MODULE_WRAPPER_CLASSNAMES, Float16Module, unwrap_model
+from .wrappers import Float16Module, unwrap_model
+
+ALL_MODULE_WRAPPER_CLASSNAMES = (
+    (DistributedDataParallel,)
+    + ((TorchFullyShardedDataParallel,) if torch_supports_fsdp2() else ())
+    + (Float16Module,)
+)
+"""The wrapper classes that hold the real model in ``.module``, as Megatron's
+``megatron.training.utils.ALL_MODULE_WRAPPER_CLASSNAMES`` (classes despite the name, so
+``isinstance(model, ALL_MODULE_WRAPPER_CLASSNAMES)`` works; FSDP2 is left out where torch
+lacks it)."""
 
 __all__ = [
     "ALL_MODULE_WRAPPER_CLASSNAMES",

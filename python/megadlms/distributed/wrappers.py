@@ -5,22 +5,32 @@ from __future__ import annotations
 
 import torch
 
-ALL_MODULE_WRAPPER_CLASSNAMES = ("DistributedDataParallel", "TorchFullyShardedDataParallel", "Float16Module")
-"""Class names of the wrappers that hold the real model in ``.module`` (ours; torch's DDP
-shares the first name and the same ``.module`` layout, so it peels too)."""
+
+def _default_wrappers() -> tuple:
+    from . import ALL_MODULE_WRAPPER_CLASSNAMES  # the class tuple, defined once the classes exist
+
+    return ALL_MODULE_WRAPPER_CLASSNAMES
 
 
 def unwrap_model(model, module_instances=None):
     """Peel every wrapper (any nesting, e.g. DDP(Float16Module(model))) and return the model.
 
-    ``module_instances``: wrapper classes or class names to peel instead of
-    ``ALL_MODULE_WRAPPER_CLASSNAMES`` (Megatron passes classes). Lists/tuples map elementwise.
+    ``module_instances``: wrapper classes (matched with isinstance, as Megatron does) or
+    class names (matched by name, for older callers) to peel instead of
+    ``megadlms.distributed.ALL_MODULE_WRAPPER_CLASSNAMES``. By default a class with the
+    name of one of ours is peeled too (torch's own DistributedDataParallel shares the
+    name and the ``.module`` layout). Lists/tuples of models map elementwise.
     """
     if isinstance(model, (list, tuple)):
         return type(model)(unwrap_model(m, module_instances) for m in model)
-    specs = ALL_MODULE_WRAPPER_CLASSNAMES if module_instances is None else tuple(module_instances)
-    names = {s if isinstance(s, str) else s.__name__ for s in specs}
-    while type(model).__name__ in names:
+    specs = _default_wrappers() if module_instances is None else module_instances
+    if isinstance(specs, (type, str)):
+        specs = (specs,)
+    classes = tuple(s for s in specs if isinstance(s, type))
+    names = {s for s in specs if isinstance(s, str)}
+    if module_instances is None:
+        names |= {c.__name__ for c in classes}
+    while isinstance(model, classes) or type(model).__name__ in names:
         inner = getattr(model, "module", None)
         if not isinstance(inner, torch.nn.Module):
             raise ValueError(f"unwrap_model: {type(model).__name__} has no .module to unwrap")

@@ -17,7 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import TransformerConfig
-from .transformer import RotaryEmbedding, TransformerBlock, init_transformer_weights
+from .transformer import (
+    CORE_ATTN_IMPLEMENTATIONS,
+    RotaryEmbedding,
+    TransformerBlock,
+    document_attention_mask,
+    init_transformer_weights,
+)
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -73,12 +79,28 @@ class GPTModel(nn.Module):
         attention: overrides ``config.attention`` ("bidirectional": no attention mask, for
             diffusion LMs; "causal": autoregressive) when given.
 
-    ``forward(input_ids [B,S] int64, position_ids=None) -> logits [B,S,V]`` in the
-    parameters' dtype (no upcast: the loss functions upcast what they use).
+        core_attn_implementation: "TEDotProductAttention" (torch SDPA) or "FlexAttention"
+            (torch flex_attention); they differ only for packed samples (``document_ids``).
+
+    ``forward(input_ids [B,S] int64, position_ids=None, document_ids=None) -> logits [B,S,V]``
+    in the parameters' dtype (no upcast: the loss functions upcast what they use).
+    ``document_ids`` int64 [B,S] (document packing): each position attends only to the
+    positions of its own document.
     """
 
-    def __init__(self, config: TransformerConfig, attention: Optional[str] = None) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        attention: Optional[str] = None,
+        core_attn_implementation: str = "TEDotProductAttention",
+    ) -> None:
         super().__init__()
+        if core_attn_implementation not in CORE_ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"core_attn_implementation must be one of {CORE_ATTN_IMPLEMENTATIONS}, "
+                f"got {core_attn_implementation!r}"
+            )
+        self.core_attn_implementation = core_attn_implementation
         if attention is not None and attention != config.attention:
             config = dataclasses.replace(config, attention=attention)  # validated again there
         self.config = config
@@ -105,7 +127,12 @@ class GPTModel(nn.Module):
                 nn.init.normal_(self.output_layer.weight, mean=0.0, std=std)
         init_transformer_weights(self.decoder, self.config)
 
-    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: Optional[torch.Tensor] = None,
+        document_ids: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
             raise ValueError(
                 f"input_ids must be int64 [batch, seq], got {input_ids.dtype} {tuple(input_ids.shape)}"
@@ -121,6 +148,15 @@ class GPTModel(nn.Module):
             position_ids = position_ids.expand(B, S)
         x_BSH = self.embedding(input_ids, position_ids)
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        x_BSH = self.decoder(x_BSH, rotary)
+        doc_mask = None
+        if document_ids is not None:
+            if document_ids.shape != input_ids.shape:
+                raise ValueError(
+                    f"document_ids {tuple(document_ids.shape)} must match input_ids {tuple(input_ids.shape)}"
+                )
+            doc_mask = document_attention_mask(
+                document_ids, self.attention == "causal", self.core_attn_implementation
+            )
+        x_BSH = self.decoder(x_BSH, rotary, doc_mask)
         weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
         return self.output_layer(x_BSH, weight)

@@ -20,6 +20,30 @@ from torch import nn
 
 from .config import ATTENTION_KINDS, TransformerConfig
 
+CORE_ATTN_IMPLEMENTATIONS = ("TEDotProductAttention", "FlexAttention")
+"""MegaDLMs' --core-attn-implementation names: torch SDPA, or torch flex_attention."""
+
+
+def document_attention_mask(document_ids: torch.Tensor, causal: bool, implementation: str):
+    """Intra-document attention for packed samples: query i sees key j iff both belong to the
+    same document (and j <= i when ``causal``). document_ids int64 [B, S].
+
+    TEDotProductAttention: a boolean [B, 1, S, S] mask for SDPA; FlexAttention: a flex
+    BlockMask (blocks of key/query pairs in different documents are skipped)."""
+    B, S = document_ids.shape
+    if implementation == "FlexAttention":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        def mask_mod(b, h, q, kv):
+            same = document_ids[b, q] == document_ids[b, kv]
+            return same & (q >= kv) if causal else same
+
+        return create_block_mask(mask_mod, B, None, S, S, device=document_ids.device)
+    mask = document_ids[:, None, :, None] == document_ids[:, None, None, :]
+    if causal:
+        mask = mask & torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
+    return mask
+
 
 def build_norm(config: TransformerConfig, size: int) -> nn.Module:
     """LayerNorm or RMSNorm over the last dim, created in ``config.params_dtype``."""
@@ -91,8 +115,12 @@ class SelfAttention(nn.Module):
             self.k_layernorm = None
 
     def forward(
-        self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self,
+        x_BSH: torch.Tensor,
+        rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+        doc_mask=None,
     ) -> torch.Tensor:
+        """``doc_mask``: None, or :func:`document_attention_mask`'s mask (document packing)."""
         B, S, _ = x_BSH.shape
         G, D = self.num_groups, self.head_dim
         per_group = self.num_heads // G
@@ -107,15 +135,28 @@ class SelfAttention(nn.Module):
             q_BSND = apply_rotary(q_BSND, *rotary)
             k_BSGD = apply_rotary(k_BSGD, *rotary)
         dropout_p = self.attention_dropout if self.training else 0.0
-        # bidirectional: no mask at all (every position attends to every position).
-        out_BNSD = F.scaled_dot_product_attention(
-            q_BSND.transpose(1, 2),
-            k_BSGD.transpose(1, 2),
-            v_BSGD.transpose(1, 2),
-            dropout_p=dropout_p,
-            is_causal=self.attention == "causal",
-            enable_gqa=G != self.num_heads,
-        )
+        q, k, v = q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2)
+        if doc_mask is not None and not isinstance(doc_mask, torch.Tensor):  # flex BlockMask
+            from torch.nn.attention.flex_attention import flex_attention
+
+            if dropout_p > 0:
+                raise ValueError(
+                    "FlexAttention has no attention dropout: set attention_dropout 0 "
+                    "or use core_attn_implementation TEDotProductAttention"
+                )
+            out_BNSD = flex_attention(q, k, v, block_mask=doc_mask, enable_gqa=G != self.num_heads)
+        else:
+            # bidirectional: no mask at all (every position attends to every position); packed:
+            # the document mask (which already holds the causal part).
+            out_BNSD = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=doc_mask,
+                dropout_p=dropout_p,
+                is_causal=self.attention == "causal" and doc_mask is None,
+                enable_gqa=G != self.num_heads,
+            )
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * D)
         return self.linear_proj(out_BSX)
 
@@ -161,9 +202,10 @@ class TransformerLayer(nn.Module):
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
-        self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, doc_mask=None
     ) -> torch.Tensor:
-        x_BSH = x_BSH + self.hidden_dropout(self.self_attention(self.input_layernorm(x_BSH), rotary))
+        attn = self.self_attention(self.input_layernorm(x_BSH), rotary, doc_mask)
+        x_BSH = x_BSH + self.hidden_dropout(attn)
         return x_BSH + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x_BSH)))
 
 
@@ -178,10 +220,10 @@ class TransformerBlock(nn.Module):
         self.final_layernorm = build_norm(config, config.hidden_size)
 
     def forward(
-        self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, doc_mask=None
     ) -> torch.Tensor:
         for layer in self.layers:
-            x_BSH = layer(x_BSH, rotary)
+            x_BSH = layer(x_BSH, rotary, doc_mask)
         return self.final_layernorm(x_BSH)
 
 

@@ -163,7 +163,8 @@ class OptimizerParamScheduler:
                     raise ValueError(
                         f"LR schedule mismatch: {key} is {state_dict[key]!r} in the checkpoint but "
                         f"{getattr(self, key)!r} from the flags; use the checkpoint's value or pass "
-                        f"override_opt_param_scheduler to keep the new schedule"
+                        "override_opt_param_scheduler (--override-opt_param-scheduler, Megatron's "
+                        "spelling; --override-opt-param-scheduler also works) to keep the new schedule"
                     )
         self.num_steps = int(state_dict["num_steps"])
         self.step(0)

@@ -54,6 +54,7 @@ _FIELD_FLAG_OVERRIDES = {
     "varilen_prob": "--difflm-varilen-prob",
     "eval_mc_samples": "--difflm-eval-mc-samples",
     "mask_token_id": "--mask-token",
+    "objective": "--difflm-objective",
     "attention": "--attention-mask-type",
     "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",
     "bucket_size": "--ddp-bucket-size",
@@ -99,8 +100,42 @@ def _unsupported_problems(args) -> List[str]:
             fix = "remove it" if off in (None, False) else f"remove it (or set it to {off})"
             out.append(f"{flag}{shown} is not supported yet by megadlms: {fix}")
     if args.attention_mask_type == "block_causal":
-        out.append("--attention-mask-type block_causal is not supported yet: use no_mask or causal")
+        out.append(
+            "--attention-mask-type block_causal needs MegaDLMs' conditional (block diffusion) mode, "
+            "which megadlms does not have: use no_mask or causal"
+        )
+    return out + _megadlms_problems(args)
+
+
+def _megadlms_problems(args) -> List[str]:
+    out = []
+    if args.tokenizer_model and args.tokenizer_type == "ByteTokenizer":
+        out.append(
+            f"--tokenizer-model {args.tokenizer_model} is given with --tokenizer-type ByteTokenizer, "
+            "which reads no model: drop --tokenizer-type (HuggingFaceTokenizer is the default with "
+            "--tokenizer-model) or drop --tokenizer-model"
+        )
+    if args.core_attn_implementation == "FlexAttention" and args.attention_dropout > 0:
+        out.append(
+            f"--core-attn-implementation FlexAttention has no attention dropout: add --attention-dropout 0 "
+            f"(got {args.attention_dropout}) or use TEDotProductAttention"
+        )
+    if args.core_attn_implementation == "FlexAttention" and not torch.cuda.is_available():
+        out.append(
+            "--core-attn-implementation FlexAttention needs CUDA: torch's flex_attention has no CPU "
+            "backward; use TEDotProductAttention (SDPA with a block mask) on CPU"
+        )
+    if args.checkpoint_steps is not None:
+        try:
+            _checkpoint_steps(args)
+        except ValueError:
+            out.append(f"--checkpoint-steps {args.checkpoint_steps!r}: expected comma-separated integers")
     return out
+
+
+def _checkpoint_steps(args) -> tuple:
+    text = args.checkpoint_steps
+    return tuple(int(x) for x in text.split(",") if x.strip()) if text else ()
 
 
 def _fsdp2_problems(args, ddp: Optional[DistributedDataParallelConfig]) -> List[str]:
@@ -160,8 +195,10 @@ def cross_flag_problems(args, ddp: Optional[DistributedDataParallelConfig] = Non
 # ---------------------------------------------------------------------------- namespace -> configs
 def _attention(args) -> str:
     mask = args.attention_mask_type
-    if mask is None:  # Megatron/MegaDLMs: causal for autoregressive runs, none for DLMs
-        return "causal" if args.model_running_mode == "vanilla" else "bidirectional"
+    if args.model_running_mode == "vanilla":  # MegaDLMs' vanilla_forward always runs causal
+        return "causal"
+    if mask is None:  # a DLM without the flag: bidirectional (MegaDLMs: causal_bottom_right)
+        return "bidirectional"
     # causal_bottom_right is causal when queries and keys have the same length (always here)
     return "causal" if mask in ("causal", "causal_bottom_right") else "bidirectional"
 
@@ -201,11 +238,21 @@ def _diffusion_config(args) -> DiffusionConfig:
         p_mask=args.difflm_p_mask,
         varilen_prob=args.difflm_varilen_prob,
         eval_mc_samples=args.difflm_eval_mc_samples,
+        objective=args.difflm_objective,
     )
 
 
 def _data_config(args) -> DataConfig:
-    return _from_args(DataConfig, args, tokenizer=_from_args(TokenizerConfig, args))
+    tokenizer = _from_args(TokenizerConfig, args, tokenizer_type=_tokenizer_type(args))
+    return _from_args(DataConfig, args, tokenizer=tokenizer)
+
+
+def _tokenizer_type(args) -> str:
+    """MegaDLMs' pretrain_difflm.py defaults to HuggingFaceTokenizer; a run without any
+    --tokenizer-model keeps the offline ByteTokenizer."""
+    if args.tokenizer_type is not None:
+        return args.tokenizer_type
+    return "HuggingFaceTokenizer" if args.tokenizer_model else "ByteTokenizer"
 
 
 def _ddp_config(args) -> DistributedDataParallelConfig:
@@ -236,10 +283,37 @@ def _training_config(args, data_parallel_size: Optional[int]) -> TrainingConfig:
     )
 
 
+def _checkpoint_config(args) -> CheckpointConfig:
+    steps = _checkpoint_steps(args) if not _megadlms_problems(args) else ()
+    return _from_args(CheckpointConfig, args, checkpoint_steps=steps)
+
+
 def _notes(args) -> List[str]:
     notes = [f"{flag}: {why}" for dest, flag, off, why in WITHOUT_EFFECT if getattr(args, dest, off) != off]
     if not args.wandb_project and any(getattr(args, d, None) is not None for d in WANDB_DESTS):
         notes.append("--wandb-*: no Weights & Biases client; the flags are ignored")
+    return notes + _megadlms_notes(args)
+
+
+def _megadlms_notes(args) -> List[str]:
+    """Where a MegaDLMs flag array gets a decision made for it at parse time."""
+    notes = []
+    mask = args.attention_mask_type
+    if args.model_running_mode == "vanilla" and mask not in (None, "causal", "causal_bottom_right"):
+        notes.append(f"--attention-mask-type {mask}: vanilla mode runs causal attention (as MegaDLMs)")
+    if args.model_running_mode == "difflm-noshift" and mask is None:
+        notes.append(
+            "--attention-mask-type not given: difflm-noshift runs bidirectional (no_mask) attention "
+            "(MegaDLMs' default would be causal_bottom_right)"
+        )
+    if args.tokenizer_type is None and args.tokenizer_model:
+        notes.append(
+            "--tokenizer-type not given: HuggingFaceTokenizer (MegaDLMs' default) reads --tokenizer-model"
+        )
+    if args.cut_off_varlen_to_seqlen and not args.reset_attention_mask:
+        notes.append(
+            "--cut-off-varlen-to-seqlen: no effect without --reset-position-ids --reset-attention-mask"
+        )
     return notes
 
 
@@ -264,7 +338,7 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
         "ddp": _collect(problems, lambda: _ddp_config(args)),
         "optimizer": _collect(problems, lambda: _from_args(OptimizerConfig, args)),
         "schedule": _collect(problems, lambda: _from_args(LRScheduleConfig, args)),
-        "checkpoint": _collect(problems, lambda: _from_args(CheckpointConfig, args)),
+        "checkpoint": _collect(problems, lambda: _checkpoint_config(args)),
         "logging": _collect(problems, lambda: _from_args(LoggingConfig, args, notes=_notes(args))),
     }
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None

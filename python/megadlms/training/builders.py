@@ -42,10 +42,16 @@ def device_for_rank() -> torch.device:
     return torch.device("cpu")
 
 
-def build_model(config: TransformerConfig, *, seed: int, device: torch.device) -> torch.nn.Module:
+def build_model(
+    config: TransformerConfig,
+    *,
+    seed: int,
+    device: torch.device,
+    core_attn_implementation: str = "TEDotProductAttention",
+) -> torch.nn.Module:
     """The plain GPTModel, initialised from ``seed`` identically on every rank."""
     torch.manual_seed(seed)
-    return GPTModel(config).to(device)
+    return GPTModel(config, core_attn_implementation=core_attn_implementation).to(device)
 
 
 def wrap_model(model: torch.nn.Module, config: RunConfig):
@@ -87,9 +93,12 @@ def build_datasets(
     seed: int,
     train_samples: int,
     valid_samples: int,
+    test_samples: int = 0,
+    with_test: bool = False,
 ):
-    """(train, valid) datasets with the given numbers of samples."""
-    train, valid, _ = build_pretraining_datasets(
+    """(train, valid) datasets with the given numbers of samples; (train, valid, test) with
+    ``with_test``."""
+    train, valid, test = build_pretraining_datasets(
         data_path=data.data_path,
         train_data_path=data.train_data_path,
         valid_data_path=data.valid_data_path,
@@ -98,7 +107,7 @@ def build_datasets(
         seed=seed,
         train_samples=train_samples,
         valid_samples=valid_samples,
-        test_samples=0,
+        test_samples=test_samples,
         tokenizer=tokenizer,
         data_cache_path=data.data_cache_path,
         eod_mask_loss=data.eod_mask_loss,
@@ -108,12 +117,20 @@ def build_datasets(
         raise ValueError(
             "no training data: the split gives the train split no share (or train_data_path is missing)"
         )
-    return train, valid
+    return (train, valid, test) if with_test else (train, valid)
 
 
 def build_loader(
-    dataset, *, consumed_samples: int, micro_batch_size: int, dp_rank: int, dp_size: int, num_workers: int = 0
+    dataset,
+    *,
+    consumed_samples: int,
+    micro_batch_size: int,
+    dp_rank: int,
+    dp_size: int,
+    num_workers: int = 0,
+    seed: int = 0,
 ) -> Optional[torch.utils.data.DataLoader]:
+    """The loader draws from its own generator (``seed``), never the global torch RNG."""
     return build_pretraining_data_loader(
-        dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, num_workers=num_workers
+        dataset, consumed_samples, micro_batch_size, dp_rank, dp_size, num_workers=num_workers, seed=seed
     )

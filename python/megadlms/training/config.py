@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -96,9 +96,18 @@ class TrainingConfig:
     exit_interval: Optional[int] = None
     exit_duration_in_mins: Optional[float] = None
     exit_signal_handler: bool = False
+    detect_anomaly: bool = False
+    """Run forward/backward under torch.autograd.detect_anomaly (--detect-anomaly)."""
+    core_attn_implementation: str = "TEDotProductAttention"
+    """Attention kernel: torch SDPA ("TEDotProductAttention") or flex_attention ("FlexAttention")."""
 
     def __post_init__(self) -> None:
         bad = Problems("TrainingConfig")
+        bad.check(
+            self.core_attn_implementation in ("TEDotProductAttention", "FlexAttention"),
+            "core_attn_implementation must be TEDotProductAttention or FlexAttention, "
+            f"got {self.core_attn_implementation!r}",
+        )
         bad.positive(self, "micro_batch_size", "train_iters", "data_parallel_size")
         bad.positive(self, "exit_interval", required=False)
         bad.check(self.nan_skip_limit >= 0, f"nan_skip_limit must be >= 0, got {self.nan_skip_limit}")
@@ -176,9 +185,17 @@ class DataConfig:
     data_cache_path: Optional[str] = None
     eod_mask_loss: bool = False
     num_workers: int = 2
+    reset_position_ids: bool = False
+    """Position ids restart after every end-of-document token (Megatron)."""
+    reset_attention_mask: bool = False
+    """Document packing: attention only within each document (needs reset_position_ids)."""
 
     def __post_init__(self) -> None:
         bad = Problems("DataConfig")
+        bad.check(
+            not self.reset_attention_mask or self.reset_position_ids,
+            "reset_attention_mask needs reset_position_ids too (MegaDLMs packs documents only with both)",
+        )
         if self.split is None:
             self.split = LEGACY_DEFAULT_SPLIT
         sources = [
@@ -208,9 +225,17 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     """Load weights only; start at iteration 0 with a fresh optimizer and schedule."""
+    checkpoint_steps: Tuple[int, ...] = ()
+    """Extra iterations to save at, besides every save_interval (MegaDLMs' --checkpoint-steps)."""
 
     def __post_init__(self) -> None:
         bad = Problems("CheckpointConfig")
+        self.checkpoint_steps = tuple(self.checkpoint_steps)
+        bad.check(
+            all(isinstance(n, int) and n > 0 for n in self.checkpoint_steps),
+            f"checkpoint_steps must be positive iterations, got {list(self.checkpoint_steps)}",
+        )
+        bad.check(not self.checkpoint_steps or bool(self.save), "checkpoint_steps needs save DIR")
         bad.check(
             self.ckpt_format in CKPT_FORMATS,
             f"ckpt_format {self.ckpt_format} is not supported yet: use torch_dist (default) or torch",

@@ -188,28 +188,34 @@ def _difflm_args(p):
         "--attention-mask-type",
         default=None,
         choices=["no_mask", "causal", "causal_bottom_right", "block_causal"],
-        help="no_mask (bidirectional) or causal. Default: no_mask for difflm-noshift, causal for vanilla. "
-        "causal_bottom_right equals causal here (queries and keys have the same length).",
+        help="no_mask (bidirectional) or causal. Default: no_mask for difflm-noshift, causal for vanilla "
+        "(MegaDLMs: causal_bottom_right). causal_bottom_right equals causal here (queries and keys have "
+        "the same length); vanilla mode always runs causal (as MegaDLMs); block_causal needs MegaDLMs' "
+        "conditional mode (not available).",
     )
     _add(
         g,
         "--core-attn-implementation",
-        default=None,
-        help="MegaDLMs attention implementation (no effect: torch SDPA).",
+        default="TEDotProductAttention",
+        choices=["TEDotProductAttention", "FlexAttention"],
+        help="Attention kernel: TEDotProductAttention runs torch SDPA (with a boolean block mask when "
+        "packing documents), FlexAttention runs torch flex_attention with a document block mask.",
     )
     _add(
         g,
         "--difflm-mask-eps",
         type=float,
-        default=1e-3,
-        help="Mask probability p = (1-eps)*t + eps (LLaDA uses 1e-3; 0 reproduces MegaDLMs).",
+        default=None,
+        help="Mask probability p = (1-eps)*t + eps. "
+        "Default: 0 (MegaDLMs), 1e-3 with --difflm-objective llada.",
     )
     _add(
         g,
         "--difflm-p-mask",
-        default="sampled",
+        default=None,
         choices=["sampled", "realised"],
-        help="Weight the loss by the sampled p (unbiased) or the realised mask fraction (MegaDLMs).",
+        help="Weight the loss by the realised mask fraction with >= 1 masked token per row (default, "
+        "MegaDLMs) or the sampled p (--difflm-objective llada's default).",
     )
     _add(
         g,
@@ -222,8 +228,18 @@ def _difflm_args(p):
         g,
         "--difflm-eval-mc-samples",
         type=int,
-        default=8,
-        help="K: Monte Carlo samples (stratified t, fixed seed) of the validation NELBO.",
+        default=1,
+        help="K: Monte Carlo samples (stratified t, fixed seed) of the validation NELBO (1: one forward "
+        "per eval batch, as MegaDLMs).",
+    )
+    _add(
+        g,
+        "--difflm-objective",
+        default="megadlms",
+        choices=["megadlms", "llada"],
+        help="megadlms (default): MegaDLMs' difflm-noshift objective (model input and target text[1:L], "
+        "eps 0, realised mask fraction, >= 1 masked token per row, a per-micro-batch crop); llada: "
+        "LLaDA's (target text[1:S+1], eps 1e-3, sampled p, one crop per step).",
     )
 
 
@@ -445,6 +461,7 @@ def _training_args(p):
     _add(
         g,
         "--override-opt_param-scheduler",
+        "--override-opt-param-scheduler",
         action="store_true",
         dest="override_opt_param_scheduler",
         help="On resume, take the LR schedule from these flags instead of the checkpoint.",
@@ -523,9 +540,10 @@ def _data_args(p):
     _add(
         g,
         "--tokenizer-type",
-        default="ByteTokenizer",
+        default=None,
         choices=["ByteTokenizer", "HuggingFaceTokenizer"],
-        help="ByteTokenizer (offline: 256 bytes + eod/mask/pad) or a tokenizers-library tokenizer.json.",
+        help="ByteTokenizer (offline: 256 bytes + eod/mask/pad) or a tokenizers-library tokenizer.json. "
+        "Default: HuggingFaceTokenizer with --tokenizer-model (as MegaDLMs), else ByteTokenizer.",
     )
     _add(
         g,
@@ -537,9 +555,17 @@ def _data_args(p):
     _add(g, "--eod-mask-loss", action="store_true", help="No loss on end-of-document tokens.")
     _add(g, "--num-workers", type=int, default=2, help="DataLoader worker processes.")
     _add(
-        g, "--reset-position-ids", action="store_true", help="Per-document position ids (not supported yet)."
+        g,
+        "--reset-position-ids",
+        action="store_true",
+        help="Position ids restart after every end-of-document token (Megatron).",
     )
-    _add(g, "--reset-attention-mask", action="store_true", help="Per-document attention (not supported yet).")
+    _add(
+        g,
+        "--reset-attention-mask",
+        action="store_true",
+        help="With --reset-position-ids: document packing, each token attends only within its document.",
+    )
 
 
 def _checkpoint_args(p):
@@ -635,7 +661,7 @@ def _logging_args(p):
         action="store_true",
         help="Accepted for Megatron scripts (tokens/s and TFLOP/s are always logged).",
     )
-    _add(g, "--log-params-norm", action="store_true", help="Accepted for Megatron scripts (no effect).")
+    _add(g, "--log-params-norm", action="store_true", help="Log the global parameter L2 norm (pnorm).")
     _add(
         g,
         "--metrics-jsonl",
@@ -666,6 +692,45 @@ def _logging_args(p):
         _add(g, flag, default=None, help="Accepted with --wandb-project (no effect).")
 
 
+def _megadlms_args(p):
+    """MegaDLMs-only flags (custom_args/difflm.py) beyond the objective's."""
+    g = p.add_argument_group("MegaDLMs")
+    for flag, why in (
+        ("--debug", "MegaDLMs debug mode (no effect)"),
+        ("--turn-on-debugpy", "attach debugpy (no effect)"),
+        ("--use-on-the-fly-eval", "MegaDLMs' on-the-fly downstream eval (not available; no effect)"),
+        ("--gpt-block-return-loss-and-logits", "MegaDLMs model API detail (no effect on training)"),
+    ):
+        _add(g, flag, action="store_true", help=f"Accepted for MegaDLMs scripts: {why}.")
+    _add(
+        g,
+        "--detect-anomaly",
+        action="store_true",
+        help="Run forward/backward under torch.autograd.detect_anomaly (slow; names the op making a NaN).",
+    )
+    _add(
+        g,
+        "--non-special-vocab-size",
+        type=int,
+        default=None,
+        help="MegaDLMs' size of the non-special vocabulary, used by its uniform-noise modes only "
+        "(accepted; no effect in difflm-noshift).",
+    )
+    _add(
+        g,
+        "--cut-off-varlen-to-seqlen",
+        action="store_true",
+        help="Document packing: also cut documents at every --seq-length boundary (packing here never "
+        "crosses samples, so this is always the behaviour; MegaDLMs requires the flag).",
+    )
+    _add(
+        g,
+        "--checkpoint-steps",
+        default=None,
+        help="Also save at these iterations, comma-separated (e.g. '100,2000').",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full Megatron-compatible parser (no validation; see :func:`parse_args`)."""
     p = argparse.ArgumentParser(
@@ -682,6 +747,7 @@ def build_parser() -> argparse.ArgumentParser:
         _data_args,
         _checkpoint_args,
         _logging_args,
+        _megadlms_args,
     ):
         add(p)
     return p

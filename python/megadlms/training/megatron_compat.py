@@ -21,8 +21,6 @@ UNSUPPORTED = (
     ("rampup_batch_size", "--rampup-batch-size", None),
     ("rotary_percent", "--rotary-percent", 1.0),
     ("add_qkv_bias", "--add-qkv-bias", False),
-    ("reset_position_ids", "--reset-position-ids", False),
-    ("reset_attention_mask", "--reset-attention-mask", False),
     ("use_checkpoint_args", "--use-checkpoint-args", False),
 )
 
@@ -43,7 +41,6 @@ WITHOUT_EFFECT = (
     ("bias_gelu_fusion", "--no-bias-gelu-fusion", True, "no fused bias-GeLU kernel (speed only)"),
     ("bias_dropout_fusion", "--no-bias-dropout-fusion", True, "no fused bias-dropout kernel (speed only)"),
     ("bias_swiglu_fusion", "--no-bias-swiglu-fusion", True, "no fused bias-SwiGLU kernel (speed only)"),
-    ("core_attn_implementation", "--core-attn-implementation", None, "attention runs through torch SDPA"),
     (
         "sequence_parallel",
         "--sequence-parallel",
@@ -88,7 +85,6 @@ WITHOUT_EFFECT = (
         False,
         "the format is always read from the checkpoint",
     ),
-    ("log_params_norm", "--log-params-norm", False, "the parameter norm is not logged"),
     (
         "torch_fsdp2_reshard_after_forward",
         "--torch-fsdp2-no-reshard-after-forward",
@@ -97,6 +93,24 @@ WITHOUT_EFFECT = (
     ),
     ("wandb_project", "--wandb-project", "", "no Weights & Biases client; all --wandb-* flags are ignored"),
 )
+MEGADLMS_WITHOUT_EFFECT = (
+    ("debug", "--debug", False, "no MegaDLMs debug mode"),
+    ("turn_on_debugpy", "--turn-on-debugpy", False, "no debugpy hook; attach a debugger yourself"),
+    ("use_on_the_fly_eval", "--use-on-the-fly-eval", False, "no on-the-fly downstream eval"),
+    (
+        "gpt_block_return_loss_and_logits",
+        "--gpt-block-return-loss-and-logits",
+        False,
+        "a MegaDLMs model-API switch; the loss is the same",
+    ),
+    (
+        "non_special_vocab_size",
+        "--non-special-vocab-size",
+        None,
+        "used only by MegaDLMs' uniform-noise modes, not by difflm-noshift",
+    ),
+)
+WITHOUT_EFFECT = WITHOUT_EFFECT + MEGADLMS_WITHOUT_EFFECT
 WANDB_DESTS = (
     "wandb_exp_name",
     "wandb_run_id",

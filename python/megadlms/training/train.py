@@ -33,11 +33,12 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import (
     check_model_for_mode,
     compute_loss,
     loss_token_count,
-    varilen_length,
+    micro_batch_crop,
 )
 from megadlms.models import num_floating_point_operations
 from megadlms.optimizer import get_optimizer
@@ -69,6 +70,8 @@ class RunResult:
     exit_reason: str
     """'done', 'exit_interval', 'exit_duration' or 'signal'."""
     last_checkpoint: Optional[str]
+    final_evals: Dict[str, float] = dataclasses.field(default_factory=dict)
+    """'validation' / 'test' -> NELBO of the evaluation after the last step (Megatron's)."""
 
 
 class _SignalFlag:
@@ -99,13 +102,13 @@ class _StepOut:
     seq_length: int
 
 
-def _forward_backward(model, optimizer, micro_batches, diff_cfg, iteration, crop, scale, device):
+def _forward_backward(model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device):
     """Loss sum of this rank's micro-batches; backward of each, synced on the last."""
     local_loss = torch.zeros((), dtype=torch.float64, device=device)
     for i, batch in enumerate(micro_batches):
         last = i == len(micro_batches) - 1
         with contextlib.nullcontext() if last else model.no_sync():
-            loss_sum, _, _ = compute_loss(model, batch, diff_cfg, iteration, crop, check=False)
+            loss_sum, _, _ = compute_loss(model, batch, diff_cfg, iteration, crops[i], check=False)
             optimizer.scale_loss(loss_sum * scale).backward()
         local_loss += loss_sum.detach().to(torch.float64)
     return local_loss
@@ -140,18 +143,18 @@ def train_step(
     *,
     device: torch.device,
     exit_flags: Callable[[], List[float]] = list,
+    bidirectional: bool = True,
 ) -> _StepOut:
     """One optimizer step over this rank's micro-batches (see the module docstring).
 
     ``exit_flags()`` is read just before the step's reduction, so a request (e.g. SIGTERM)
     that arrived during this step's forward/backward is seen by every rank after it."""
-    crop = None
-    if diff_cfg.model_running_mode != "vanilla":
-        crop = varilen_length(
-            diff_cfg.seed, iteration, micro_batches[0]["labels"].shape[1], diff_cfg.varilen_prob
-        )
+    S, n = micro_batches[0]["labels"].shape[1], len(micro_batches)
+    crops = [micro_batch_crop(diff_cfg, iteration, i, n, S, bidirectional=bidirectional) for i in range(n)]
     # Device tensors throughout: no host sync until the single reduction after backward.
-    local_tokens = torch.stack([loss_token_count(b, crop).to(torch.float64) for b in micro_batches]).sum()
+    local_tokens = torch.stack(
+        [loss_token_count(b, c, diff_cfg).to(torch.float64) for b, c in zip(micro_batches, crops)]
+    ).sum()
     global_tokens = local_tokens.to(device=device).reshape(1).clone()
     dist.all_reduce(global_tokens)
     # Sum mode divides by N here, once; an averaging wrapper divides by dp itself.
@@ -162,14 +165,14 @@ def train_step(
     error = None
     try:
         local_loss = _forward_backward(
-            model, optimizer, micro_batches, diff_cfg, iteration, crop, scale, device
+            model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device
         )
     except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank knows
         error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
     model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
 
     loss_total, nan_ranks, exit_reduced = _reduce_step(local_loss, error, exit_flags(), iteration, device)
-    seq_length = micro_batches[0]["labels"].shape[1] if crop is None else crop
+    seq_length = S if crops[0] is None else crops[0]  # the throughput line's length
     n_global = float(global_tokens.item())
     if nan_ranks > 0 or n_global <= 0:
         return _StepOut(float("nan"), None, False, True, exit_reduced, seq_length)
@@ -200,7 +203,9 @@ class Trainer:
         for note in config.logging.notes:
             _log.info(f"note: {note}")
 
-        model = builders.build_model(config.model, seed=t.seed, device=self.device)
+        model = builders.build_model(
+            config.model, seed=t.seed, device=self.device, core_attn_implementation=t.core_attn_implementation
+        )
         check_model_for_mode(model, config.diffusion)  # once, not per micro-batch
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = builders.wrap_model(model, config)
@@ -211,21 +216,36 @@ class Trainer:
 
         log = config.logging
         valid_samples = log.eval_iters * self.gbs if log.eval_interval else 0
-        train_ds, valid_ds = builders.build_datasets(
+        train_ds, valid_ds, test_ds = builders.build_datasets(
             config.data,
             tokenizer,
             seq_length=config.model.seq_length,
             seed=t.seed,
             train_samples=t.train_iters * self.gbs,
             valid_samples=valid_samples,
+            test_samples=log.eval_iters * self.gbs,  # Megatron: test_iters = eval_iters
+            with_test=True,
         )
+        self._packing = None
+        if config.data.reset_position_ids or config.data.reset_attention_mask:
+            self._packing = functools.partial(
+                add_packing_fields,
+                eod=tokenizer.eod,
+                reset_positions=config.data.reset_position_ids,
+                reset_attention=config.data.reset_attention_mask,
+            )
         loader = functools.partial(
-            builders.build_loader, micro_batch_size=self.mbs, dp_rank=self.rank, dp_size=self.dp_size
+            builders.build_loader,
+            micro_batch_size=self.mbs,
+            dp_rank=self.rank,
+            dp_size=self.dp_size,
+            seed=t.seed,
         )
         self.train_loader = loader(
             train_ds, consumed_samples=self.consumed, num_workers=config.data.num_workers
         )
         self.valid_loader = None if valid_ds is None else loader(valid_ds, consumed_samples=0, num_workers=0)
+        self.test_loader = None if test_ds is None else loader(test_ds, consumed_samples=0, num_workers=0)
         self.metrics = MetricsLogger(
             rank=self.rank,
             train_iters=t.train_iters,
@@ -376,32 +396,53 @@ class Trainer:
 
     def _maybe_evaluate(self) -> None:
         log = self.config.logging
-        eval_micro = log.eval_iters * self.num_micro
-        if not (log.eval_interval and self.valid_loader is not None and eval_micro):
+        if not log.eval_interval or self.iteration % log.eval_interval:
             return
-        if self.iteration % log.eval_interval:
-            return
+        ev = self._evaluate(self.valid_loader)
+        if ev is not None:
+            self.result.evals[self.iteration] = ev["nelbo"]
+            self.metrics.log_eval(self.iteration, self.consumed, ev)
+
+    def _evaluate(self, loader) -> Optional[dict]:
+        eval_micro = self.config.logging.eval_iters * self.num_micro
+        if loader is None or not eval_micro:
+            return None
         ev = evaluate(
             self.model,
-            self.valid_loader,
+            loader,
             self.config.diffusion,
             num_micro_batches=eval_micro,
             num_mc_samples=self.config.diffusion.eval_mc_samples,
             seed=self.config.training.seed,
             device=self.device,
+            packing=self._packing,
         )
-        self.result.evals[self.iteration] = ev["nelbo"]
-        self.metrics.log_eval(self.iteration, self.consumed, ev)
         self.model.train()
+        return ev
+
+    def _final_evaluation(self) -> None:
+        """Megatron evaluates the validation and the test set once more after training."""
+        for name, loader in (("validation", self.valid_loader), ("test", self.test_loader)):
+            ev = self._evaluate(loader)
+            if ev is None:
+                continue
+            self.result.final_evals[name] = ev["nelbo"]
+            _log.info(
+                f"{name} at the end of training (iteration {self.iteration}): NELBO {ev['nelbo']:.4f} "
+                f"per token | PPL bound {ev['ppl_bound']:.3f}"
+            )
 
     def _step(self, data_iter, window: dict, exit_flags) -> _StepOut:
         """One optimizer step with its accounting and throughput window."""
         t0 = time.perf_counter()
         micro = [_to_device(next(data_iter), self.device) for _ in range(self.num_micro)]
+        if self._packing is not None:
+            micro = [self._packing(b) for b in micro]
         lr = self.optimizer.param_groups[0]["lr"]
         out = train_step(
             self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
             device=self.device, exit_flags=exit_flags,
+            bidirectional=self.config.model.attention != "causal",
         )  # fmt: skip
         self.iteration += 1
         self.consumed += self.gbs
@@ -438,10 +479,15 @@ class Trainer:
         self.model.train()
         try:
             while self.iteration < t.train_iters:
-                out = self._step(data_iter, window, exit_flags)
+                # --detect-anomaly: names the forward op whose backward made a NaN (slow)
+                with torch.autograd.detect_anomaly() if t.detect_anomaly else contextlib.nullcontext():
+                    out = self._step(data_iter, window, exit_flags)
                 self._maybe_evaluate()
                 stop = self._stop_reason(out)
-                if ck.save and (stop is not None or self.iteration % ck.save_interval == 0):
+                scheduled = ck.save and (
+                    self.iteration % ck.save_interval == 0 or self.iteration in ck.checkpoint_steps
+                )
+                if ck.save and (stop is not None or scheduled):
                     self.save()
                     last_saved = self.iteration
                 if stop is not None:
@@ -450,6 +496,8 @@ class Trainer:
                     break
             if ck.save and last_saved != self.iteration:
                 self.save()
+            if self.result.exit_reason == "done":
+                self._final_evaluation()
         finally:
             signal_flag.restore()
             self.metrics.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from itertools import islice
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -19,11 +20,22 @@ def to_device(batch: dict, device: torch.device) -> dict:
 
 
 def evaluate(
-    model, loader, diff_cfg, *, num_micro_batches: int, num_mc_samples: int, seed: int, device: torch.device
+    model,
+    loader,
+    diff_cfg,
+    *,
+    num_micro_batches: int,
+    num_mc_samples: int,
+    seed: int,
+    device: torch.device,
+    packing: Optional[Callable[[dict], dict]] = None,
 ) -> dict:
     """Validation NELBO over the first ``num_micro_batches`` of ``loader`` on every rank,
-    combined over ranks (the same samples every time, so evaluations are comparable)."""
+    combined over ranks (the same samples every time, so evaluations are comparable).
+    ``packing``: adds the document-packing fields to each batch."""
     batches = (to_device(b, device) for b in islice(iter(loader), num_micro_batches))
+    if packing is not None:
+        batches = (packing(b) for b in batches)
     res = validation_nelbo(model, batches, diff_cfg, num_mc_samples=num_mc_samples, seed=seed)
     t = torch.tensor([float(res["loss_sum"]), float(res["num_tokens"])], dtype=torch.float64, device=device)
     dist.all_reduce(t)
