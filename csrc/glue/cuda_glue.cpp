@@ -12,6 +12,7 @@
 // while a stream is being captured into a CUDA graph are never evicted: the graph's
 // kernels keep reading them on every replay.
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
