@@ -78,10 +78,22 @@ const Segment* device_table(c10::Device device, const std::vector<Segment>& segs
   }
   ++g_misses;
   const int64_t nbytes = int64_t(segs.size() * sizeof(Segment));
-  at::Tensor host = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+  at::Tensor host;
+  {
+    // A pinned allocation is not a stream operation, but global capture mode forbids it;
+    // relax the mode for this thread around it (a first sight of a list under capture).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (capturing) C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    host = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    if (capturing) C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  }
   std::memcpy(host.data_ptr(), segs.data(), size_t(nbytes));
   at::Tensor dev = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
-  dev.copy_(host, /*non_blocking=*/true);  // ordered on `stream` before the kernel
+  if (capturing)  // a memcpy node of the graph; the entry (and `host`) is never freed
+    C10_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), host.data_ptr(), size_t(nbytes), cudaMemcpyHostToDevice,
+                                   stream.stream()));
+  else  // ordered on `stream` before the kernel; torch keeps `host` until the copy ran
+    dev.copy_(host, /*non_blocking=*/true);
   g_entries.push_front(Entry{device.index(), int64_t(segs.size()), host, dev, stream, capturing});
   g_bytes += nbytes;
   evict_locked();
