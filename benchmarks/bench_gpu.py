@@ -196,11 +196,12 @@ def _model(device, size, dry):
         hidden_dropout=0.0,
     )
     torch.manual_seed(0)
-    return cfg, GPTModel(cfg, attention="bidirectional").to(device)
+    with torch.device(device):  # parameters created on the device (1B params: no CPU detour)
+        return cfg, GPTModel(cfg, attention="bidirectional")
 
 
 def _train_step_fn(device, size, mbs, backend, dry):
-    """A closure running one DLM training step; returns (fn, config, tokens per step)."""
+    """A closure running one DLM training step; returns (fn, config, parameter count)."""
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig, Float16Module
     from megadlms.optimizer import OptimizerConfig, get_optimizer
 
@@ -230,7 +231,7 @@ def _train_step_fn(device, size, mbs, backend, dry):
         if not ok:
             raise RuntimeError("optimizer step skipped (non-finite gradients) in the benchmark")
 
-    return step, cfg, mbs * cfg.seq_length
+    return step, cfg, sum(p.numel() for p in model.parameters())
 
 
 def section_ddp(device, reps, dry):
@@ -240,25 +241,27 @@ def section_ddp(device, reps, dry):
     print(f"\n## ddp step (world size {dist.get_world_size()}; ratio = torch NCCL / nccl_ext)")
     print("| model | backend | step ms | ratio |")
     print("|---|---|---|---|")
-    if device.type != "cuda":
-        print("| - | nccl_ext | needs CUDA (skipped) | |")
-        return
+    backends = ("torch", "nccl_ext") if device.type == "cuda" else ("torch",)  # CPU: gloo only
     times = {}
-    for backend in ("torch", "nccl_ext"):
+    for backend in backends:
         step, _, _ = _train_step_fn(device, "small", 2, backend, dry)
         times[backend] = _timer(device, step, reps)
         del step
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    model = "2L-64h (dry run)" if dry else "8L-1024h"
     for backend, t in times.items():
-        print(f"| 8L-1024h | {backend} | {t * 1e3:.2f} | {times['torch'] / t:.2f}x |")
+        print(f"| {model} | {backend} | {t * 1e3:.2f} | {times['torch'] / t:.2f}x |")
+    if "nccl_ext" not in times:
+        print(f"| {model} | nccl_ext | needs CUDA (skipped) | |")
 
 
 def section_mfu(device, reps, dry, peak_tflops, mbs):
     from megadlms.models import num_floating_point_operations
 
     _init_dist(device)
-    step, cfg, tokens = _train_step_fn(device, "1b", mbs, "torch", dry)
-    n_params = sum(p.numel() for p in _model(torch.device("meta"), "1b", dry)[1].parameters())
+    step, cfg, n_params = _train_step_fn(device, "1b", mbs, "torch", dry)
+    tokens = mbs * cfg.seq_length
     seconds = _timer(device, step, reps, warmup=2)
     flops = num_floating_point_operations(cfg, mbs, cfg.seq_length)
     if peak_tflops is None and device.type == "cuda":
@@ -266,7 +269,7 @@ def section_mfu(device, reps, dry, peak_tflops, mbs):
         peak_tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
     achieved = flops / seconds / 1e12
     mfu = "n/a (pass --peak-tflops)" if not peak_tflops else f"{achieved / peak_tflops:.1%}"
-    print(f"\n## mfu ({n_params / 1e9:.2f}B params, bf16, micro-batch {mbs} x {cfg.seq_length} tokens)")
+    print(f"\n## mfu ({n_params / 1e9:.3f}B params, bf16, micro-batch {mbs} x {cfg.seq_length} tokens)")
     print("| step ms | tokens/s | TFLOP/s | peak TFLOP/s | MFU |")
     print("|---|---|---|---|---|")
     print(f"| {seconds * 1e3:.1f} | {tokens / seconds:.0f} | {achieved:.2f} | {peak_tflops or '-'} | {mfu} |")
