@@ -41,6 +41,10 @@ def fake(tmp_path_factory):
         pytest.fail("no C++ compiler to build the fake libnccl (install g++)")
     from megadlm_ext import _C
 
+    if megadlm_ext.backend_info()["cuda"]:
+        # The loader keeps the first library it loads for the whole process: the fake
+        # must not stand in for the real libnccl that the GPU tests use.
+        pytest.skip("CUDA build: the real NCCL path is tested by the gpu tests (test_nccl*.py)")
     d = tmp_path_factory.mktemp("fake_nccl")
     old = _compile(cxx, d / "libnccl_old.so.2", 20903)
     good = _compile(cxx, d / "libnccl.so.2", 22703)
