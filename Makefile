@@ -4,6 +4,8 @@
 #   make demo      install + preprocess the KJV corpus + train a small DLM on 2 CPU ranks + sample
 #   make cuda-check  compile every CUDA source with nvcc (no GPU needed)
 #   make lint      ruff (lint + format check) and clang-format (check) — what CI runs
+#   make gpu-check   on a GPU machine: build with CUDA, GPU tests, memcheck, benchmark table
+#                    (tools/gpu_check.sh; GPU_CHECK_ARGS=--dry-run checks it without a GPU)
 
 TORCH_SPEC ?= torch==2.13.0
 ifdef VIRTUAL_ENV
@@ -20,7 +22,7 @@ PYTEST_ARGS ?=
 STAMP := $(dir $(PY)).megadlms-installed
 BUILD_INPUTS := setup.py pyproject.toml $(shell find csrc megadlm_ext -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null)
 
-.PHONY: install test demo bench cuda-check lint format clean
+.PHONY: install test demo bench cuda-check gpu-check lint format clean
 
 $(PY):
 	python3 -m venv $(CURDIR)/.venv
@@ -62,6 +64,10 @@ format: $(PY)
 cuda-check:
 	cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release
 	cmake --build build/cmake -j $(MAX_JOBS)
+
+GPU_CHECK_ARGS ?=
+gpu-check: install
+	PY=$(PY) bash tools/gpu_check.sh $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf build megadlm_ext/_C*.so *.egg-info python/*.egg-info $(STAMP)

@@ -47,6 +47,54 @@ def _want_cuda() -> bool:
     return flag == "1"
 
 
+def _gencode(archs: str) -> list:
+    """SASS for every architecture in ``archs`` ("80;90") plus PTX for the newest, so the
+    build also runs (JIT-compiled by the driver) on GPUs newer than the list."""
+    try:
+        nums = sorted({int(a) for a in archs.replace(",", ";").split(";") if a.strip()})
+    except ValueError:
+        raise ValueError(
+            f"MEGADLM_CUDA_ARCHS must list compute capabilities like '80;90', got {archs!r}"
+        ) from None
+    if not nums:
+        raise ValueError("MEGADLM_CUDA_ARCHS is empty; use e.g. '80;90'")
+    flags = []
+    for a in nums:
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    return flags + ["-gencode", f"arch=compute_{nums[-1]},code=compute_{nums[-1]}"]
+
+
+def _nvcc_cuda_version() -> str:
+    """Release of the nvcc the build will use ("13.0"), from ``nvcc --version``."""
+    import re
+    import subprocess
+
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else shutil.which("nvcc")
+    if not nvcc or not os.path.exists(nvcc):
+        raise RuntimeError(
+            "a CUDA build needs nvcc: set CUDA_HOME or put nvcc on PATH (or MEGADLM_EXT_CUDA=0)"
+        )
+    out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"release (\d+)\.(\d+)", out)
+    if not m:
+        raise RuntimeError(f"cannot read the CUDA release from `{nvcc} --version`:\n{out}")
+    return f"{m.group(1)}.{m.group(2)}"
+
+
+def _check_cuda_majors() -> None:
+    """Fail early, and clearly, when nvcc and torch were built for different CUDA majors
+    (otherwise the build fails deep inside torch's headers, or the module will not load)."""
+    nvcc_v, torch_v = _nvcc_cuda_version(), torch.version.cuda
+    if nvcc_v.split(".")[0] != str(torch_v).split(".")[0]:
+        raise RuntimeError(
+            f"CUDA major mismatch: nvcc is CUDA {nvcc_v} but torch {torch.__version__} was built with "
+            f"CUDA {torch_v}. Point CUDA_HOME at a CUDA {str(torch_v).split('.')[0]}.x toolkit, install the "
+            f"torch build for CUDA {nvcc_v.split('.')[0]}, or build CPU-only with MEGADLM_EXT_CUDA=0"
+        )
+
+
 def _rel(pattern: str) -> list:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
@@ -65,10 +113,8 @@ def _extension():
     )
     if with_cuda:
         sources += _rel("csrc/cuda/*.cu") + _rel("csrc/glue/*.cpp")
-        archs = os.environ.get("MEGADLM_CUDA_ARCHS", "80;90").split(";")
-        nvcc = ["-O3", "-std=c++17", "-lineinfo"]
-        for a in archs:
-            nvcc += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+        _check_cuda_majors()
+        nvcc = ["-O3", "-std=c++17", "-lineinfo"] + _gencode(os.environ.get("MEGADLM_CUDA_ARCHS", "80;90"))
         kwargs["define_macros"] = [("MEGADLM_WITH_CUDA", "1")]
         return CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
     return CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)

@@ -9,10 +9,9 @@ ops interleaved so machine noise hits all of them alike):
   flatten into a preallocated buffer vs dst.copy_(src) of the same bytes (the memory
   bandwidth ceiling; ratio = ours / ceiling bandwidth), vs torch.cat(out=) and
   torch._foreach_copy_ (ratio = speed-up), and with the sources as views of one buffer
-  (isolates the cost of reading many separately allocated tensors); accumulate_into of bf16
-  sources into an fp32
-  buffer vs one contiguous fp32.add_(bf16) of the same bytes (and, stricter, vs an
-  all-fp32 add_ of the same element count); l2_norm vs
+  (isolates the cost of reading many separately allocated tensors); accumulate_into of
+  bf16 sources into an fp32 buffer vs one contiguous fp32.add_(bf16) of the same bytes
+  (and, stricter, vs an all-fp32 add_ of the same element count); l2_norm vs
   torch._foreach_norm + torch.linalg.vector_norm.
 """
 

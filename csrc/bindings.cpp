@@ -221,5 +221,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_cpu_isa", [](const std::string& name) {
     if (!cpu::set_isa(name)) value_error("_set_cpu_isa: expected 'generic' or 'auto', got '" + name + "'");
   }, py::arg("name"), "Tests only: force the portable CPU kernels ('generic') or re-detect ('auto').");
+#ifdef MEGADLM_WITH_CUDA
+  m.def("_cuda_table_cache_stats", &glue::table_cache_stats,
+        "Tests/benchmarks: (hits, misses, entries) of the device segment-table cache.");
+  m.def("_cuda_clear_table_cache", &glue::clear_table_cache,
+        "Tests/benchmarks: drop cached device tables (not those held by captured CUDA graphs).");
+#endif
   megadlm_register_nccl(m);
 }

@@ -2,18 +2,29 @@
 
 libnccl.so.2 is loaded at run time with dlopen (csrc/nccl): nothing NCCL-specific is
 needed at build time. Search order: ``$MEGADLM_NCCL_LIB`` (when set, only that path),
-torch's lib directory, ``site-packages/nvidia/nccl/lib`` (the nvidia-nccl wheels), then
-the default loader path (``libnccl.so.2``).
+torch's lib directory, the ``nvidia/nccl/lib`` directory of the nvidia-nccl wheels in
+the site-packages directories (never the working directory or other ``sys.path``
+entries), then the default loader path (``libnccl.so.2``). A library older than NCCL
+2.14 is refused at load, with the minimum named.
 
-Collectives run on torch's current CUDA stream of the communicator's device, so they
-are ordered after the fused fold kernels launched on that stream::
+Each communicator owns a CUDA stream. A collective first makes that stream wait for
+the work already queued on torch's current stream (so it sees the fused fold kernel's
+output), runs there, and returns an :class:`NcclWork`; ``work.wait()`` makes the
+current stream wait for it -- no host sync -- so backward keeps running while buckets
+reduce::
 
     uid = megadlm_ext.nccl.unique_id() if rank == 0 else None   # broadcast it yourself,
     comm = megadlm_ext.nccl.Communicator(uid, rank, world_size, device=local_rank)
-    comm.all_reduce(flat, op="avg")
+    work = comm.all_reduce(flat, op="avg")
+    work.wait()
     # or: comm = Communicator.from_process_group(group, device=local_rank)
 
-On a CPU-only build ``Communicator(...)`` raises RuntimeError (use ``comm_backend="torch"``).
+Never hangs: init is non-blocking and gives up after ``timeout`` seconds (aborting the
+communicator); a watchdog thread polls NCCL's async error and the collectives'
+completion, and aborts the communicator when one fails or takes longer than
+``timeout``. Every later call then raises :class:`NcclError` naming the rank and the
+collective. On a CPU-only build ``Communicator(...)`` raises RuntimeError (use
+``comm_backend="torch"``).
 """
 
 from __future__ import annotations
@@ -21,7 +32,6 @@ from __future__ import annotations
 import glob
 import os
 import site
-import sys
 import threading
 from typing import List, Optional
 
@@ -35,6 +45,31 @@ except ImportError:  # not built: no communicator
 _OPS = {"sum": 0, "avg": 4}  # ncclSum, ncclAvg
 _lock = threading.Lock()
 _state = {"tried": False, "ok": False, "error": ""}
+DEFAULT_TIMEOUT_S = 600.0  # torch's NCCL default (10 minutes)
+
+if _C is not None:
+    NcclError = _C.NcclError
+    NcclTimeoutError = _C.NcclTimeoutError
+    NcclWork = _C.NcclWork
+else:  # same names on an unbuilt extension, so `except nccl.NcclError` always works
+
+    class NcclError(RuntimeError):
+        """An NCCL failure: async error, abort, timeout or a refused call."""
+
+    class NcclTimeoutError(NcclError):
+        """NCCL init or a collective did not finish within the timeout."""
+
+    NcclWork = None
+
+
+def _site_dirs() -> List[str]:
+    try:
+        dirs = site.getsitepackages() + [site.getusersitepackages()]
+    except AttributeError:  # virtualenv's old site module
+        dirs = []
+    # Only real directories: never "" (the working directory) or relative entries, so
+    # a stray libnccl next to the user's script cannot be picked up.
+    return [d for d in dict.fromkeys(dirs) if os.path.isabs(d)]
 
 
 def _candidates() -> List[str]:
@@ -42,12 +77,7 @@ def _candidates() -> List[str]:
     if env:
         return [env]  # an explicit choice is never silently replaced by another library
     paths = sorted(glob.glob(os.path.join(os.path.dirname(torch.__file__), "lib", "libnccl.so*")))
-    roots = list(sys.path)
-    try:
-        roots += site.getsitepackages() + [site.getusersitepackages()]
-    except AttributeError:  # virtualenv's old site module
-        pass
-    for root in dict.fromkeys(roots):
+    for root in _site_dirs():
         paths += sorted(glob.glob(os.path.join(root, "nvidia", "nccl", "lib", "libnccl.so*")))
     paths.append("libnccl.so.2")
     return list(dict.fromkeys(paths))
@@ -58,7 +88,7 @@ def _cuda_build() -> bool:
 
 
 def available() -> bool:
-    """True when this is a CUDA build and libnccl.so.2 was found and loaded."""
+    """True when this is a CUDA build and a libnccl.so.2 >= 2.14 was found and loaded."""
     if not _cuda_build():
         return False
     with _lock:
@@ -78,9 +108,10 @@ def _require() -> None:
         )
     if not available():
         raise RuntimeError(
-            "comm_backend='nccl_ext': libnccl.so.2 could not be loaded. Tried:\n"
-            f"{_state['error']}Set MEGADLM_NCCL_LIB=/path/to/libnccl.so.2 (pip install "
-            "nvidia-nccl-cu12 provides one) or use comm_backend='torch'."
+            "comm_backend='nccl_ext': no usable libnccl.so.2 (NCCL >= "
+            f"{_version_string(_C.nccl_min_version)}). Tried:\n{_state['error']}"
+            "Set MEGADLM_NCCL_LIB=/path/to/libnccl.so.2 (pip install nvidia-nccl-cu12 provides "
+            "one) or use comm_backend='torch'."
         )
 
 
@@ -90,45 +121,67 @@ def unique_id() -> bytes:
     return bytes(_C.nccl_unique_id())
 
 
+def _version_string(code: int) -> str:
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+
+
 def version() -> Optional[str]:
     """Version of the loaded libnccl ("2.27.3"), or None when not loaded."""
     if not available():
         return None
-    code = int(_C.nccl_version())
-    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
+    return _version_string(int(_C.nccl_version()))
+
+
+def _check_timeout(timeout: float) -> float:
+    timeout = float(timeout)
+    if not timeout > 0:
+        raise ValueError(f"timeout={timeout} must be a positive number of seconds")
+    return timeout
 
 
 class Communicator:
     """An NCCL communicator over ``world_size`` ranks on CUDA device ``device``.
 
-    Every collective is in place or into a caller-provided output, on torch's current
-    CUDA stream of ``device``; tensors must be contiguous CUDA tensors of that device,
-    dtype float32/bfloat16/float16. ``op`` is "sum" or "avg".
+    Collectives are in place or into a caller-provided output; tensors must be
+    contiguous CUDA tensors of ``device``, dtype float32/bfloat16/float16; ``op`` is
+    "sum" or "avg". Each returns an :class:`NcclWork` (``wait()``: the current stream
+    waits for it; ``is_completed()``). ``timeout`` (seconds) bounds init and every
+    collective; past it the communicator is aborted and calls raise
+    :class:`NcclTimeoutError` / :class:`NcclError`.
     """
 
-    def __init__(self, unique_id: bytes, rank: int, world_size: int, device: int):
+    def __init__(
+        self, unique_id: bytes, rank: int, world_size: int, device: int, timeout: float = DEFAULT_TIMEOUT_S
+    ):
         if not isinstance(unique_id, (bytes, bytearray)) or len(unique_id) != 128:
             raise ValueError("unique_id must be the 128 bytes of megadlm_ext.nccl.unique_id()")
         if not 0 <= int(rank) < int(world_size):
             raise ValueError(f"rank={rank} must be in [0, world_size={world_size})")
+        timeout = _check_timeout(timeout)
         _require()
         self.rank, self.world_size, self.device = int(rank), int(world_size), int(device)
-        self._comm = _C.NcclCommunicator(bytes(unique_id), self.rank, self.world_size, self.device)
+        self._comm = _C.NcclCommunicator(bytes(unique_id), self.rank, self.world_size, self.device, timeout)
 
     @classmethod
-    def from_process_group(cls, group=None, device: Optional[int] = None) -> Communicator:
-        """Bootstrap over a torch.distributed group: rank 0 makes the id, all receive it."""
+    def from_process_group(
+        cls, group=None, device: Optional[int] = None, timeout: Optional[float] = None
+    ) -> Communicator:
+        """Bootstrap over a torch.distributed group: rank 0 makes the id, all receive it.
+
+        ``timeout`` defaults to the group's own timeout (``init_process_group(timeout=)``,
+        i.e. ``--distributed-timeout-minutes``).
+        """
         import torch.distributed as dist
 
         rank, world = dist.get_rank(group), dist.get_world_size(group)
         box = [unique_id() if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         dev = torch.cuda.current_device() if device is None else int(device)
-        return cls(box[0], rank, world, dev)
+        return cls(box[0], rank, world, dev, group_timeout(group) if timeout is None else timeout)
 
     def _live(self):
         if self._comm is None:
-            raise RuntimeError("this megadlm_ext.nccl.Communicator was closed")
+            raise NcclError("this megadlm_ext.nccl.Communicator was closed")
         return self._comm
 
     @staticmethod
@@ -137,23 +190,31 @@ class Communicator:
             raise ValueError(f"op={op!r}: expected 'sum' or 'avg'")
         return _OPS[op]
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
-        """In-place all-reduce of ``tensor``."""
-        self._live().all_reduce(tensor, self._op(op))
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum"):
+        """In-place all-reduce of ``tensor``; returns its NcclWork."""
+        return self._live().all_reduce(tensor, self._op(op))
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum") -> None:
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum"):
         """``output`` (numel n) receives this rank's reduced slice of ``input`` (numel n*world)."""
-        self._live().reduce_scatter(output, input, self._op(op))
+        return self._live().reduce_scatter(output, input, self._op(op))
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor):
         """``output`` (numel n*world) receives every rank's ``input`` (numel n), in rank order."""
-        self._live().all_gather(output, input)
+        return self._live().all_gather(output, input)
+
+    def abort(self, why: str = "aborted by the caller") -> None:
+        """Abort now (unblocks every rank's pending NCCL kernels); later calls raise ``why``."""
+        self._live().abort(why)
+
+    def error(self) -> str:
+        """Why the communicator failed ("" while healthy)."""
+        return self._live().error()
 
     def close(self) -> None:
-        """Destroy the NCCL communicator (idempotent)."""
+        """Flush and destroy the NCCL communicator, without the GIL (idempotent)."""
         if getattr(self, "_comm", None) is not None:
-            self._comm.close()
-            self._comm = None
+            comm, self._comm = self._comm, None
+            comm.close()
 
     def __enter__(self):
         return self
@@ -166,3 +227,19 @@ class Communicator:
             self.close()
         except Exception:  # interpreter shutdown: the library may already be gone
             pass
+
+
+def group_timeout(group=None) -> float:
+    """Seconds of ``group``'s timeout (set by ``init_process_group(timeout=...)``)."""
+    import torch.distributed as dist
+
+    g = group if group is not None else dist.group.WORLD
+    for device in ("cuda", "cpu"):
+        try:
+            return float(g._get_backend(torch.device(device)).options._timeout.total_seconds())
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    try:
+        return float(dist.distributed_c10d._get_default_store().timeout.total_seconds())
+    except (AttributeError, RuntimeError, ValueError):
+        return DEFAULT_TIMEOUT_S

@@ -1,22 +1,28 @@
 // CUDA kernels of the multi-tensor ops: raw pointers + cudaStream_t only (no torch
 // headers: the CPU wheel of torch lacks its CUDA headers and CI compiles this file with
-// plain nvcc). The glue (csrc/glue/cuda_glue.cpp) uploads the segment table and calls
-// `megadlm::cuda::run` on torch's current stream.
+// plain nvcc). The glue (csrc/glue/cuda_glue.cpp) provides the device segment table
+// and calls `megadlm::cuda::run` on torch's current stream.
 //
 // Multi-tensor-apply over the *global* element range: the concatenation of all
-// tensors is cut into chunks of kChunk elements and each block of a fixed grid takes a
-// contiguous run of chunks; it finds its first segment by binary search in the device
-// table, then walks the segments its range covers. So one launch covers any number of
-// tensors, and tiny tensors share blocks instead of each costing a block.
-// Inside a segment, 8 elements per thread move with 16-byte loads/stores once both
-// the source and the destination are 16-byte aligned (a short scalar head gets there);
-// otherwise every element goes through the scalar path (still coalesced).
+// tensors is cut into chunks of kChunk elements, split evenly over one resident wave of
+// blocks (occupancy x SMs, from cudaOccupancyMaxActiveBlocksPerMultiprocessor); each
+// block finds its first segment by binary search in the device table, then walks the
+// segments its range covers. So one launch covers any number of tensors, and tiny
+// tensors share blocks instead of each costing a block.
+// Kernels are templates on the (source, destination) dtype pair: a list whose tensors
+// share one pair (every DDP bucket) runs a kernel with no dtype branches at all; a mixed
+// list dispatches once per segment. Inside a segment, 8 elements per thread move with
+// 16-byte loads/stores, several loads in flight per thread, once source and destination
+// are 16-byte aligned (a short scalar head gets there).
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
+#include <utility>
 
 #include "megadlm/kernels.h"
 #include "multi_tensor_kernels.cuh"
@@ -27,35 +33,34 @@ namespace {
 
 constexpr int kMaxReduceBlocks = 1024;  // fp32 partials of l2_norm in the workspace
 
-void check(cudaError_t e, const char* what) {
+const char* op_name(OpKind op) {
+  switch (op) {
+    case kCopy: return "copy (flatten/unflatten)";
+    case kAccumulate: return "accumulate_into";
+    case kScale: return "scale_";
+    case kSumSquares: return "l2_norm";
+    case kNonFinite: return "has_nonfinite";
+    case kCopyStreaming: return "streaming copy";
+  }
+  return "unknown op";
+}
+
+void check(cudaError_t e, const std::string& what) {
   if (e != cudaSuccess)
-    throw std::runtime_error(std::string("megadlm_ext CUDA ") + what + " failed: " + cudaGetErrorString(e));
+    throw std::runtime_error("megadlm_ext CUDA " + what + " failed: " + cudaGetErrorString(e));
 }
 
-int sm_count() {
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  static std::mutex m;
-  static int cached[64] = {0};
-  std::lock_guard<std::mutex> lock(m);
-  if (dev < 64 && cached[dev]) return cached[dev];
-  int n = 0;
-  check(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  if (dev < 64) cached[dev] = n;
-  return n;
-}
-
-// The one element kernel per op. `partials` (reductions): one float per block;
-// `flag`: set to 1 when a non-finite element is found (zeroed before the launch).
-template <int OP>
+// The one element kernel per (op, src type, dst type). `partials` (reductions): one
+// float per block; `flag`: set to 1 when a non-finite element is found (zeroed first).
+template <int OP, class S, class D>
 __global__ void __launch_bounds__(kThreads)
 megadlm_multi_tensor_kernel(const Segment* __restrict__ segs, int64_t nseg, int64_t total, float scale,
                             float* __restrict__ partials, int* flag) {
   Acc acc;
-  block_range<OP>(segs, nseg, total, scale, flag, acc);
-  if (OP == kNonFinite) {
+  block_range<OP, S, D>(segs, nseg, total, scale, flag, acc);
+  if constexpr (OP == kNonFinite) {
     if (__syncthreads_or(acc.bad) && threadIdx.x == 0) *flag = 1;
-  } else if (OP == kSumSquares) {
+  } else if constexpr (OP == kSumSquares) {
     __shared__ float warp_sums[kThreads / 32];
     float v = acc.sum;
     for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
@@ -83,10 +88,51 @@ __global__ void megadlm_norm_finish_kernel(const float* partials, int n, float* 
   if (threadIdx.x == 0) *out = float(sqrt(sums[0]));
 }
 
+// SM count and resident blocks per SM of `kernel` on the current device, cached: the
+// occupancy query costs microseconds, a launch is on the hot path.
+std::pair<int, int> occupancy(const void* kernel) {
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  static std::mutex m;
+  static std::map<std::pair<const void*, int>, std::pair<int, int>> cache;
+  std::lock_guard<std::mutex> lock(m);
+  auto it = cache.find({kernel, dev});
+  if (it != cache.end()) return it->second;
+  int sms = 0, per_sm = 0;
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0),
+        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+  return cache[{kernel, dev}] = {sms, per_sm};
+}
+
+template <int OP, class S, class D>
+int grid_of(int64_t total) {
+  const auto occ = occupancy(reinterpret_cast<const void*>(&megadlm_multi_tensor_kernel<OP, S, D>));
+  const int64_t cap = OP == kSumSquares ? kMaxReduceBlocks : int64_t(1) << 30;
+  return grid_size((total + kChunk - 1) / kChunk, occ.second, occ.first, cap);
+}
+
+struct Launch {
+  const Segment* segs;
+  int64_t nseg, total;
+  float scale;
+  float* partials;
+  int* flag;
+  cudaStream_t stream;
+  int grid = 0;  // out: blocks launched
+};
+
+template <int OP, class S, class D>
+void launch(Launch& l) {
+  l.grid = grid_of<OP, S, D>(l.total);
+  megadlm_multi_tensor_kernel<OP, S, D><<<l.grid, kThreads, 0, l.stream>>>(l.segs, l.nseg, l.total, l.scale,
+                                                                          l.partials, l.flag);
+}
+
+// The element kernel of `op` for the list's dtype pair.
 template <int OP>
-void launch(const Segment* d_segs, int64_t nseg, int64_t total, float scale, float* partials, int* flag,
-            int grid, cudaStream_t stream) {
-  megadlm_multi_tensor_kernel<OP><<<grid, kThreads, 0, stream>>>(d_segs, nseg, total, scale, partials, flag);
+void launch_op(int32_t pair, Launch& l) {
+  with_kernel_types<OP>(pair, [&](auto s, auto d) { launch<OP, decltype(s), decltype(d)>(l); });
 }
 
 }  // namespace
@@ -95,29 +141,57 @@ int64_t workspace_bytes(OpKind op) {
   return op == kSumSquares ? int64_t(kMaxReduceBlocks) * int64_t(sizeof(float)) : 0;
 }
 
-void run(OpKind op, const Segment* d_segs, int64_t nseg, int64_t total, float scale, void* d_workspace,
-         void* d_out, void* stream_ptr) {
-  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  const int64_t chunks = (total + kChunk - 1) / kChunk;
-  const int64_t cap = op == kSumSquares ? std::min<int64_t>(kMaxReduceBlocks, int64_t(sm_count()) * 4)
-                                        : int64_t(sm_count()) * 8;
-  const int grid = int(std::max<int64_t>(1, std::min(chunks, cap)));
-  float* partials = static_cast<float*>(d_workspace);
-  int* flag = static_cast<int*>(d_out);
+int grid_for(OpKind op, int32_t pair, int64_t total) {
+  int g = 0;
+  auto pick = [&](auto tag) {
+    constexpr int OP = decltype(tag)::value;
+    with_kernel_types<OP>(pair, [&](auto s, auto d) { g = grid_of<OP, decltype(s), decltype(d)>(total); });
+  };
   switch (op) {
-    case kCopy: launch<kCopy>(d_segs, nseg, total, scale, nullptr, nullptr, grid, stream); break;
-    case kScale: launch<kScale>(d_segs, nseg, total, scale, nullptr, nullptr, grid, stream); break;
-    case kAccumulate: launch<kAccumulate>(d_segs, nseg, total, scale, nullptr, nullptr, grid, stream); break;
+    case kCopy: pick(std::integral_constant<int, kCopy>{}); break;
+    case kAccumulate: pick(std::integral_constant<int, kAccumulate>{}); break;
+    case kScale: pick(std::integral_constant<int, kScale>{}); break;
+    case kSumSquares: pick(std::integral_constant<int, kSumSquares>{}); break;
+    case kNonFinite: pick(std::integral_constant<int, kNonFinite>{}); break;
+    default: throw std::invalid_argument(std::string("megadlm_ext CUDA: no GPU kernel for op ") + op_name(op));
+  }
+  return g;
+}
+
+void run(OpKind op, int32_t pair, const Segment* d_segs, int64_t nseg, int64_t total, float scale,
+         void* d_workspace, void* d_out, void* stream_ptr) {
+  // An error left pending by earlier asynchronous work would otherwise surface at our
+  // launch check and be blamed on this op.
+  const cudaError_t prior = cudaGetLastError();
+  if (prior != cudaSuccess)
+    throw std::runtime_error(std::string("megadlm_ext CUDA: an error from earlier work on this device was "
+                                         "pending before ") + op_name(op) + " ran (not raised by megadlm_ext): " +
+                             cudaGetErrorString(prior) + ". Run with CUDA_LAUNCH_BLOCKING=1 to find the failing call");
+  Launch l{d_segs, nseg, total, scale, static_cast<float*>(d_workspace), static_cast<int*>(d_out),
+           static_cast<cudaStream_t>(stream_ptr)};
+  switch (op) {
+    case kCopy: launch_op<kCopy>(pair, l); break;
+    case kScale: launch_op<kScale>(pair, l); break;
+    case kAccumulate: launch_op<kAccumulate>(pair, l); break;
     case kNonFinite:
-      check(cudaMemsetAsync(flag, 0, sizeof(int), stream), "cudaMemsetAsync");
-      if (total) launch<kNonFinite>(d_segs, nseg, total, scale, nullptr, flag, grid, stream);
+      check(cudaMemsetAsync(l.flag, 0, sizeof(int), l.stream), "cudaMemsetAsync before has_nonfinite");
+      if (total) launch_op<kNonFinite>(pair, l);
       break;
     case kSumSquares:
-      if (total) launch<kSumSquares>(d_segs, nseg, total, scale, partials, nullptr, grid, stream);
-      megadlm_norm_finish_kernel<<<1, kThreads, 0, stream>>>(partials, total ? grid : 0, static_cast<float*>(d_out));
+      l.flag = nullptr;
+      if (total) launch_op<kSumSquares>(pair, l);
+      megadlm_norm_finish_kernel<<<1, kThreads, 0, l.stream>>>(l.partials, l.grid, static_cast<float*>(d_out));
       break;
+    default:  // kCopyStreaming (CPU-only) or a corrupt code: never silently do nothing
+      throw std::invalid_argument(std::string("megadlm_ext CUDA: no GPU kernel for op ") + op_name(op) +
+                                  " (code " + std::to_string(int(op)) + ")");
   }
-  check(cudaGetLastError(), "kernel launch");
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw std::runtime_error(std::string("megadlm_ext CUDA ") + op_name(op) + " kernel launch failed (" +
+                             std::to_string(l.grid) + " blocks x " + std::to_string(kThreads) + " threads, " +
+                             std::to_string(nseg) + " tensors, " + std::to_string(total) +
+                             " elements): " + cudaGetErrorString(e));
 }
 
 }  // namespace cuda

@@ -1,7 +1,8 @@
 // Device code of the multi-tensor kernels (see multi_tensor.cu for the design):
-// element functors, the per-segment block loop and the per-block range walk. A header
-// so that a host emulation (tests/ext/cuda_emu.cpp) can run exactly this code on CPU
-// threads-as-loops where no GPU exists. Include after megadlm/multi_tensor.h.
+// element functors templated on the (source, destination) types, the per-segment
+// block loop and the per-block range walk, plus the even split of chunks over blocks.
+// A header so that a host emulation (tests/ext/cuda_emu.cpp) can run exactly this
+// code on CPU threads-as-loops where no GPU exists. Include after megadlm/multi_tensor.h.
 #pragma once
 
 namespace megadlm {
@@ -16,60 +17,107 @@ struct Acc {
   bool bad = false;
 };
 
-template <int OP>
+// Chunks [*c0, *c1) of block b when `chunks` chunks are split over `grid` blocks as
+// evenly as possible: every block gets q or q + 1 (never a ceil-division tail of idle
+// blocks).
+MEGADLM_HD void block_chunks(int64_t chunks, int64_t grid, int64_t b, int64_t* c0, int64_t* c1) {
+  const int64_t q = chunks / grid, r = chunks % grid;
+  *c0 = b * q + (b < r ? b : r);
+  *c1 = *c0 + q + (b < r ? 1 : 0);
+}
+
+// Blocks of a launch: one resident wave (occupancy x SMs), never more blocks than
+// chunks, at least one, at most `cap`.
+inline int grid_size(int64_t chunks, int blocks_per_sm, int sms, int64_t cap) {
+  int64_t g = int64_t(blocks_per_sm > 0 ? blocks_per_sm : 1) * int64_t(sms > 0 ? sms : 1);
+  if (g > cap) g = cap;
+  if (g > chunks) g = chunks;
+  return int(g < 1 ? 1 : g);
+}
+
+// Calls f(S{}, D{}) with the kernel types `run` launches for `op` and a list whose
+// uniform_pair() is `pair` (the host emulation selects kernels through this too).
+template <int OP, class F>
+inline void with_kernel_types(int32_t pair, F&& f) {
+  if constexpr (OP == kCopy || OP == kAccumulate) with_pair(pair, f);
+  else with_src(pair, [&](auto s) { f(s, s); });
+}
+
+template <int OP, class S, class D>
 __device__ __forceinline__ void apply_scalar(const Segment& s, int64_t i, float scale, Acc& acc) {
-  const float x = load_as_float(s.src, s.src_dtype, i);
-  if (OP == kSumSquares) {
+  const float x = get<S>(s.src, i);
+  if constexpr (OP == kSumSquares) {
     acc.sum = fmaf(x, x, acc.sum);
-  } else if (OP == kNonFinite) {
+  } else if constexpr (OP == kNonFinite) {
     acc.bad |= !isfinite(x);
-  } else if (OP == kAccumulate) {
+  } else if constexpr (OP == kAccumulate) {
     // mul then add, two roundings: bitwise the CPU kernels and the reference route
-    store_from_float(s.dst, s.dst_dtype, i, __fadd_rn(load_as_float(s.dst, s.dst_dtype, i), __fmul_rn(x, scale)));
+    put<D>(s.dst, i, __fadd_rn(get<D>(s.dst, i), __fmul_rn(x, scale)));
   } else {
-    store_from_float(s.dst, s.dst_dtype, i, __fmul_rn(x, scale));
+    put<D>(s.dst, i, __fmul_rn(x, scale));
   }
 }
 
-template <int OP>
-__device__ __forceinline__ void apply_vec(const Segment& s, int64_t i, float scale, Acc& acc) {
-  if (OP == kCopy && s.src_dtype == s.dst_dtype && scale == 1.0f) {  // raw 16-byte moves
-    const int es = dtype_size(s.src_dtype);
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(s.src) + i * es);
-    uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(s.dst) + i * es);
-    dst[0] = src[0];
-    if (es == 4) dst[1] = src[1];
-    return;
-  }
-  float v[kVec];
-  load8(s.src, s.src_dtype, i, v);
-  if (OP == kSumSquares) {
+// U vectors of 8 elements at vec_begin + (v + u * stride) * kVec: all U loads are issued
+// before the first store, so each thread keeps U (x2 for fp32) 16-byte loads in flight.
+template <int OP, class S, class D, int U>
+__device__ __forceinline__ void apply_vecs(const Segment& s, int64_t first, int64_t stride, float scale, Acc& acc) {
+  float v[U][kVec];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) acc.sum = fmaf(v[k], v[k], acc.sum);
-    return;
-  }
-  if (OP == kNonFinite) {
+  for (int u = 0; u < U; ++u) load8<S>(s.src, first + u * stride, v[u]);
+  if constexpr (OP == kSumSquares || OP == kNonFinite) {
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) acc.bad |= !isfinite(v[k]);
-    return;
-  }
-  if (OP == kAccumulate) {
-    float d[kVec];
-    load8(s.dst, s.dst_dtype, i, d);
+    for (int u = 0; u < U; ++u)
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) v[k] = __fadd_rn(d[k], __fmul_rn(v[k], scale));
+      for (int k = 0; k < kVec; ++k) {
+        if constexpr (OP == kSumSquares) acc.sum = fmaf(v[u][k], v[u][k], acc.sum);
+        else acc.bad |= !isfinite(v[u][k]);
+      }
   } else {
+    if constexpr (OP == kAccumulate) {
+      float d[U][kVec];
 #pragma unroll
-    for (int k = 0; k < kVec; ++k) v[k] = __fmul_rn(v[k], scale);
+      for (int u = 0; u < U; ++u) load8<D>(s.dst, first + u * stride, d[u]);
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[u][k] = __fadd_rn(d[u][k], __fmul_rn(v[u][k], scale));
+    } else {
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[u][k] = __fmul_rn(v[u][k], scale);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) store8<D>(s.dst, first + u * stride, v[u]);
   }
-  store8(s.dst, s.dst_dtype, i, v);
 }
 
-// Elements [a, b) of segment s, by the whole block.
-template <int OP>
+// Same-type unscaled copy: raw 16-byte moves, U vectors in flight per thread.
+template <class S, int U>
+__device__ __forceinline__ void copy_raw(const Segment& s, int64_t first, int64_t stride) {
+  constexpr int es = sizeof(typename S::T), kWords = es * kVec / 16;  // uint4 per vector: 2 or 1
+  uint4 r[U][kWords];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(s.src) + (first + u * stride) * es);
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) r[u][w] = src[w];
+  }
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    uint4* dst = reinterpret_cast<uint4*>(static_cast<char*>(s.dst) + (first + u * stride) * es);
+#pragma unroll
+    for (int w = 0; w < kWords; ++w) dst[w] = r[u][w];
+  }
+}
+
+// Elements [a, b) of segment s (types S -> D), by the whole block.
+template <int OP, class S, class D>
 __device__ void process(const Segment& s, int64_t a, int64_t b, float scale, Acc& acc) {
-  const int es = dtype_size(s.src_dtype), ed = dtype_size(s.dst_dtype);
-  const bool reads_only = OP == kSumSquares || OP == kNonFinite;
+  constexpr int es = sizeof(typename S::T), ed = sizeof(typename D::T);
+  constexpr bool reads_only = OP == kSumSquares || OP == kNonFinite;
+  constexpr int U = OP == kAccumulate ? 2 : 4;
   const uintptr_t sa = reinterpret_cast<uintptr_t>(s.src) + uintptr_t(a * es);
   const uintptr_t da = reinterpret_cast<uintptr_t>(s.dst) + uintptr_t(a * ed);
   int head = -1;  // elements before both pointers are 16-byte aligned; -1: never
@@ -84,30 +132,57 @@ __device__ void process(const Segment& s, int64_t a, int64_t b, float scale, Acc
     nvec = (b - vec_begin) / kVec;
   }
   const int64_t vec_end = vec_begin + nvec * kVec;
-  for (int64_t i = a + threadIdx.x; i < (nvec ? vec_begin : b); i += blockDim.x) apply_scalar<OP>(s, i, scale, acc);
-#pragma unroll 4
-  for (int64_t v = threadIdx.x; v < nvec; v += blockDim.x) apply_vec<OP>(s, vec_begin + v * kVec, scale, acc);
+  const int64_t t = threadIdx.x, bd = blockDim.x;
+  for (int64_t i = a + t; i < (nvec ? vec_begin : b); i += bd) apply_scalar<OP, S, D>(s, i, scale, acc);
+  // Vector v covers elements vec_begin + v * kVec ...; thread t takes v = t, t + bd, ...
+  // U at a time while a full group fits, then one at a time.
+  int64_t v = t;
+  const bool raw = OP == kCopy && S::kCode == D::kCode && scale == 1.0f;
+  for (; v + (U - 1) * bd < nvec; v += U * bd) {
+    if (raw) copy_raw<S, U>(s, vec_begin + v * kVec, bd * kVec);
+    else apply_vecs<OP, S, D, U>(s, vec_begin + v * kVec, bd * kVec, scale, acc);
+  }
+  for (; v < nvec; v += bd) {
+    if (raw) copy_raw<S, 1>(s, vec_begin + v * kVec, bd * kVec);
+    else apply_vecs<OP, S, D, 1>(s, vec_begin + v * kVec, bd * kVec, scale, acc);
+  }
   if (nvec)
-    for (int64_t i = vec_end + threadIdx.x; i < b; i += blockDim.x) apply_scalar<OP>(s, i, scale, acc);
+    for (int64_t i = vec_end + t; i < b; i += bd) apply_scalar<OP, S, D>(s, i, scale, acc);
 }
 
-// One thread's share of the work of block blockIdx.x: the block takes a contiguous run
+// Segment s, elements [a, b): typed call, or (MixedT) one dtype dispatch per segment.
+template <int OP, class S, class D>
+__device__ __forceinline__ void process_any(const Segment& s, int64_t a, int64_t b, float scale, Acc& acc) {
+  if constexpr (S::kCode == kMixedPair) {
+    if constexpr (OP == kCopy || OP == kAccumulate) {
+      dev_with_pair(s.src_dtype, s.dst_dtype, [&](auto st, auto dt) {
+        process<OP, decltype(st), decltype(dt)>(s, a, b, scale, acc);
+      });
+    } else {
+      dev_with_type(s.src_dtype, [&](auto st) { process<OP, decltype(st), decltype(st)>(s, a, b, scale, acc); });
+    }
+  } else {
+    process<OP, S, D>(s, a, b, scale, acc);
+  }
+}
+
+// One thread's share of the work of block blockIdx.x: the block takes its even share
 // of chunks of the global range (one binary search per block, then the segments in
 // order); within a segment the block's threads split the elements.
-template <int OP>
+template <int OP, class S, class D>
 __device__ void block_range(const Segment* __restrict__ segs, int64_t nseg, int64_t total, float scale,
                             const int* flag, Acc& acc) {
-  const int64_t chunks = (total + kChunk - 1) / kChunk;
-  const int64_t per_block = (chunks + gridDim.x - 1) / gridDim.x;
-  const int64_t begin = int64_t(blockIdx.x) * per_block * kChunk;
-  const int64_t end = begin + per_block * kChunk < total ? begin + per_block * kChunk : total;
+  int64_t c0, c1;
+  block_chunks((total + kChunk - 1) / kChunk, gridDim.x, blockIdx.x, &c0, &c1);
+  const int64_t begin = c0 * kChunk;
+  const int64_t end = c1 * kChunk < total ? c1 * kChunk : total;
   if (begin >= end) return;
   for (int64_t i = find_segment(segs, nseg, begin); i < nseg && segs[i].start < end; ++i) {
     if (OP == kNonFinite && *reinterpret_cast<const volatile int*>(flag)) return;  // found elsewhere
     const Segment s = segs[i];
     const int64_t s1 = segment_end(segs, nseg, i, total);
     const int64_t lo = begin > s.start ? begin : s.start, hi = end < s1 ? end : s1;
-    process<OP>(s, lo - s.start, hi - s.start, scale, acc);
+    process_any<OP, S, D>(s, lo - s.start, hi - s.start, scale, acc);
   }
 }
 

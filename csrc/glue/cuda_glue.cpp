@@ -1,39 +1,144 @@
-// Torch-facing CUDA glue of the element ops (CUDA builds only): uploads the segment
-// table through a pinned staging buffer (torch's caching host allocator keeps it alive
-// until the copy ran) and launches on torch's current stream of the tensors' device.
-#include <c10/cuda/CUDAStream.h>
+// Torch-facing CUDA glue of the element ops (CUDA builds only): finds or uploads the
+// device segment table and launches on torch's current stream of the tensors' device.
+//
+// Device tables are cached by content. A DDP bucket passes the same table every step
+// (same pointers, dtypes and layout, whatever the op), so from the second step on
+// nothing is staged or uploaded: the launch reads the table already on the device.
+// A lookup compares a few fields, then the whole table (memcmp: a few microseconds for
+// 10k tensors). Entries are least-recently-used evicted past kMaxEntries / kMaxBytes.
+// An entry keeps its pinned host copy (it is the comparison copy and the immutable
+// source of the upload) and its device copy; a device copy used on another stream is
+// record_stream'ed so eviction never frees it under a running kernel. Entries used
+// while a stream is being captured into a CUDA graph are never evicted: the graph's
+// kernels keep reading them on every replay.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 
 #include <cstring>
+#include <list>
+#include <mutex>
 
 #include "glue.h"
 
 namespace megadlm {
 namespace glue {
+namespace {
+
+constexpr size_t kMaxEntries = 256;
+constexpr int64_t kMaxBytes = int64_t(64) << 20;
+
+struct Entry {
+  int device;
+  int64_t nseg;
+  at::Tensor host;    // pinned bytes of the table (never modified after insertion)
+  at::Tensor device_table;
+  c10::cuda::CUDAStream alloc_stream;
+  bool graph = false;  // used under graph capture: kept for the graph's lifetime
+};
+
+std::mutex g_mu;
+std::list<Entry> g_entries;  // most recently used first
+int64_t g_bytes = 0;
+int64_t g_hits = 0, g_misses = 0;
+
+bool same(const Entry& e, int device, const std::vector<Segment>& segs) {
+  if (e.device != device || e.nseg != int64_t(segs.size())) return false;
+  const auto* t = static_cast<const Segment*>(e.host.data_ptr());
+  const Segment &a = t[0], &b = segs[0], &c = t[e.nseg - 1], &d = segs.back();
+  if (a.src != b.src || a.dst != b.dst || c.src != d.src || c.dst != d.dst || c.start != d.start) return false;
+  return std::memcmp(t, segs.data(), segs.size() * sizeof(Segment)) == 0;
+}
+
+void evict_locked() {
+  auto it = g_entries.end();
+  while ((g_entries.size() > kMaxEntries || g_bytes > kMaxBytes) && it != g_entries.begin()) {
+    --it;
+    if (it->graph) continue;
+    g_bytes -= it->nseg * int64_t(sizeof(Segment));
+    it = g_entries.erase(it);  // a still-running kernel is covered by record_stream
+  }
+}
+
+// Device copy of `segs` on `device`, valid for work queued on `stream` from now on.
+const Segment* device_table(c10::Device device, const std::vector<Segment>& segs, const c10::cuda::CUDAStream& stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
+  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (auto it = g_entries.begin(); it != g_entries.end(); ++it) {
+    if (!same(*it, device.index(), segs)) continue;
+    g_entries.splice(g_entries.begin(), g_entries, it);
+    Entry& e = g_entries.front();
+    if (capturing) e.graph = true;
+    else if (e.alloc_stream != stream) e.device_table.record_stream(stream);
+    ++g_hits;
+    return static_cast<const Segment*>(e.device_table.data_ptr());
+  }
+  ++g_misses;
+  const int64_t nbytes = int64_t(segs.size() * sizeof(Segment));
+  at::Tensor host;
+  {
+    // A pinned allocation is not a stream operation, but global capture mode forbids it;
+    // relax the mode for this thread around it (a first sight of a list under capture).
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    if (capturing) C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+    host = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    if (capturing) C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
+  }
+  std::memcpy(host.data_ptr(), segs.data(), size_t(nbytes));
+  at::Tensor dev = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
+  if (capturing)  // a memcpy node of the graph; the entry (and `host`) is never freed
+    C10_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), host.data_ptr(), size_t(nbytes), cudaMemcpyHostToDevice,
+                                   stream.stream()));
+  else  // ordered on `stream` before the kernel; torch keeps `host` until the copy ran
+    dev.copy_(host, /*non_blocking=*/true);
+  g_entries.push_front(Entry{device.index(), int64_t(segs.size()), host, dev, stream, capturing});
+  g_bytes += nbytes;
+  evict_locked();
+  return static_cast<const Segment*>(dev.data_ptr());
+}
+
+}  // namespace
 
 at::Tensor cuda_run(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total,
                     float scale) {
   c10::cuda::CUDAGuard guard(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(device.index()).stream();
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
   const auto on_dev = at::TensorOptions().device(device);
   at::Tensor out;
   if (op == kSumSquares) out = at::empty({}, on_dev.dtype(at::kFloat));
   if (op == kNonFinite) out = at::empty({}, on_dev.dtype(at::kInt));
   if (total == 0 && !out.defined()) return out;
 
-  at::Tensor table;
-  if (!segs.empty()) {
-    const int64_t nbytes = int64_t(segs.size() * sizeof(Segment));
-    at::Tensor host = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    std::memcpy(host.data_ptr(), segs.data(), size_t(nbytes));
-    table = host.to(on_dev, /*non_blocking=*/true);  // ordered on `stream` before the kernel
-  }
+  const Segment* table = segs.empty() ? nullptr : device_table(device, segs, stream);
   at::Tensor workspace;
   if (const int64_t wb = cuda::workspace_bytes(op)) workspace = at::empty({wb}, on_dev.dtype(at::kByte));
-  cuda::run(op, table.defined() ? static_cast<const Segment*>(table.data_ptr()) : nullptr,
-            int64_t(segs.size()), total, scale, workspace.defined() ? workspace.data_ptr() : nullptr,
-            out.defined() ? out.data_ptr() : nullptr, stream);
+  cuda::run(op, uniform_pair(segs.data(), int64_t(segs.size())), table, int64_t(segs.size()), total, scale,
+            workspace.defined() ? workspace.data_ptr() : nullptr, out.defined() ? out.data_ptr() : nullptr,
+            stream.stream());
   return out;
+}
+
+std::tuple<int64_t, int64_t, int64_t> table_cache_stats() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return {g_hits, g_misses, int64_t(g_entries.size())};
+}
+
+void clear_table_cache() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  for (auto it = g_entries.begin(); it != g_entries.end();) {
+    if (it->graph) { ++it; continue; }
+    g_bytes -= it->nseg * int64_t(sizeof(Segment));
+    it = g_entries.erase(it);
+  }
+  g_hits = g_misses = 0;
+}
+
+int grid_for(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total) {
+  c10::cuda::CUDAGuard guard(device);
+  return cuda::grid_for(op, uniform_pair(segs.data(), int64_t(segs.size())), total);
 }
 
 }  // namespace glue

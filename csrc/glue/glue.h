@@ -5,6 +5,7 @@
 
 #include <torch/extension.h>
 
+#include <tuple>
 #include <vector>
 
 #include "megadlm/kernels.h"
@@ -17,6 +18,13 @@ namespace glue {
 // kNonFinite a 0-d int32 flag, both on the device (no host sync here).
 at::Tensor cuda_run(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total,
                     float scale);
+
+// The device segment-table cache (see cuda_glue.cpp): (hits, misses, entries); clear
+// drops every entry not held by a captured CUDA graph. For tests and benchmarks.
+std::tuple<int64_t, int64_t, int64_t> table_cache_stats();
+void clear_table_cache();
+// Blocks of the element kernel `cuda_run` would launch for this table.
+int grid_for(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total);
 
 // Adds class NcclCommunicator(unique_id: bytes, rank, world_size, device) to `m`.
 void register_nccl_communicator(pybind11::module_& m);

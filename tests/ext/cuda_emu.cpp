@@ -12,8 +12,8 @@
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
-struct float4 { float x, y, z, w; };
-struct uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+struct alignas(16) uint4 { unsigned x, y, z, w; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
 struct Dim3 { unsigned x; };
@@ -29,7 +29,7 @@ using std::isfinite;
 using namespace megadlm;
 using namespace megadlm::cuda;
 
-template <int OP>
+template <int OP, class S, class D>
 static void run_grid(const Segment* segs, int64_t nseg, int64_t total, float scale, int grid, double* sum,
                      int* flag) {
   gridDim.x = unsigned(grid);
@@ -39,23 +39,49 @@ static void run_grid(const Segment* segs, int64_t nseg, int64_t total, float sca
     for (int t = 0; t < kThreads; ++t) {
       threadIdx.x = unsigned(t);
       Acc acc;
-      block_range<OP>(segs, nseg, total, scale, flag, acc);
+      block_range<OP, S, D>(segs, nseg, total, scale, flag, acc);
       *sum += acc.sum;
       if (acc.bad) *flag = 1;
     }
   }
 }
 
+// The kernel the launcher picks: typed on the list's uniform (src, dst) pair, or the
+// per-segment dispatching one (mixed lists; `force_mixed` runs it on any list).
+template <int OP>
+static void run_op(const Segment* segs, int64_t nseg, int64_t total, float scale, int grid, int force_mixed,
+                   double* sum, int* flag) {
+  const int32_t pair = force_mixed ? kMixedPair : uniform_pair(segs, nseg);
+  with_kernel_types<OP>(pair, [&](auto s, auto d) {
+    run_grid<OP, decltype(s), decltype(d)>(segs, nseg, total, scale, grid, sum, flag);
+  });
+}
+
 extern "C" int emu_run(int op, const Segment* segs, int64_t nseg, int64_t total, float scale, int grid,
-                       double* sum, int* flag) {
+                       int force_mixed, double* sum, int* flag) {
   *sum = 0.0;
   *flag = 0;
   switch (op) {
-    case kCopy: run_grid<kCopy>(segs, nseg, total, scale, grid, sum, flag); return 0;
-    case kAccumulate: run_grid<kAccumulate>(segs, nseg, total, scale, grid, sum, flag); return 0;
-    case kScale: run_grid<kScale>(segs, nseg, total, scale, grid, sum, flag); return 0;
-    case kSumSquares: run_grid<kSumSquares>(segs, nseg, total, scale, grid, sum, flag); return 0;
-    case kNonFinite: run_grid<kNonFinite>(segs, nseg, total, scale, grid, sum, flag); return 0;
+    case kCopy: run_op<kCopy>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
+    case kAccumulate: run_op<kAccumulate>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
+    case kScale: run_op<kScale>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
+    case kSumSquares: run_op<kSumSquares>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
+    case kNonFinite: run_op<kNonFinite>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
     default: return 1;
   }
 }
+
+// The pair code the launcher would pass for this table (-1: mixed).
+extern "C" int emu_uniform_pair(const Segment* segs, int64_t nseg) { return uniform_pair(segs, nseg); }
+
+// The even split of `chunks` over `grid` blocks: chunk range of block b.
+extern "C" void emu_block_chunks(int64_t chunks, int64_t grid, int64_t b, int64_t* c0, int64_t* c1) {
+  block_chunks(chunks, grid, b, c0, c1);
+}
+
+// The launcher's grid for `total` elements given an occupancy and SM count.
+extern "C" int emu_grid_size(int64_t total, int blocks_per_sm, int sms, int64_t cap) {
+  return grid_size((total + kChunk - 1) / kChunk, blocks_per_sm, sms, cap);
+}
+
+extern "C" int64_t emu_chunk() { return kChunk; }

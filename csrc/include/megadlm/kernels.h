@@ -37,11 +37,19 @@ namespace cuda {
 int64_t workspace_bytes(OpKind op);
 
 // Launch `op` on `stream` (a cudaStream_t). `d_segs` is the segment table already in
-// device memory. For kSumSquares, `d_out` receives the fp32 sqrt(sum of squares) (one
-// float); for kNonFinite it receives an int32 flag (0/1). One launch for the element
-// kernel whatever the number of tensors, plus one tiny finishing launch for reductions.
-void run(OpKind op, const Segment* d_segs, int64_t nseg, int64_t total, float scale,
+// device memory; `pair` is uniform_pair() of it (picks the kernel typed on the
+// (src, dst) dtypes, or the per-segment dispatching one for kMixedPair). For
+// kSumSquares, `d_out` receives the fp32 sqrt(sum of squares) (one float); for
+// kNonFinite an int32 flag (0/1). One launch for the element kernel whatever the number
+// of tensors, plus one tiny finishing launch for reductions. Throws std::runtime_error
+// naming the op on a launch failure, and (before launching) on an error left pending
+// by earlier work, so that it is not blamed on this op; std::invalid_argument for an
+// op the GPU does not run (kCopyStreaming is CPU-only).
+void run(OpKind op, int32_t pair, const Segment* d_segs, int64_t nseg, int64_t total, float scale,
          void* d_workspace, void* d_out, void* stream);
+
+// The grid `run` uses for `op` on the current device (tests, benchmarks).
+int grid_for(OpKind op, int32_t pair, int64_t total);
 }  // namespace cuda
 
 }  // namespace megadlm

@@ -120,15 +120,85 @@ MEGADLM_HD uint16_t float_to_fp16(float f) {
   return uint16_t(sign | uint16_t(a >> 13));
 }
 
-// Load element i of a `dtype` array as fp32 / store fp32 as `dtype` (scalar paths).
-MEGADLM_HD float load_as_float(const void* p, int32_t dtype, int64_t i) {
-  if (dtype == kF32) return static_cast<const float*>(p)[i];
-  uint16_t h = static_cast<const uint16_t*>(p)[i];
-  return dtype == kBF16 ? bf16_to_float(h) : fp16_to_float(h);
+// ---- element types as template parameters ---------------------------------------------
+// The CUDA kernels are templates on the (source, destination) pair, so the dtype
+// dispatch happens once per launch (or once per segment for mixed lists), never per
+// element. Codes: pair = src * 3 + dst; kMixedPair when the list mixes pairs.
+struct F32T { using T = float; static constexpr int32_t kCode = kF32; };
+struct BF16T { using T = uint16_t; static constexpr int32_t kCode = kBF16; };
+struct F16T { using T = uint16_t; static constexpr int32_t kCode = kF16; };
+struct MixedT { static constexpr int32_t kCode = -1; };  // dtype read from each segment
+constexpr int32_t kMixedPair = -1;
+
+MEGADLM_HD int32_t pair_code(int32_t src, int32_t dst) { return src * 3 + dst; }
+
+// The pair shared by every segment, or kMixedPair (host: the launcher picks the kernel).
+inline int32_t uniform_pair(const Segment* segs, int64_t nseg) {
+  if (nseg == 0) return pair_code(kF32, kF32);
+  const int32_t p = pair_code(segs[0].src_dtype, segs[0].dst_dtype);
+  for (int64_t i = 1; i < nseg; ++i)
+    if (pair_code(segs[i].src_dtype, segs[i].dst_dtype) != p) return kMixedPair;
+  return p;
 }
-MEGADLM_HD void store_from_float(void* p, int32_t dtype, int64_t i, float v) {
-  if (dtype == kF32) { static_cast<float*>(p)[i] = v; return; }
-  static_cast<uint16_t*>(p)[i] = dtype == kBF16 ? float_to_bf16(v) : float_to_fp16(v);
+
+// Dispatch from a dtype / pair code to template types. Two copies on purpose: the host
+// launchers call them with host lambdas, the mixed-list kernels with device lambdas,
+// and nvcc keeps those apart.
+#define MEGADLM_WITH_TYPE_BODY(code, f) \
+  if (code == kF32) f(F32T{});          \
+  else if (code == kBF16) f(BF16T{});   \
+  else f(F16T{})
+// f(S{}) for a dtype code (host).
+template <class F>
+inline void with_type(int32_t code, F&& f) { MEGADLM_WITH_TYPE_BODY(code, f); }
+// f(S{}, D{}) for a pair code; kMixedPair -> f(MixedT{}, MixedT{}) (host).
+template <class F>
+inline void with_pair(int32_t pair, F&& f) {
+  if (pair == kMixedPair) f(MixedT{}, MixedT{});
+  else with_type(pair / 3, [&](auto s) { with_type(pair % 3, [&](auto d) { f(s, d); }); });
+}
+// f(S{}) for the source type of a pair code (ops whose destination is the source or none).
+template <class F>
+inline void with_src(int32_t pair, F&& f) {
+  if (pair == kMixedPair) f(MixedT{});
+  else with_type(pair / 3, f);
+}
+
+#if defined(__CUDACC__)
+#define MEGADLM_DEVICE __device__ __forceinline__
+#else
+#define MEGADLM_DEVICE inline
+#endif
+// Device copies: f(S{}) for a dtype code; f(S{}, D{}) for a concrete (src, dst) pair.
+template <class F>
+MEGADLM_DEVICE void dev_with_type(int32_t code, F&& f) { MEGADLM_WITH_TYPE_BODY(code, f); }
+template <class F>
+MEGADLM_DEVICE void dev_with_pair(int32_t src, int32_t dst, F&& f) {
+  dev_with_type(src, [&](auto s) { dev_with_type(dst, [&](auto d) { f(s, d); }); });
+}
+#undef MEGADLM_WITH_TYPE_BODY
+
+template <class S>
+MEGADLM_HD float get(const void* p, int64_t i) {
+  if constexpr (S::kCode == kF32) return static_cast<const float*>(p)[i];
+  else if constexpr (S::kCode == kBF16) return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  else return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+}
+template <class D>
+MEGADLM_HD void put(void* p, int64_t i, float v) {
+  if constexpr (D::kCode == kF32) static_cast<float*>(p)[i] = v;
+  else if constexpr (D::kCode == kBF16) static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+  else static_cast<uint16_t*>(p)[i] = float_to_fp16(v);
+}
+template <class S>
+MEGADLM_HD float to_float16bits(uint16_t h) {
+  if constexpr (S::kCode == kBF16) return bf16_to_float(h);
+  else return fp16_to_float(h);
+}
+template <class D>
+MEGADLM_HD uint16_t from_float16bits(float v) {
+  if constexpr (D::kCode == kBF16) return float_to_bf16(v);
+  else return float_to_fp16(v);
 }
 
 #if defined(__CUDACC__)
@@ -136,42 +206,36 @@ MEGADLM_HD void store_from_float(void* p, int32_t dtype, int64_t i, float v) {
 // A thread moves kVec = 8 elements: one 16-byte load for bf16/fp16, two for fp32.
 constexpr int kVec = 8;
 
-__device__ __forceinline__ bool aligned16(const void* p) {
-  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
-}
-
-// Load 8 elements starting at element i (address 16-byte aligned) as fp32.
-__device__ __forceinline__ void load8(const void* base, int32_t dtype, int64_t i, float (&v)[kVec]) {
-  if (dtype == kF32) {
+// Load 8 elements of type S starting at element i (address 16-byte aligned) as fp32.
+template <class S>
+__device__ __forceinline__ void load8(const void* base, int64_t i, float (&v)[kVec]) {
+  if constexpr (S::kCode == kF32) {
     const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
-    float4 a = p[0], b = p[1];
+    const float4 a = p[0], b = p[1];
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
   } else {
-    uint4 r = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i);
-    uint32_t w[4] = {r.x, r.y, r.z, r.w};
+    const uint4 r = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i);
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      uint16_t lo = uint16_t(w[k] & 0xffffu), hi = uint16_t(w[k] >> 16);
-      v[2 * k] = dtype == kBF16 ? bf16_to_float(lo) : fp16_to_float(lo);
-      v[2 * k + 1] = dtype == kBF16 ? bf16_to_float(hi) : fp16_to_float(hi);
+      v[2 * k] = to_float16bits<S>(uint16_t(w[k] & 0xffffu));
+      v[2 * k + 1] = to_float16bits<S>(uint16_t(w[k] >> 16));
     }
   }
 }
 
-// Store 8 fp32 values as `dtype` at element i (address 16-byte aligned).
-__device__ __forceinline__ void store8(void* base, int32_t dtype, int64_t i, const float (&v)[kVec]) {
-  if (dtype == kF32) {
+// Store 8 fp32 values as type D at element i (address 16-byte aligned).
+template <class D>
+__device__ __forceinline__ void store8(void* base, int64_t i, const float (&v)[kVec]) {
+  if constexpr (D::kCode == kF32) {
     float4* p = reinterpret_cast<float4*>(static_cast<float*>(base) + i);
     p[0] = make_float4(v[0], v[1], v[2], v[3]);
     p[1] = make_float4(v[4], v[5], v[6], v[7]);
   } else {
     uint32_t w[4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      uint16_t lo = dtype == kBF16 ? float_to_bf16(v[2 * k]) : float_to_fp16(v[2 * k]);
-      uint16_t hi = dtype == kBF16 ? float_to_bf16(v[2 * k + 1]) : float_to_fp16(v[2 * k + 1]);
-      w[k] = uint32_t(lo) | (uint32_t(hi) << 16);
-    }
+    for (int k = 0; k < 4; ++k)
+      w[k] = uint32_t(from_float16bits<D>(v[2 * k])) | (uint32_t(from_float16bits<D>(v[2 * k + 1])) << 16);
     *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + i) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }

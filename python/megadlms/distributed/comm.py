@@ -13,10 +13,14 @@ A handle has ``wait()``. Backends:
   single-tensor collectives (``reduce_scatter_single``/``all_gather_single``; the older
   ``*_tensor`` names on torch versions that lack them).
 * ``"nccl_ext"``: ``megadlm_ext.nccl.Communicator``, the extension's own NCCL
-  communicator, bootstrapped with a unique id broadcast over ``group``. Its collectives
-  are enqueued on torch's current CUDA stream, so they are ordered after the fold kernel
-  that precedes them; the returned handle's ``wait()`` is a no-op (stream order is the
-  synchronisation). GPU only: on CPU asking for it raises a RuntimeError.
+  communicator, bootstrapped with a unique id broadcast over ``group``. Each collective
+  runs on the communicator's own CUDA stream, after the work already queued on the
+  current stream (the fold kernel of the bucket), so it overlaps the rest of backward;
+  the handle's ``wait()`` makes the current stream wait for it (no host sync), and a
+  blocking call (``async_op=False``) does that wait before returning. Init and every
+  collective are bounded by the group's timeout (``--distributed-timeout-minutes``): a
+  watchdog aborts the communicator and later calls raise an error naming the rank and
+  the collective. GPU only: on CPU asking for it raises a RuntimeError.
 
 A one-rank world (or no process group at all) gets a local communicator that copies,
 so every wrapper works unchanged on one process.
@@ -108,11 +112,11 @@ class TorchCommunicator:
 
 
 class NcclExtCommunicator:
-    """megadlm_ext's NCCL communicator; collectives run on torch's current CUDA stream."""
+    """megadlm_ext's NCCL communicator: collectives on its own stream, bounded by a timeout."""
 
     supports_avg = True
 
-    def __init__(self, group) -> None:
+    def __init__(self, group, timeout: float | None = None) -> None:
         fix = (
             "use comm_backend='torch' (--comm-backend torch), or run on CUDA devices with "
             "megadlm_ext built with CUDA and a loadable libnccl.so.2"
@@ -129,23 +133,36 @@ class NcclExtCommunicator:
             raise RuntimeError(f"comm_backend='nccl_ext': this megadlm_ext build has no NCCL: {fix}")
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        uid = [ext_nccl.unique_id() if self.rank == 0 else None]
-        dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
-        self._comm = ext_nccl.Communicator(uid[0], self.rank, self.world_size, torch.cuda.current_device())
+        # The group's own timeout (init_process_group(timeout=...), i.e.
+        # --distributed-timeout-minutes) bounds the NCCL init and every collective.
+        self.timeout = ext_nccl.group_timeout(group) if timeout is None else float(timeout)
+        self._comm = ext_nccl.Communicator.from_process_group(
+            group, device=torch.cuda.current_device(), timeout=self.timeout
+        )
+
+    @staticmethod
+    def _finish(work, async_op):
+        # Blocking call: the current stream waits for the collective (no host sync).
+        if async_op:
+            return work
+        work.wait()
+        return None
 
     def all_reduce(self, tensor, op="sum", async_op=False):
-        self._comm.all_reduce(tensor, _check_op(op))
-        return _Done() if async_op else None
+        return self._finish(self._comm.all_reduce(tensor, _check_op(op)), async_op)
 
     def reduce_scatter(self, output, input, op="sum", async_op=False):
-        self._comm.reduce_scatter(output, input, _check_op(op))
-        return _Done() if async_op else None
+        return self._finish(self._comm.reduce_scatter(output, input, _check_op(op)), async_op)
 
     def all_gather(self, output, input, async_op=False):
-        self._comm.all_gather(output, input)
-        return _Done() if async_op else None
+        return self._finish(self._comm.all_gather(output, input), async_op)
+
+    def abort(self, why: str = "aborted by the caller") -> None:
+        """Abort the NCCL communicator (unblocks peers' pending kernels); later calls raise."""
+        self._comm.abort(why)
 
     def close(self) -> None:
+        """Flush and destroy the NCCL communicator (without the GIL)."""
         self._comm.close()
 
 

@@ -1,0 +1,191 @@
+"""The NCCL communicator core against a fake libnccl (tests/ext/fake_nccl.cpp), on CPU.
+
+The fake is compiled here with g++ and loaded through the real dlopen loader; the
+communicator core (csrc/nccl/communicator.cpp) is driven through _C._NcclTestCommunicator
+with the fake's host streams/events. Covers: the version check at load, non-blocking
+init with its timeout and Ctrl-C, the watchdog (async error, a collective that never
+completes), abort, the stream/event ordering of a collective and its work handle, and
+destroy without the GIL.
+"""
+
+import _thread
+import ctypes
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+
+import megadlm_ext
+from megadlm_ext import nccl
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+UID = bytes(128)
+F32 = 7
+
+
+def _compile(cxx, out, version):
+    src = os.path.join(ROOT, "tests", "ext", "fake_nccl.cpp")
+    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", f"-DFAKE_VERSION={version}", src, "-o", str(out)]
+    subprocess.run(cmd, check=True)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def fake(tmp_path_factory):
+    """(ctypes handle of the fake, its path), loaded into megadlm_ext's NCCL loader."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.fail("no C++ compiler to build the fake libnccl (install g++)")
+    from megadlm_ext import _C
+
+    if megadlm_ext.backend_info()["cuda"]:
+        # The loader keeps the first library it loads for the whole process: the fake
+        # must not stand in for the real libnccl that the GPU tests use.
+        pytest.skip("CUDA build: the real NCCL path is tested by the gpu tests (test_nccl*.py)")
+    d = tmp_path_factory.mktemp("fake_nccl")
+    old = _compile(cxx, d / "libnccl_old.so.2", 20903)
+    good = _compile(cxx, d / "libnccl.so.2", 22703)
+    if _C.nccl_loaded() and _C.nccl_path() != good:
+        pytest.skip(f"another libnccl is already loaded in this process: {_C.nccl_path()}")
+    ok, why = _C.nccl_load([old, good])
+    # The too-old library is refused with the minimum named; the good one is taken.
+    assert ok is True, why
+    assert f"{old}: NCCL 2.9.3 is too old: megadlm_ext needs NCCL >= 2.14.0" in why
+    assert _C.nccl_path() == good and _C.nccl_version() == 22703
+    lib = ctypes.CDLL(good)  # same path: the very instance the loader opened
+    lib.fake_stream_create.restype = ctypes.c_void_p
+    lib.fake_stream_hold.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.fake_log.restype = ctypes.c_char_p
+    return lib, good
+
+
+@pytest.fixture()
+def lib(fake):
+    fake[0].fake_reset()
+    return fake[0]
+
+
+def make(fake, lib, timeout=5.0, poll=0.01):
+    comm_stream = lib.fake_stream_create()
+    c = megadlm_ext._C._NcclTestCommunicator(UID, 0, 1, timeout, poll, fake[1], comm_stream)
+    return c, comm_stream
+
+
+def entries(lib):
+    return [e for e in lib.fake_log().decode().split(";") if e]
+
+
+def sid(ptr):
+    return str(ptr % 100000)
+
+
+def test_collective_orders_streams_and_wait_is_device_side(fake, lib):
+    comm, cs = make(fake, lib)
+    compute = lib.fake_stream_create()
+    send, recv = (ctypes.c_float * 4)(1, 2, 3, 4), (ctypes.c_float * 4)()
+    work = comm.all_reduce(ctypes.addressof(send), ctypes.addressof(recv), 4, F32, 0, compute)
+    assert list(recv) == [1, 2, 3, 4]
+    work.wait()
+    assert work.is_completed() is True
+    c, s = sid(compute), sid(cs)
+    # record on the compute stream, comm stream waits on it, NCCL runs on the comm
+    # stream, completion recorded there; wait() = compute stream waits (no host sync).
+    assert entries(lib) == [
+        "init:blocking=0",
+        f"record:{c}",
+        f"wait:{s}<-{c}",
+        f"allreduce:{s}",
+        f"record:{s}",
+        f"wait:{c}<-{s}",
+    ]
+    comm.close()
+    assert (lib.fake_finalizes(), lib.fake_destroys(), lib.fake_aborts()) == (1, 1, 0)
+    with pytest.raises(megadlm_ext._C.NcclError, match="closed"):
+        comm.all_reduce(0, 0, 0, F32, 0, compute)
+    del work
+    assert lib.fake_events_live() == 0  # every event destroyed
+
+
+def test_init_waits_for_slow_ranks_then_succeeds(fake, lib):
+    lib.fake_set_init_polls(5)
+    comm, _ = make(fake, lib)
+    assert comm.error() == ""
+    comm.close()
+
+
+def test_init_timeout_aborts_with_a_clear_error(fake, lib):
+    lib.fake_set_init_polls(-1)  # the other ranks never join
+    t0 = time.monotonic()
+    with pytest.raises(
+        nccl.NcclTimeoutError, match=r"timed out after 0\.3 s on rank 0 of 1.*distributed-timeout"
+    ):
+        make(fake, lib, timeout=0.3)
+    assert time.monotonic() - t0 < 3.0
+    assert lib.fake_aborts() == 1
+    assert issubclass(nccl.NcclTimeoutError, RuntimeError)
+
+
+def test_init_is_interruptible(fake, lib):
+    lib.fake_set_init_polls(-1)
+    threading.Timer(0.2, _thread.interrupt_main).start()
+    with pytest.raises(KeyboardInterrupt):
+        make(fake, lib, timeout=30.0)
+    assert lib.fake_aborts() == 1
+
+
+def test_watchdog_aborts_on_async_error_naming_rank_and_collective(fake, lib):
+    comm, _ = make(fake, lib)
+    compute = lib.fake_stream_create()
+    buf = (ctypes.c_float * 8)()
+    comm.all_reduce(ctypes.addressof(buf), ctypes.addressof(buf), 8, F32, 4, compute).wait()
+    lib.fake_set_async_error(3)  # ncclInternalError, e.g. a peer died
+    deadline = time.monotonic() + 5
+    while lib.fake_aborts() == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert lib.fake_aborts() == 1
+    with pytest.raises(
+        nccl.NcclError, match=r"rank 0 of 1.*internal error.*all_reduce #1 \(8 elements, float32\)"
+    ):
+        comm.all_reduce(ctypes.addressof(buf), ctypes.addressof(buf), 8, F32, 0, compute)
+    comm.close()  # already aborted: no destroy on a freed communicator
+    assert lib.fake_destroys() == 0 and lib.fake_aborts() == 1
+
+
+def test_watchdog_times_out_a_collective_that_never_completes(fake, lib):
+    comm, cs = make(fake, lib, timeout=0.3)
+    lib.fake_stream_hold(cs, 1)  # the collective is queued but never finishes
+    compute = lib.fake_stream_create()
+    buf = (ctypes.c_float * 2)()
+    work = comm.all_gather(ctypes.addressof(buf), ctypes.addressof(buf), 2, F32, compute)
+    assert work.is_completed() is False
+    deadline = time.monotonic() + 5
+    while comm.error() == "" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "all_gather #1 (2 elements, float32) did not complete within 0.3 s on rank 0 of 1" in comm.error()
+    assert lib.fake_aborts() == 1
+    with pytest.raises(nccl.NcclError, match="did not complete"):
+        work.wait()
+    comm.close()
+
+
+def test_explicit_abort(fake, lib):
+    comm, _ = make(fake, lib)
+    comm.abort("rank 1 raised: non-finite gradients")
+    assert lib.fake_aborts() == 1
+    with pytest.raises(nccl.NcclError, match="non-finite gradients"):
+        comm.all_reduce(0, 0, 0, F32, 0, lib.fake_stream_create())
+    comm.close()
+
+
+def test_close_releases_the_gil(fake, lib):
+    comm, _ = make(fake, lib)
+    lib.fake_set_block_destroy(1)
+    # ncclCommDestroy blocks until this Python thread unblocks it: only possible if
+    # close() released the GIL.
+    threading.Timer(0.1, lib.fake_unblock_destroy).start()
+    comm.close()
+    assert lib.fake_destroy_timed_out() == 0
+    assert lib.fake_destroys() == 1
