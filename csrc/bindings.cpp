@@ -21,7 +21,8 @@ namespace megadlm {
 namespace {
 
 const at::Tensor& as_tensor(PyObject* o, const char* name) {
-  if (!THPVariable_Check(o)) value_error(std::string(name) + " must be a tensor, got " + Py_TYPE(o)->tp_name);
+  if (!THPVariable_Check(o))
+    value_error(std::string(name) + " must be a tensor, got " + Py_TYPE(o)->tp_name);
   return THPVariable_Unpack(o);
 }
 
@@ -39,10 +40,28 @@ int64_t build_segments(const std::vector<Item>& items, const std::vector<int64_t
     Segment s{};
     s.start = total;
     switch (dir) {
-      case Dir::ListToFlat: s.src = it.ptr; s.dst = f; s.src_dtype = it.dtype; s.dst_dtype = flat_dtype; break;
-      case Dir::FlatToList: s.src = f; s.dst = it.ptr; s.src_dtype = flat_dtype; s.dst_dtype = it.dtype; break;
-      case Dir::InPlace: s.src = it.ptr; s.dst = it.ptr; s.src_dtype = s.dst_dtype = it.dtype; break;
-      case Dir::ReadOnly: s.src = it.ptr; s.dst = nullptr; s.src_dtype = s.dst_dtype = it.dtype; break;
+      case Dir::ListToFlat:
+        s.src = it.ptr;
+        s.dst = f;
+        s.src_dtype = it.dtype;
+        s.dst_dtype = flat_dtype;
+        break;
+      case Dir::FlatToList:
+        s.src = f;
+        s.dst = it.ptr;
+        s.src_dtype = flat_dtype;
+        s.dst_dtype = it.dtype;
+        break;
+      case Dir::InPlace:
+        s.src = it.ptr;
+        s.dst = it.ptr;
+        s.src_dtype = s.dst_dtype = it.dtype;
+        break;
+      case Dir::ReadOnly:
+        s.src = it.ptr;
+        s.dst = nullptr;
+        s.src_dtype = s.dst_dtype = it.dtype;
+        break;
     }
     segs.push_back(s);
     total += it.numel;
@@ -82,12 +101,13 @@ at::Tensor flatten(py::handle tensors, py::handle out_obj, py::handle offsets_ob
     out = as_tensor(out_obj.ptr(), "out");
     check_flat("out", out);
     if (dtype && *dtype != out.scalar_type())
-      value_error(std::string("dtype=") + c10::toString(*dtype) + " disagrees with out.dtype=" +
-                  c10::toString(out.scalar_type()));
+      value_error(std::string("dtype=") + c10::toString(*dtype) +
+                  " disagrees with out.dtype=" + c10::toString(out.scalar_type()));
     dev = out.device();
   }
   const c10::Device device = parse_list("tensors", tensors.ptr(), a.items, dev, "out");
-  const int64_t need = parse_offsets(offsets_obj.ptr(), a.items, has_out ? out.numel() : -1, "out", a.offsets);
+  const int64_t need =
+      parse_offsets(offsets_obj.ptr(), a.items, has_out ? out.numel() : -1, "out", a.offsets);
   if (has_out) {
     check_no_alias("out", out, a.items);
   } else {
@@ -104,13 +124,15 @@ at::Tensor flatten(py::handle tensors, py::handle out_obj, py::handle offsets_ob
     out = offsets_obj.is_none() ? at::empty({need}, opts) : at::zeros({need}, opts);
   }
   const int32_t fd = dtype_code(out.scalar_type(), "out");
-  const int64_t total = build_segments(a.items, &a.offsets, static_cast<char*>(out.numel() ? out.data_ptr() : nullptr),
+  const int64_t total = build_segments(a.items, &a.offsets,
+                                       static_cast<char*>(out.numel() ? out.data_ptr() : nullptr),
                                        fd, Dir::ListToFlat, a.segs);
   run_elementwise(kCopy, device, a.segs, total, float(scale));
   return out;
 }
 
-void to_list(OpKind op, py::handle flat_obj, py::handle tensors, py::handle offsets_obj, double scale) {
+void to_list(OpKind op, py::handle flat_obj, py::handle tensors, py::handle offsets_obj,
+             double scale) {
   Arena& a = arena();
   const at::Tensor& flat = as_tensor(flat_obj.ptr(), "flat");
   check_flat("flat", flat);
@@ -159,7 +181,8 @@ at::Tensor l2_norm(py::handle tensors) {
     return glue::cuda_run(kSumSquares, device, segs, total, 1.0f);
   }
 #endif
-  if (!device.is_cpu()) throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
+  if (!device.is_cpu())
+    throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
   double sum = 0.0;
   {
     py::gil_scoped_release nogil;
@@ -182,7 +205,8 @@ bool has_nonfinite(py::handle tensors) {
     return flag.item<int32_t>() != 0;  // device -> host sync: the caller asked for a bool
   }
 #endif
-  if (!device.is_cpu()) throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
+  if (!device.is_cpu())
+    throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
   py::gil_scoped_release nogil;
   return cpu::run(kNonFinite, segs.data(), int64_t(segs.size()), total, 1.0f).nonfinite;
 }
@@ -218,9 +242,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_", &scale_, py::arg("tensors"), py::arg("factor"));
   m.def("l2_norm", &l2_norm, py::arg("tensors"));
   m.def("has_nonfinite", &has_nonfinite, py::arg("tensors"));
-  m.def("_set_cpu_isa", [](const std::string& name) {
-    if (!cpu::set_isa(name)) value_error("_set_cpu_isa: expected 'generic' or 'auto', got '" + name + "'");
-  }, py::arg("name"), "Tests only: force the portable CPU kernels ('generic') or re-detect ('auto').");
+  m.def(
+      "_set_cpu_isa",
+      [](const std::string& name) {
+        if (!cpu::set_isa(name))
+          value_error("_set_cpu_isa: expected 'generic' or 'auto', got '" + name + "'");
+      },
+      py::arg("name"),
+      "Tests only: force the portable CPU kernels ('generic') or re-detect ('auto').");
 #ifdef MEGADLM_WITH_CUDA
   m.def("_cuda_table_cache_stats", &glue::table_cache_stats,
         "Tests/benchmarks: (hits, misses, entries) of the device segment-table cache.");

@@ -9,7 +9,9 @@
 
 namespace megadlm {
 
-void value_error(const std::string& msg) { throw pybind11::value_error(msg); }
+void value_error(const std::string& msg) {
+  throw pybind11::value_error(msg);
+}
 
 int32_t dtype_code(at::ScalarType st, const std::string& what) {
   switch (st) {
@@ -40,7 +42,8 @@ c10::Device parse_list(const char* name, PyObject* obj, std::vector<Item>& items
                        const c10::optional<c10::Device>& device, const char* device_owner) {
   items.clear();
   if (!PyList_Check(obj) && !PyTuple_Check(obj))
-    value_error(std::string(name) + " must be a list or tuple of tensors, got " + Py_TYPE(obj)->tp_name);
+    value_error(std::string(name) + " must be a list or tuple of tensors, got " +
+                Py_TYPE(obj)->tp_name);
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(obj);
   PyObject** elems = PySequence_Fast_ITEMS(obj);
   items.reserve(size_t(n));
@@ -71,12 +74,13 @@ c10::Device parse_list(const char* name, PyObject* obj, std::vector<Item>& items
     const c10::Device d = t.device();
     if (device.has_value()) {
       if (d != *device)
-        value_error(idx(name, size_t(i)) + " is on " + d.str() + " but " + device_owner + " is on " +
-                    device->str());
+        value_error(idx(name, size_t(i)) + " is on " + d.str() + " but " + device_owner +
+                    " is on " + device->str());
     } else if (i == 0) {
       common = d;
     } else if (d != common) {
-      value_error(idx(name, size_t(i)) + " is on " + d.str() + " but " + name + "[0] is on " + common.str());
+      value_error(idx(name, size_t(i)) + " is on " + d.str() + " but " + name + "[0] is on " +
+                  common.str());
     }
     if (!d.is_cpu() && !d.is_cuda())
       value_error(idx(name, size_t(i)) + " is on " + d.str() +
@@ -109,7 +113,8 @@ static int64_t as_int(PyObject* o, size_t i) {
     if (!(v == -1 && PyErr_Occurred())) return v;
     PyErr_Clear();
   }
-  value_error("offsets[" + std::to_string(i) + "] is a " + Py_TYPE(o)->tp_name + ", not an integer");
+  value_error("offsets[" + std::to_string(i) + "] is a " + Py_TYPE(o)->tp_name +
+              ", not an integer");
 }
 
 int64_t parse_offsets(PyObject* obj, const std::vector<Item>& items, int64_t flat_numel,
@@ -118,7 +123,10 @@ int64_t parse_offsets(PyObject* obj, const std::vector<Item>& items, int64_t fla
   offsets.resize(n);
   if (obj == Py_None) {
     int64_t pos = 0;
-    for (size_t i = 0; i < n; ++i) { offsets[i] = pos; pos += items[i].numel; }
+    for (size_t i = 0; i < n; ++i) {
+      offsets[i] = pos;
+      pos += items[i].numel;
+    }
     if (flat_numel < 0 || pos <= flat_numel) return pos;  // packed: in order, no overlap
     // else fall through to the range check, which names the first tensor that does not fit
   } else if (THPVariable_Check(obj)) {
@@ -147,11 +155,12 @@ int64_t parse_offsets(PyObject* obj, const std::vector<Item>& items, int64_t fla
   bool sorted = true;
   for (size_t i = 0; i < n; ++i) {
     const int64_t o = offsets[i], m = items[i].numel;
-    if (o < 0) value_error("offsets[" + std::to_string(i) + "] = " + std::to_string(o) + " is negative");
+    if (o < 0)
+      value_error("offsets[" + std::to_string(i) + "] = " + std::to_string(o) + " is negative");
     if (flat_numel >= 0 && o + m > flat_numel)
-      value_error("tensors[" + std::to_string(i) + "] (" + std::to_string(m) + " elements at offset " +
-                  std::to_string(o) + ") runs past the end of " + flat_name + " (" +
-                  std::to_string(flat_numel) + " elements)");
+      value_error("tensors[" + std::to_string(i) + "] (" + std::to_string(m) +
+                  " elements at offset " + std::to_string(o) + ") runs past the end of " +
+                  flat_name + " (" + std::to_string(flat_numel) + " elements)");
     need = std::max(need, o + m);
     if (m == 0) continue;
     if (prev != SIZE_MAX && o < prev_end) sorted = false;
@@ -180,7 +189,8 @@ void check_no_alias(const char* flat_name, const at::Tensor& flat, const std::ve
   const uintptr_t f0 = uintptr_t(flat.data_ptr()), f1 = f0 + uintptr_t(flat.nbytes());
   for (size_t i = 0; i < items.size(); ++i) {
     if (!items[i].numel) continue;
-    const uintptr_t t0 = uintptr_t(items[i].ptr), t1 = t0 + uintptr_t(items[i].numel * dtype_size(items[i].dtype));
+    const uintptr_t t0 = uintptr_t(items[i].ptr),
+                    t1 = t0 + uintptr_t(items[i].numel * dtype_size(items[i].dtype));
     if (t0 < f1 && f0 < t1)
       value_error("tensors[" + std::to_string(i) + "] aliases " + flat_name +
                   ": in-place ops need separate memory");
@@ -202,8 +212,8 @@ void check_distinct(const char* name, const std::vector<Item>& items) {
     if (spans[k].first < spans[k - 1].first + uintptr_t(a.numel * dtype_size(a.dtype))) {
       const int64_t i = std::min(spans[k - 1].second, spans[k].second);
       const int64_t j = std::max(spans[k - 1].second, spans[k].second);
-      value_error(std::string(name) + "[" + std::to_string(i) + "] and " + name + "[" + std::to_string(j) +
-                  "] share memory: in-place ops need distinct tensors");
+      value_error(std::string(name) + "[" + std::to_string(i) + "] and " + name + "[" +
+                  std::to_string(j) + "] share memory: in-place ops need distinct tensors");
     }
   }
 }

@@ -15,9 +15,9 @@ namespace megadlm {
 
 // One tensor of a parsed list.
 struct Item {
-  char* ptr;       // first byte (nullptr for 0-element tensors)
+  char* ptr;  // first byte (nullptr for 0-element tensors)
   int64_t numel;
-  int32_t dtype;   // DType
+  int32_t dtype;  // DType
 };
 
 // Raise a Python ValueError (pybind11 maps it) with `msg`.

@@ -31,7 +31,8 @@ using RangeFn = CpuResult (*)(OpKind, const Segment*, int64_t, int64_t, int64_t,
 RangeFn pick() {
 #if defined(__x86_64__) || defined(__i386__)
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("fma"))
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("fma"))
     return process_range_avx2;
 #endif
   return process_range_generic;
@@ -39,11 +40,19 @@ RangeFn pick() {
 RangeFn kRange = pick();
 }  // namespace
 
-const char* isa() { return kRange == process_range_generic ? "generic" : "avx2+f16c"; }
+const char* isa() {
+  return kRange == process_range_generic ? "generic" : "avx2+f16c";
+}
 
 bool set_isa(const std::string& name) {
-  if (name == "generic") { kRange = process_range_generic; return true; }
-  if (name == "auto") { kRange = pick(); return true; }
+  if (name == "generic") {
+    kRange = process_range_generic;
+    return true;
+  }
+  if (name == "auto") {
+    kRange = pick();
+    return true;
+  }
   return false;
 }
 
@@ -54,7 +63,8 @@ CpuResult run(OpKind op, const Segment* segs, int64_t nseg, int64_t total, float
   // memory traffic); smaller ones stay cached for whoever reads them next. Not for
   // many small tensors: every segment boundary leaves two partial lines, which
   // non-temporal stores handle badly (measured slower on 20k x 2k-element lists).
-  if (op == kCopy && total >= kStreamingElems && total / nseg >= kStreamingMinAvg) op = kCopyStreaming;
+  if (op == kCopy && total >= kStreamingElems && total / nseg >= kStreamingMinAvg)
+    op = kCopyStreaming;
   if (nblocks == 1 || omp_get_max_threads() == 1 || omp_in_parallel())
     return kRange(op, segs, nseg, total, 0, total, scale);
 
@@ -69,7 +79,8 @@ CpuResult run(OpKind op, const Segment* segs, int64_t nseg, int64_t total, float
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < nblocks; ++b) {
       if (found.load(std::memory_order_relaxed)) continue;  // early out, no sync needed
-      if (kRange(op, segs, nseg, total, b * kBlock, std::min(total, (b + 1) * kBlock), scale).nonfinite)
+      if (kRange(op, segs, nseg, total, b * kBlock, std::min(total, (b + 1) * kBlock), scale)
+              .nonfinite)
         found.store(true, std::memory_order_relaxed);
     }
     CpuResult r;
@@ -83,7 +94,8 @@ CpuResult run(OpKind op, const Segment* segs, int64_t nseg, int64_t total, float
   double* part = partials.data();
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < nblocks; ++b)
-    part[b] = kRange(op, segs, nseg, total, b * kBlock, std::min(total, (b + 1) * kBlock), scale).sum_squares;
+    part[b] = kRange(op, segs, nseg, total, b * kBlock, std::min(total, (b + 1) * kBlock), scale)
+                  .sum_squares;
   CpuResult r;
   for (int64_t b = 0; b < nblocks; ++b) r.sum_squares += part[b];
   return r;

@@ -17,7 +17,6 @@
 
 #include "megadlm/multi_tensor.h"
 
-
 #if MEGADLM_CPU_SIMD
 #include <immintrin.h>
 #endif
@@ -55,7 +54,8 @@ struct BF16 {
     __m256i u = _mm256_castps_si256(v);
     __m256i hi = _mm256_srli_epi32(u, 16);
     __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
     __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_or_si256(hi, _mm256_set1_epi32(0x40)), nan);
     // 8 x u32 -> 8 x u16: packus works per 128-bit lane, permute puts both halves low.
@@ -74,7 +74,9 @@ struct F16 {
   static void store(T* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack(v)); }
   static constexpr uintptr_t kStreamAlign = 16;
   static void stream(T* p, __m256 v) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack(v)); }
-  static __m128i pack(__m256 v) { return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static __m128i pack(__m256 v) {
+    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
 #endif
 };
 
@@ -174,7 +176,13 @@ bool nonfinite_n(const typename S::T* src, int64_t n) {
   uint32_t any = 0;
   for (int64_t i = 0; i < n; ++i) {
     uint32_t u;
-    if (wide) { std::memcpy(&u, bytes + 4 * i, 4); } else { uint16_t h; std::memcpy(&h, bytes + 2 * i, 2); u = h; }
+    if (wide) {
+      std::memcpy(&u, bytes + 4 * i, 4);
+    } else {
+      uint16_t h;
+      std::memcpy(&h, bytes + 2 * i, 2);
+      u = h;
+    }
     any |= uint32_t((u & mask) == mask);
   }
   return any != 0;
@@ -182,22 +190,37 @@ bool nonfinite_n(const typename S::T* src, int64_t n) {
 
 template <typename F>
 void dispatch_src(int32_t dt, F&& f) {
-  if (dt == kF32) f(F32{}); else if (dt == kBF16) f(BF16{}); else f(F16{});
+  if (dt == kF32)
+    f(F32{});
+  else if (dt == kBF16)
+    f(BF16{});
+  else
+    f(F16{});
 }
 
 // Apply `op` to `n` elements starting at element `off` of segment `sg`.
-inline void apply(OpKind op, const Segment& sg, int64_t off, int64_t n, float scale, CpuResult& res) {
+inline void apply(OpKind op, const Segment& sg, int64_t off, int64_t n, float scale,
+                  CpuResult& res) {
   dispatch_src(sg.src_dtype, [&](auto s) {
     using S = decltype(s);
     const auto* src = static_cast<const typename S::T*>(sg.src) + off;
-    if (op == kSumSquares) { res.sum_squares += sum_squares_n<S>(src, n); return; }
-    if (op == kNonFinite) { res.nonfinite = res.nonfinite || nonfinite_n<S>(src, n); return; }
+    if (op == kSumSquares) {
+      res.sum_squares += sum_squares_n<S>(src, n);
+      return;
+    }
+    if (op == kNonFinite) {
+      res.nonfinite = res.nonfinite || nonfinite_n<S>(src, n);
+      return;
+    }
     dispatch_src(sg.dst_dtype, [&](auto d) {
       using D = decltype(d);
       auto* dst = static_cast<typename D::T*>(sg.dst) + off;
-      if (op == kAccumulate) accumulate_n<S, D>(src, dst, n, scale);
-      else if (op == kCopyStreaming) copy_n_streaming<S, D>(src, dst, n, scale);
-      else copy_n<S, D>(src, dst, n, scale);
+      if (op == kAccumulate)
+        accumulate_n<S, D>(src, dst, n, scale);
+      else if (op == kCopyStreaming)
+        copy_n_streaming<S, D>(src, dst, n, scale);
+      else
+        copy_n<S, D>(src, dst, n, scale);
     });
   });
 }

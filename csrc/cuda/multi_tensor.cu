@@ -54,8 +54,8 @@ void check(cudaError_t e, const std::string& what) {
 // float per block; `flag`: set to 1 when a non-finite element is found (zeroed first).
 template <int OP, class S, class D>
 __global__ void __launch_bounds__(kThreads)
-megadlm_multi_tensor_kernel(const Segment* __restrict__ segs, int64_t nseg, int64_t total, float scale,
-                            float* __restrict__ partials, int* flag) {
+    megadlm_multi_tensor_kernel(const Segment* __restrict__ segs, int64_t nseg, int64_t total,
+                                float scale, float* __restrict__ partials, int* flag) {
   Acc acc;
   block_range<OP, S, D>(segs, nseg, total, scale, flag, acc);
   if constexpr (OP == kNonFinite) {
@@ -99,7 +99,8 @@ std::pair<int, int> occupancy(const void* kernel) {
   auto it = cache.find({kernel, dev});
   if (it != cache.end()) return it->second;
   int sms = 0, per_sm = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+        "cudaDeviceGetAttribute");
   check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0),
         "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
   return cache[{kernel, dev}] = {sms, per_sm};
@@ -125,8 +126,8 @@ struct Launch {
 template <int OP, class S, class D>
 void launch(Launch& l) {
   l.grid = grid_of<OP, S, D>(l.total);
-  megadlm_multi_tensor_kernel<OP, S, D><<<l.grid, kThreads, 0, l.stream>>>(l.segs, l.nseg, l.total, l.scale,
-                                                                          l.partials, l.flag);
+  megadlm_multi_tensor_kernel<OP, S, D>
+      <<<l.grid, kThreads, 0, l.stream>>>(l.segs, l.nseg, l.total, l.scale, l.partials, l.flag);
 }
 
 // The element kernel of `op` for the list's dtype pair.
@@ -145,7 +146,8 @@ int grid_for(OpKind op, int32_t pair, int64_t total) {
   int g = 0;
   auto pick = [&](auto tag) {
     constexpr int OP = decltype(tag)::value;
-    with_kernel_types<OP>(pair, [&](auto s, auto d) { g = grid_of<OP, decltype(s), decltype(d)>(total); });
+    with_kernel_types<OP>(
+        pair, [&](auto s, auto d) { g = grid_of<OP, decltype(s), decltype(d)>(total); });
   };
   switch (op) {
     case kCopy: pick(std::integral_constant<int, kCopy>{}); break;
@@ -153,7 +155,9 @@ int grid_for(OpKind op, int32_t pair, int64_t total) {
     case kScale: pick(std::integral_constant<int, kScale>{}); break;
     case kSumSquares: pick(std::integral_constant<int, kSumSquares>{}); break;
     case kNonFinite: pick(std::integral_constant<int, kNonFinite>{}); break;
-    default: throw std::invalid_argument(std::string("megadlm_ext CUDA: no GPU kernel for op ") + op_name(op));
+    default:
+      throw std::invalid_argument(std::string("megadlm_ext CUDA: no GPU kernel for op ") +
+                                  op_name(op));
   }
   return g;
 }
@@ -164,33 +168,43 @@ void run(OpKind op, int32_t pair, const Segment* d_segs, int64_t nseg, int64_t t
   // launch check and be blamed on this op.
   const cudaError_t prior = cudaGetLastError();
   if (prior != cudaSuccess)
-    throw std::runtime_error(std::string("megadlm_ext CUDA: an error from earlier work on this device was "
-                                         "pending before ") + op_name(op) + " ran (not raised by megadlm_ext): " +
-                             cudaGetErrorString(prior) + ". Run with CUDA_LAUNCH_BLOCKING=1 to find the failing call");
-  Launch l{d_segs, nseg, total, scale, static_cast<float*>(d_workspace), static_cast<int*>(d_out),
+    throw std::runtime_error(
+        std::string("megadlm_ext CUDA: an error from earlier work on this device was "
+                    "pending before ") +
+        op_name(op) + " ran (not raised by megadlm_ext): " + cudaGetErrorString(prior) +
+        ". Run with CUDA_LAUNCH_BLOCKING=1 to find the failing call");
+  Launch l{d_segs,
+           nseg,
+           total,
+           scale,
+           static_cast<float*>(d_workspace),
+           static_cast<int*>(d_out),
            static_cast<cudaStream_t>(stream_ptr)};
   switch (op) {
     case kCopy: launch_op<kCopy>(pair, l); break;
     case kScale: launch_op<kScale>(pair, l); break;
     case kAccumulate: launch_op<kAccumulate>(pair, l); break;
     case kNonFinite:
-      check(cudaMemsetAsync(l.flag, 0, sizeof(int), l.stream), "cudaMemsetAsync before has_nonfinite");
+      check(cudaMemsetAsync(l.flag, 0, sizeof(int), l.stream),
+            "cudaMemsetAsync before has_nonfinite");
       if (total) launch_op<kNonFinite>(pair, l);
       break;
     case kSumSquares:
       l.flag = nullptr;
       if (total) launch_op<kSumSquares>(pair, l);
-      megadlm_norm_finish_kernel<<<1, kThreads, 0, l.stream>>>(l.partials, l.grid, static_cast<float*>(d_out));
+      megadlm_norm_finish_kernel<<<1, kThreads, 0, l.stream>>>(l.partials, l.grid,
+                                                               static_cast<float*>(d_out));
       break;
     default:  // kCopyStreaming (CPU-only) or a corrupt code: never silently do nothing
-      throw std::invalid_argument(std::string("megadlm_ext CUDA: no GPU kernel for op ") + op_name(op) +
-                                  " (code " + std::to_string(int(op)) + ")");
+      throw std::invalid_argument(std::string("megadlm_ext CUDA: no GPU kernel for op ") +
+                                  op_name(op) + " (code " + std::to_string(int(op)) + ")");
   }
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess)
-    throw std::runtime_error(std::string("megadlm_ext CUDA ") + op_name(op) + " kernel launch failed (" +
-                             std::to_string(l.grid) + " blocks x " + std::to_string(kThreads) + " threads, " +
-                             std::to_string(nseg) + " tensors, " + std::to_string(total) +
+    throw std::runtime_error(std::string("megadlm_ext CUDA ") + op_name(op) +
+                             " kernel launch failed (" + std::to_string(l.grid) + " blocks x " +
+                             std::to_string(kThreads) + " threads, " + std::to_string(nseg) +
+                             " tensors, " + std::to_string(total) +
                              " elements): " + cudaGetErrorString(e));
 }
 

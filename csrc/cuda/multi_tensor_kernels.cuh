@@ -39,8 +39,10 @@ inline int grid_size(int64_t chunks, int blocks_per_sm, int sms, int64_t cap) {
 // uniform_pair() is `pair` (the host emulation selects kernels through this too).
 template <int OP, class F>
 inline void with_kernel_types(int32_t pair, F&& f) {
-  if constexpr (OP == kCopy || OP == kAccumulate) with_pair(pair, f);
-  else with_src(pair, [&](auto s) { f(s, s); });
+  if constexpr (OP == kCopy || OP == kAccumulate)
+    with_pair(pair, f);
+  else
+    with_src(pair, [&](auto s) { f(s, s); });
 }
 
 template <int OP, class S, class D>
@@ -61,7 +63,8 @@ __device__ __forceinline__ void apply_scalar(const Segment& s, int64_t i, float 
 // U vectors of 8 elements at vec_begin + (v + u * stride) * kVec: all U loads are issued
 // before the first store, so each thread keeps U (x2 for fp32) 16-byte loads in flight.
 template <int OP, class S, class D, int U>
-__device__ __forceinline__ void apply_vecs(const Segment& s, int64_t first, int64_t stride, float scale, Acc& acc) {
+__device__ __forceinline__ void apply_vecs(const Segment& s, int64_t first, int64_t stride,
+                                           float scale, Acc& acc) {
   float v[U][kVec];
 #pragma unroll
   for (int u = 0; u < U; ++u) load8<S>(s.src, first + u * stride, v[u]);
@@ -70,8 +73,10 @@ __device__ __forceinline__ void apply_vecs(const Segment& s, int64_t first, int6
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        if constexpr (OP == kSumSquares) acc.sum = fmaf(v[u][k], v[u][k], acc.sum);
-        else acc.bad |= !isfinite(v[u][k]);
+        if constexpr (OP == kSumSquares)
+          acc.sum = fmaf(v[u][k], v[u][k], acc.sum);
+        else
+          acc.bad |= !isfinite(v[u][k]);
       }
   } else {
     if constexpr (OP == kAccumulate) {
@@ -100,7 +105,8 @@ __device__ __forceinline__ void copy_raw(const Segment& s, int64_t first, int64_
   uint4 r[U][kWords];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    const uint4* src = reinterpret_cast<const uint4*>(static_cast<const char*>(s.src) + (first + u * stride) * es);
+    const uint4* src =
+        reinterpret_cast<const uint4*>(static_cast<const char*>(s.src) + (first + u * stride) * es);
 #pragma unroll
     for (int w = 0; w < kWords; ++w) r[u][w] = src[w];
   }
@@ -122,7 +128,8 @@ __device__ void process(const Segment& s, int64_t a, int64_t b, float scale, Acc
   const uintptr_t da = reinterpret_cast<uintptr_t>(s.dst) + uintptr_t(a * ed);
   int head = -1;  // elements before both pointers are 16-byte aligned; -1: never
   for (int h = 0; h < kVec; ++h)
-    if (((sa + uintptr_t(h * es)) & 15u) == 0 && (reads_only || ((da + uintptr_t(h * ed)) & 15u) == 0)) {
+    if (((sa + uintptr_t(h * es)) & 15u) == 0 &&
+        (reads_only || ((da + uintptr_t(h * ed)) & 15u) == 0)) {
       head = h;
       break;
     }
@@ -133,18 +140,23 @@ __device__ void process(const Segment& s, int64_t a, int64_t b, float scale, Acc
   }
   const int64_t vec_end = vec_begin + nvec * kVec;
   const int64_t t = threadIdx.x, bd = blockDim.x;
-  for (int64_t i = a + t; i < (nvec ? vec_begin : b); i += bd) apply_scalar<OP, S, D>(s, i, scale, acc);
+  for (int64_t i = a + t; i < (nvec ? vec_begin : b); i += bd)
+    apply_scalar<OP, S, D>(s, i, scale, acc);
   // Vector v covers elements vec_begin + v * kVec ...; thread t takes v = t, t + bd, ...
   // U at a time while a full group fits, then one at a time.
   int64_t v = t;
   const bool raw = OP == kCopy && S::kCode == D::kCode && scale == 1.0f;
   for (; v + (U - 1) * bd < nvec; v += U * bd) {
-    if (raw) copy_raw<S, U>(s, vec_begin + v * kVec, bd * kVec);
-    else apply_vecs<OP, S, D, U>(s, vec_begin + v * kVec, bd * kVec, scale, acc);
+    if (raw)
+      copy_raw<S, U>(s, vec_begin + v * kVec, bd * kVec);
+    else
+      apply_vecs<OP, S, D, U>(s, vec_begin + v * kVec, bd * kVec, scale, acc);
   }
   for (; v < nvec; v += bd) {
-    if (raw) copy_raw<S, 1>(s, vec_begin + v * kVec, bd * kVec);
-    else apply_vecs<OP, S, D, 1>(s, vec_begin + v * kVec, bd * kVec, scale, acc);
+    if (raw)
+      copy_raw<S, 1>(s, vec_begin + v * kVec, bd * kVec);
+    else
+      apply_vecs<OP, S, D, 1>(s, vec_begin + v * kVec, bd * kVec, scale, acc);
   }
   if (nvec)
     for (int64_t i = vec_end + t; i < b; i += bd) apply_scalar<OP, S, D>(s, i, scale, acc);
@@ -152,14 +164,16 @@ __device__ void process(const Segment& s, int64_t a, int64_t b, float scale, Acc
 
 // Segment s, elements [a, b): typed call, or (MixedT) one dtype dispatch per segment.
 template <int OP, class S, class D>
-__device__ __forceinline__ void process_any(const Segment& s, int64_t a, int64_t b, float scale, Acc& acc) {
+__device__ __forceinline__ void process_any(const Segment& s, int64_t a, int64_t b, float scale,
+                                            Acc& acc) {
   if constexpr (S::kCode == kMixedPair) {
     if constexpr (OP == kCopy || OP == kAccumulate) {
       dev_with_pair(s.src_dtype, s.dst_dtype, [&](auto st, auto dt) {
         process<OP, decltype(st), decltype(dt)>(s, a, b, scale, acc);
       });
     } else {
-      dev_with_type(s.src_dtype, [&](auto st) { process<OP, decltype(st), decltype(st)>(s, a, b, scale, acc); });
+      dev_with_type(s.src_dtype,
+                    [&](auto st) { process<OP, decltype(st), decltype(st)>(s, a, b, scale, acc); });
     }
   } else {
     process<OP, S, D>(s, a, b, scale, acc);
@@ -170,15 +184,16 @@ __device__ __forceinline__ void process_any(const Segment& s, int64_t a, int64_t
 // of chunks of the global range (one binary search per block, then the segments in
 // order); within a segment the block's threads split the elements.
 template <int OP, class S, class D>
-__device__ void block_range(const Segment* __restrict__ segs, int64_t nseg, int64_t total, float scale,
-                            const int* flag, Acc& acc) {
+__device__ void block_range(const Segment* __restrict__ segs, int64_t nseg, int64_t total,
+                            float scale, const int* flag, Acc& acc) {
   int64_t c0, c1;
   block_chunks((total + kChunk - 1) / kChunk, gridDim.x, blockIdx.x, &c0, &c1);
   const int64_t begin = c0 * kChunk;
   const int64_t end = c1 * kChunk < total ? c1 * kChunk : total;
   if (begin >= end) return;
   for (int64_t i = find_segment(segs, nseg, begin); i < nseg && segs[i].start < end; ++i) {
-    if (OP == kNonFinite && *reinterpret_cast<const volatile int*>(flag)) return;  // found elsewhere
+    if (OP == kNonFinite && *reinterpret_cast<const volatile int*>(flag))
+      return;  // found elsewhere
     const Segment s = segs[i];
     const int64_t s1 = segment_end(segs, nseg, i, total);
     const int64_t lo = begin > s.start ? begin : s.start, hi = end < s1 ? end : s1;

@@ -32,7 +32,7 @@ constexpr int64_t kMaxBytes = int64_t(64) << 20;
 struct Entry {
   int device;
   int64_t nseg;
-  at::Tensor host;    // pinned bytes of the table (never modified after insertion)
+  at::Tensor host;  // pinned bytes of the table (never modified after insertion)
   at::Tensor device_table;
   c10::cuda::CUDAStream alloc_stream;
   bool graph = false;  // used under graph capture: kept for the graph's lifetime
@@ -47,7 +47,8 @@ bool same(const Entry& e, int device, const std::vector<Segment>& segs) {
   if (e.device != device || e.nseg != int64_t(segs.size())) return false;
   const auto* t = static_cast<const Segment*>(e.host.data_ptr());
   const Segment &a = t[0], &b = segs[0], &c = t[e.nseg - 1], &d = segs.back();
-  if (a.src != b.src || a.dst != b.dst || c.src != d.src || c.dst != d.dst || c.start != d.start) return false;
+  if (a.src != b.src || a.dst != b.dst || c.src != d.src || c.dst != d.dst || c.start != d.start)
+    return false;
   return std::memcmp(t, segs.data(), segs.size() * sizeof(Segment)) == 0;
 }
 
@@ -62,7 +63,8 @@ void evict_locked() {
 }
 
 // Device copy of `segs` on `device`, valid for work queued on `stream` from now on.
-const Segment* device_table(c10::Device device, const std::vector<Segment>& segs, const c10::cuda::CUDAStream& stream) {
+const Segment* device_table(c10::Device device, const std::vector<Segment>& segs,
+                            const c10::cuda::CUDAStream& stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
   const bool capturing = capture != cudaStreamCaptureStatusNone;
@@ -71,8 +73,10 @@ const Segment* device_table(c10::Device device, const std::vector<Segment>& segs
     if (!same(*it, device.index(), segs)) continue;
     g_entries.splice(g_entries.begin(), g_entries, it);
     Entry& e = g_entries.front();
-    if (capturing) e.graph = true;
-    else if (e.alloc_stream != stream) e.device_table.record_stream(stream);
+    if (capturing)
+      e.graph = true;
+    else if (e.alloc_stream != stream)
+      e.device_table.record_stream(stream);
     ++g_hits;
     return static_cast<const Segment*>(e.device_table.data_ptr());
   }
@@ -90,8 +94,8 @@ const Segment* device_table(c10::Device device, const std::vector<Segment>& segs
   std::memcpy(host.data_ptr(), segs.data(), size_t(nbytes));
   at::Tensor dev = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
   if (capturing)  // a memcpy node of the graph; the entry (and `host`) is never freed
-    C10_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), host.data_ptr(), size_t(nbytes), cudaMemcpyHostToDevice,
-                                   stream.stream()));
+    C10_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), host.data_ptr(), size_t(nbytes),
+                                   cudaMemcpyHostToDevice, stream.stream()));
   else  // ordered on `stream` before the kernel; torch keeps `host` until the copy ran
     dev.copy_(host, /*non_blocking=*/true);
   g_entries.push_front(Entry{device.index(), int64_t(segs.size()), host, dev, stream, capturing});
@@ -114,10 +118,11 @@ at::Tensor cuda_run(OpKind op, c10::Device device, const std::vector<Segment>& s
 
   const Segment* table = segs.empty() ? nullptr : device_table(device, segs, stream);
   at::Tensor workspace;
-  if (const int64_t wb = cuda::workspace_bytes(op)) workspace = at::empty({wb}, on_dev.dtype(at::kByte));
-  cuda::run(op, uniform_pair(segs.data(), int64_t(segs.size())), table, int64_t(segs.size()), total, scale,
-            workspace.defined() ? workspace.data_ptr() : nullptr, out.defined() ? out.data_ptr() : nullptr,
-            stream.stream());
+  if (const int64_t wb = cuda::workspace_bytes(op))
+    workspace = at::empty({wb}, on_dev.dtype(at::kByte));
+  cuda::run(op, uniform_pair(segs.data(), int64_t(segs.size())), table, int64_t(segs.size()), total,
+            scale, workspace.defined() ? workspace.data_ptr() : nullptr,
+            out.defined() ? out.data_ptr() : nullptr, stream.stream());
   return out;
 }
 
@@ -129,7 +134,10 @@ std::tuple<int64_t, int64_t, int64_t> table_cache_stats() {
 void clear_table_cache() {
   std::lock_guard<std::mutex> lock(g_mu);
   for (auto it = g_entries.begin(); it != g_entries.end();) {
-    if (it->graph) { ++it; continue; }
+    if (it->graph) {
+      ++it;
+      continue;
+    }
     g_bytes -= it->nseg * int64_t(sizeof(Segment));
     it = g_entries.erase(it);
   }

@@ -37,11 +37,18 @@ Work::~Work() {
   if (done) ops->event_destroy(done);
 }
 
-Communicator::Communicator(const UniqueId& id, int rank, int nranks, double timeout_s, const StreamOps& ops,
-                           void* comm_stream, const Interrupted& interrupted, double poll_s)
-    : ops_(ops), comm_stream_(comm_stream), interrupted_(interrupted), rank_(rank), nranks_(nranks),
-      timeout_(timeout_s), poll_(poll_s) {
-  if (timeout_s <= 0) throw std::invalid_argument("timeout must be positive, got " + std::to_string(timeout_s));
+Communicator::Communicator(const UniqueId& id, int rank, int nranks, double timeout_s,
+                           const StreamOps& ops, void* comm_stream, const Interrupted& interrupted,
+                           double poll_s)
+    : ops_(ops),
+      comm_stream_(comm_stream),
+      interrupted_(interrupted),
+      rank_(rank),
+      nranks_(nranks),
+      timeout_(timeout_s),
+      poll_(poll_s) {
+  if (timeout_s <= 0)
+    throw std::invalid_argument("timeout must be positive, got " + std::to_string(timeout_s));
   std::lock_guard<std::mutex> lock(mu_);
   Config config;
   config.blocking = 0;  // returns at once; we poll with a deadline instead of hanging
@@ -89,10 +96,11 @@ void Communicator::wait_ready_locked(const std::string& what, bool interruptible
       throw CommError(error_);
     }
     if (Clock::now() >= deadline) {
-      fail_locked("NCCL " + what + " timed out after " + seconds(timeout_) + " on " + where() +
-                  ": another rank never joined or stopped answering (did it fail after the unique-id "
-                  "broadcast?); the communicator was aborted. Raise --distributed-timeout-minutes if "
-                  "ranks are just slow to start");
+      fail_locked(
+          "NCCL " + what + " timed out after " + seconds(timeout_) + " on " + where() +
+          ": another rank never joined or stopped answering (did it fail after the unique-id "
+          "broadcast?); the communicator was aborted. Raise --distributed-timeout-minutes if "
+          "ranks are just slow to start");
       throw CommTimeout(error_);
     }
     if (interruptible && interrupted_ && interrupted_()) {
@@ -116,9 +124,10 @@ std::shared_ptr<Work> Communicator::enqueue(const char* name, size_t count, int 
   std::lock_guard<std::mutex> lock(mu_);
   if (!comm_) throw CommError(error_.empty() ? "the NCCL communicator was closed" : error_);
   const uint64_t seq = ++seq_;
-  auto work = std::make_shared<Work>(&ops_, seq,
-                                     std::string(name) + " #" + std::to_string(seq) + " (" +
-                                         std::to_string(count) + " elements, " + dtype_name(dtype) + ")");
+  auto work =
+      std::make_shared<Work>(&ops_, seq,
+                             std::string(name) + " #" + std::to_string(seq) + " (" +
+                                 std::to_string(count) + " elements, " + dtype_name(dtype) + ")");
   last_ = work->what;
   // The comm stream starts after everything already queued on the caller's stream.
   void* ready = nullptr;
@@ -128,34 +137,36 @@ std::shared_ptr<Work> Communicator::enqueue(const char* name, size_t count, int 
   ops_.event_destroy(ready);  // legal once recorded: the wait keeps its own reference
   check_ops(wt, "ordering the comm stream after the current stream");
   const int r = call(comm_);
-  if (r == kInProgress) wait_ready_locked(work->what, false);
+  if (r == kInProgress)
+    wait_ready_locked(work->what, false);
   else if (r != kSuccess) {
     fail_locked("NCCL " + work->what + " failed on " + where() + ": " + error_string(r) +
                 "; the communicator was aborted");
     throw CommError(error_);
   }
   check_ops(ops_.event_create(&work->done), "event create");
-  check_ops(ops_.event_record(work->done, comm_stream_), "recording the collective's completion event");
+  check_ops(ops_.event_record(work->done, comm_stream_),
+            "recording the collective's completion event");
   pending_.push_back(work);
   return work;
 }
 
-std::shared_ptr<Work> Communicator::all_reduce(const void* send, void* recv, size_t count, int dtype, int op,
-                                               void* stream) {
+std::shared_ptr<Work> Communicator::all_reduce(const void* send, void* recv, size_t count,
+                                               int dtype, int op, void* stream) {
   return enqueue("all_reduce", count, dtype, stream, [&](Comm c) {
     return nccl::all_reduce(send, recv, count, dtype, op, c, comm_stream_);
   });
 }
 
-std::shared_ptr<Work> Communicator::reduce_scatter(const void* send, void* recv, size_t recv_count, int dtype,
-                                                   int op, void* stream) {
+std::shared_ptr<Work> Communicator::reduce_scatter(const void* send, void* recv, size_t recv_count,
+                                                   int dtype, int op, void* stream) {
   return enqueue("reduce_scatter", recv_count, dtype, stream, [&](Comm c) {
     return nccl::reduce_scatter(send, recv, recv_count, dtype, op, c, comm_stream_);
   });
 }
 
-std::shared_ptr<Work> Communicator::all_gather(const void* send, void* recv, size_t send_count, int dtype,
-                                               void* stream) {
+std::shared_ptr<Work> Communicator::all_gather(const void* send, void* recv, size_t send_count,
+                                               int dtype, void* stream) {
   return enqueue("all_gather", send_count, dtype, stream, [&](Comm c) {
     return nccl::all_gather(send, recv, send_count, dtype, c, comm_stream_);
   });
@@ -164,7 +175,8 @@ std::shared_ptr<Work> Communicator::all_gather(const void* send, void* recv, siz
 void Communicator::wait(const Work& work, void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!error_.empty()) throw CommError(error_);
-  check_ops(ops_.stream_wait_event(stream, work.done), "waiting for the collective's completion event");
+  check_ops(ops_.stream_wait_event(stream, work.done),
+            "waiting for the collective's completion event");
 }
 
 bool Communicator::completed(const Work& work) {
@@ -210,15 +222,17 @@ void Communicator::watchdog() {
         continue;
       }
       if (q != 1) {
-        fail_locked("CUDA error while waiting for NCCL " + pending_.front()->what + " on " + where() + ": " +
+        fail_locked("CUDA error while waiting for NCCL " + pending_.front()->what + " on " +
+                    where() + ": " +
                     (ops_.error_string ? ops_.error_string(q) : std::to_string(q)) +
                     "; the watchdog aborted the communicator");
       } else if (Clock::now() - pending_.front()->issued > timeout_) {
-        fail_locked("NCCL " + pending_.front()->what + " did not complete within " + seconds(timeout_) +
-                    " on " + where() +
-                    ": another rank failed, never issued it, or issued a different collective; the "
-                    "watchdog aborted the communicator. Raise --distributed-timeout-minutes if a step is "
-                    "legitimately that slow");
+        fail_locked(
+            "NCCL " + pending_.front()->what + " did not complete within " + seconds(timeout_) +
+            " on " + where() +
+            ": another rank failed, never issued it, or issued a different collective; the "
+            "watchdog aborted the communicator. Raise --distributed-timeout-minutes if a step is "
+            "legitimately that slow");
       }
       break;
     }
@@ -245,7 +259,8 @@ void Communicator::close() {
     }
     const int d = comm_destroy(comm_);
     comm_ = nullptr;
-    if (d != kSuccess && d != kInProgress) error_ = "NCCL ncclCommDestroy failed on " + where() + ": " + error_string(d);
+    if (d != kSuccess && d != kInProgress)
+      error_ = "NCCL ncclCommDestroy failed on " + where() + ": " + error_string(d);
     if (error_.empty()) error_ = "the NCCL communicator was closed";
     return;
   }

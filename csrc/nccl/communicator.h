@@ -82,10 +82,12 @@ class Communicator {
   Communicator& operator=(const Communicator&) = delete;
 
   // Enqueue on the comm stream after the work already on `stream` (see the header note).
-  std::shared_ptr<Work> all_reduce(const void* send, void* recv, size_t count, int dtype, int op, void* stream);
-  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, size_t recv_count, int dtype, int op,
-                                       void* stream);
-  std::shared_ptr<Work> all_gather(const void* send, void* recv, size_t send_count, int dtype, void* stream);
+  std::shared_ptr<Work> all_reduce(const void* send, void* recv, size_t count, int dtype, int op,
+                                   void* stream);
+  std::shared_ptr<Work> reduce_scatter(const void* send, void* recv, size_t recv_count, int dtype,
+                                       int op, void* stream);
+  std::shared_ptr<Work> all_gather(const void* send, void* recv, size_t send_count, int dtype,
+                                   void* stream);
 
   // `stream` waits for `work` (device-side; throws if the communicator failed).
   void wait(const Work& work, void* stream);
@@ -101,7 +103,8 @@ class Communicator {
 
  private:
   using Call = std::function<int(Comm)>;
-  std::shared_ptr<Work> enqueue(const char* name, size_t count, int dtype, void* stream, const Call& call);
+  std::shared_ptr<Work> enqueue(const char* name, size_t count, int dtype, void* stream,
+                                const Call& call);
   // Poll ncclCommGetAsyncError until not in progress; on error/timeout abort and throw.
   void wait_ready_locked(const std::string& what, bool interruptible);
   void watchdog();

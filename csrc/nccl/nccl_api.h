@@ -15,8 +15,10 @@
 namespace megadlm {
 namespace nccl {
 
-struct UniqueId { char internal[128]; };  // ncclUniqueId (NCCL_UNIQUE_ID_BYTES = 128)
-using Comm = void*;                         // ncclComm_t (opaque pointer)
+struct UniqueId {
+  char internal[128];
+};                   // ncclUniqueId (NCCL_UNIQUE_ID_BYTES = 128)
+using Comm = void*;  // ncclComm_t (opaque pointer)
 
 // ncclDataType_t / ncclRedOp_t values used here (stable since NCCL 2.10).
 enum DataType : int { kFloat16 = 6, kFloat32 = 7, kBfloat16 = 9 };
@@ -62,7 +64,8 @@ int get_async_error(Comm comm, int* state);
 int comm_abort(Comm comm);
 int comm_finalize(Comm comm);
 int comm_destroy(Comm comm);
-int all_reduce(const void* send, void* recv, size_t count, int dtype, int op, Comm comm, void* stream);
+int all_reduce(const void* send, void* recv, size_t count, int dtype, int op, Comm comm,
+               void* stream);
 int reduce_scatter(const void* send, void* recv, size_t recv_count, int dtype, int op, Comm comm,
                    void* stream);
 int all_gather(const void* send, void* recv, size_t send_count, int dtype, Comm comm, void* stream);

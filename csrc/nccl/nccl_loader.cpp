@@ -43,22 +43,28 @@ bool bind_all(void* h, Api& a, std::string& why) {
   return sym(h, "ncclGetUniqueId", a.get_unique_id, why) &
          sym(h, "ncclCommInitRankConfig", a.comm_init_rank_config, why) &
          sym(h, "ncclCommGetAsyncError", a.get_async_error, why) &
-         sym(h, "ncclCommAbort", a.comm_abort, why) & sym(h, "ncclCommFinalize", a.comm_finalize, why) &
-         sym(h, "ncclCommDestroy", a.comm_destroy, why) & sym(h, "ncclAllReduce", a.all_reduce, why) &
-         sym(h, "ncclReduceScatter", a.reduce_scatter, why) & sym(h, "ncclAllGather", a.all_gather, why) &
-         sym(h, "ncclGetErrorString", a.error_string, why) & sym(h, "ncclGetVersion", a.get_version, why);
+         sym(h, "ncclCommAbort", a.comm_abort, why) &
+         sym(h, "ncclCommFinalize", a.comm_finalize, why) &
+         sym(h, "ncclCommDestroy", a.comm_destroy, why) &
+         sym(h, "ncclAllReduce", a.all_reduce, why) &
+         sym(h, "ncclReduceScatter", a.reduce_scatter, why) &
+         sym(h, "ncclAllGather", a.all_gather, why) &
+         sym(h, "ncclGetErrorString", a.error_string, why) &
+         sym(h, "ncclGetVersion", a.get_version, why);
 }
 
 const Api& api() {
   if (!g_api.handle)
-    throw std::runtime_error("libnccl is not loaded: call megadlm_ext.nccl.available() first "
-                             "(set MEGADLM_NCCL_LIB=/path/to/libnccl.so.2 if it is not found)");
+    throw std::runtime_error(
+        "libnccl is not loaded: call megadlm_ext.nccl.available() first "
+        "(set MEGADLM_NCCL_LIB=/path/to/libnccl.so.2 if it is not found)");
   return g_api;
 }
 }  // namespace
 
 std::string version_string(int code) {
-  return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." + std::to_string(code % 100);
+  return std::to_string(code / 10000) + "." + std::to_string(code / 100 % 100) + "." +
+         std::to_string(code % 100);
 }
 
 bool load(const std::vector<std::string>& paths, std::string* error) {
@@ -79,8 +85,9 @@ bool load(const std::vector<std::string>& paths, std::string* error) {
       if (a.get_version(&a.version) != 0)
         why = " ncclGetVersion failed";
       else if (a.version < kMinVersion)
-        why = " NCCL " + version_string(a.version) + " is too old: megadlm_ext needs NCCL >= " +
-              version_string(kMinVersion) + " (non-blocking init with a timeout; avg and bf16 need 2.10)";
+        why = " NCCL " + version_string(a.version) +
+              " is too old: megadlm_ext needs NCCL >= " + version_string(kMinVersion) +
+              " (non-blocking init with a timeout; avg and bf16 need 2.10)";
     }
     if (!why.empty()) {
       errors += p + ":" + why + "\n";
@@ -114,7 +121,8 @@ int version() {
 
 std::string error_string(int result) {
   const char* msg = g_api.error_string ? g_api.error_string(result) : nullptr;
-  return std::string(msg ? msg : "unknown error") + " (ncclResult_t " + std::to_string(result) + ")";
+  return std::string(msg ? msg : "unknown error") + " (ncclResult_t " + std::to_string(result) +
+         ")";
 }
 
 UniqueId get_unique_id() {
@@ -127,19 +135,29 @@ UniqueId get_unique_id() {
 int comm_init_rank_config(Comm* comm, int nranks, const UniqueId& id, int rank, Config* config) {
   return api().comm_init_rank_config(comm, nranks, id, rank, config);
 }
-int get_async_error(Comm comm, int* state) { return api().get_async_error(comm, state); }
-int comm_abort(Comm comm) { return api().comm_abort(comm); }
-int comm_finalize(Comm comm) { return api().comm_finalize(comm); }
-int comm_destroy(Comm comm) { return api().comm_destroy(comm); }
+int get_async_error(Comm comm, int* state) {
+  return api().get_async_error(comm, state);
+}
+int comm_abort(Comm comm) {
+  return api().comm_abort(comm);
+}
+int comm_finalize(Comm comm) {
+  return api().comm_finalize(comm);
+}
+int comm_destroy(Comm comm) {
+  return api().comm_destroy(comm);
+}
 
-int all_reduce(const void* send, void* recv, size_t count, int dtype, int op, Comm comm, void* stream) {
+int all_reduce(const void* send, void* recv, size_t count, int dtype, int op, Comm comm,
+               void* stream) {
   return api().all_reduce(send, recv, count, dtype, op, comm, stream);
 }
 int reduce_scatter(const void* send, void* recv, size_t recv_count, int dtype, int op, Comm comm,
                    void* stream) {
   return api().reduce_scatter(send, recv, recv_count, dtype, op, comm, stream);
 }
-int all_gather(const void* send, void* recv, size_t send_count, int dtype, Comm comm, void* stream) {
+int all_gather(const void* send, void* recv, size_t send_count, int dtype, Comm comm,
+               void* stream) {
   return api().all_gather(send, recv, send_count, dtype, comm, stream);
 }
 

@@ -46,15 +46,16 @@ inline bool python_interrupted() {
 
 // Build a Communicator with the GIL released (init polls for the other ranks). An
 // interrupt re-raises the pending Python exception after the abort.
-inline std::shared_ptr<Communicator> make_communicator(const UniqueId& id, int rank, int nranks, double timeout_s,
-                                                       const StreamOps& ops, void* comm_stream, double poll_s) {
+inline std::shared_ptr<Communicator> make_communicator(const UniqueId& id, int rank, int nranks,
+                                                       double timeout_s, const StreamOps& ops,
+                                                       void* comm_stream, double poll_s) {
   std::shared_ptr<Communicator> comm;
   bool interrupted = false;
   {
     pybind11::gil_scoped_release nogil;
     try {
-      comm = std::make_shared<Communicator>(id, rank, nranks, timeout_s, ops, comm_stream, python_interrupted,
-                                            poll_s);
+      comm = std::make_shared<Communicator>(id, rank, nranks, timeout_s, ops, comm_stream,
+                                            python_interrupted, poll_s);
     } catch (const CommInterrupted&) {
       interrupted = true;
     }

@@ -12,14 +12,28 @@
 #define __device__
 #define __forceinline__ inline
 #define __restrict__
-struct alignas(16) float4 { float x, y, z, w; };
-struct alignas(16) uint4 { unsigned x, y, z, w; };
-inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
-inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) { return {a, b, c, d}; }
-struct Dim3 { unsigned x; };
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
+inline float4 make_float4(float a, float b, float c, float d) {
+  return {a, b, c, d};
+}
+inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) {
+  return {a, b, c, d};
+}
+struct Dim3 {
+  unsigned x;
+};
 static Dim3 threadIdx, blockIdx, blockDim, gridDim;
-inline float __fmul_rn(float a, float b) { return a * b; }  // built with -ffp-contract=off
-inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) {
+  return a * b;
+}  // built with -ffp-contract=off
+inline float __fadd_rn(float a, float b) {
+  return a + b;
+}
 using std::fmaf;
 using std::isfinite;
 
@@ -30,8 +44,8 @@ using namespace megadlm;
 using namespace megadlm::cuda;
 
 template <int OP, class S, class D>
-static void run_grid(const Segment* segs, int64_t nseg, int64_t total, float scale, int grid, double* sum,
-                     int* flag) {
+static void run_grid(const Segment* segs, int64_t nseg, int64_t total, float scale, int grid,
+                     double* sum, int* flag) {
   gridDim.x = unsigned(grid);
   blockDim.x = kThreads;
   for (int b = 0; b < grid; ++b) {
@@ -49,33 +63,42 @@ static void run_grid(const Segment* segs, int64_t nseg, int64_t total, float sca
 // The kernel the launcher picks: typed on the list's uniform (src, dst) pair, or the
 // per-segment dispatching one (mixed lists; `force_mixed` runs it on any list).
 template <int OP>
-static void run_op(const Segment* segs, int64_t nseg, int64_t total, float scale, int grid, int force_mixed,
-                   double* sum, int* flag) {
+static void run_op(const Segment* segs, int64_t nseg, int64_t total, float scale, int grid,
+                   int force_mixed, double* sum, int* flag) {
   const int32_t pair = force_mixed ? kMixedPair : uniform_pair(segs, nseg);
   with_kernel_types<OP>(pair, [&](auto s, auto d) {
     run_grid<OP, decltype(s), decltype(d)>(segs, nseg, total, scale, grid, sum, flag);
   });
 }
 
-extern "C" int emu_run(int op, const Segment* segs, int64_t nseg, int64_t total, float scale, int grid,
-                       int force_mixed, double* sum, int* flag) {
+extern "C" int emu_run(int op, const Segment* segs, int64_t nseg, int64_t total, float scale,
+                       int grid, int force_mixed, double* sum, int* flag) {
   *sum = 0.0;
   *flag = 0;
   switch (op) {
     case kCopy: run_op<kCopy>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
-    case kAccumulate: run_op<kAccumulate>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
+    case kAccumulate:
+      run_op<kAccumulate>(segs, nseg, total, scale, grid, force_mixed, sum, flag);
+      return 0;
     case kScale: run_op<kScale>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
-    case kSumSquares: run_op<kSumSquares>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
-    case kNonFinite: run_op<kNonFinite>(segs, nseg, total, scale, grid, force_mixed, sum, flag); return 0;
+    case kSumSquares:
+      run_op<kSumSquares>(segs, nseg, total, scale, grid, force_mixed, sum, flag);
+      return 0;
+    case kNonFinite:
+      run_op<kNonFinite>(segs, nseg, total, scale, grid, force_mixed, sum, flag);
+      return 0;
     default: return 1;
   }
 }
 
 // The pair code the launcher would pass for this table (-1: mixed).
-extern "C" int emu_uniform_pair(const Segment* segs, int64_t nseg) { return uniform_pair(segs, nseg); }
+extern "C" int emu_uniform_pair(const Segment* segs, int64_t nseg) {
+  return uniform_pair(segs, nseg);
+}
 
 // The even split of `chunks` over `grid` blocks: chunk range of block b.
-extern "C" void emu_block_chunks(int64_t chunks, int64_t grid, int64_t b, int64_t* c0, int64_t* c1) {
+extern "C" void emu_block_chunks(int64_t chunks, int64_t grid, int64_t b, int64_t* c0,
+                                 int64_t* c1) {
   block_chunks(chunks, grid, b, c0, c1);
 }
 
@@ -84,4 +107,6 @@ extern "C" int emu_grid_size(int64_t total, int blocks_per_sm, int sms, int64_t 
   return grid_size((total + kChunk - 1) / kChunk, blocks_per_sm, sms, cap);
 }
 
-extern "C" int64_t emu_chunk() { return kChunk; }
+extern "C" int64_t emu_chunk() {
+  return kChunk;
+}

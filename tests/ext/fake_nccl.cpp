@@ -23,13 +23,18 @@ enum { kSuccess = 0, kInternalError = 3, kInvalidUsage = 5, kInProgress = 7 };
 struct Stream {
   uint64_t enqueued = 0, completed = 0;
   bool held = false;
-  void push() { ++enqueued; if (!held) completed = enqueued; }
+  void push() {
+    ++enqueued;
+    if (!held) completed = enqueued;
+  }
 };
 struct Event {
   Stream* stream = nullptr;
   uint64_t target = 0;
 };
-struct UniqueId { char internal[128]; };  // passed by value, as ncclUniqueId
+struct UniqueId {
+  char internal[128];
+};  // passed by value, as ncclUniqueId
 struct Comm {
   int polls_left = 0;  // init: ncclInProgress for this many polls (-1: forever)
   int rank = 0;
@@ -40,11 +45,15 @@ std::string g_log;             // "op:arg;" entries, read by fake_log()
 int g_init_polls = 0;          // polls before init completes (-1: never)
 int g_async_error = kSuccess;  // returned by ncclCommGetAsyncError once init is done
 int g_aborts = 0, g_destroys = 0, g_finalizes = 0, g_events_live = 0;
-int g_block_destroy = 0;       // 1: ncclCommDestroy waits for fake_unblock_destroy()
+int g_block_destroy = 0;  // 1: ncclCommDestroy waits for fake_unblock_destroy()
 int g_destroy_timed_out = 0;
 
-void log(const std::string& s) { g_log += s + ";"; }
-std::string id(const void* p) { return std::to_string(reinterpret_cast<uintptr_t>(p) % 100000); }
+void log(const std::string& s) {
+  g_log += s + ";";
+}
+std::string id(const void* p) {
+  return std::to_string(reinterpret_cast<uintptr_t>(p) % 100000);
+}
 }  // namespace
 
 extern "C" {
@@ -52,25 +61,57 @@ extern "C" {
 void fake_reset() {
   std::lock_guard<std::mutex> l(g_mu);
   g_log.clear();
-  g_init_polls = 0; g_async_error = kSuccess; g_aborts = g_destroys = g_finalizes = 0;
-  g_block_destroy = 0; g_destroy_timed_out = 0;
+  g_init_polls = 0;
+  g_async_error = kSuccess;
+  g_aborts = g_destroys = g_finalizes = 0;
+  g_block_destroy = 0;
+  g_destroy_timed_out = 0;
 }
-void fake_set_init_polls(int n) { std::lock_guard<std::mutex> l(g_mu); g_init_polls = n; }
-void fake_set_async_error(int code) { std::lock_guard<std::mutex> l(g_mu); g_async_error = code; }
-void fake_set_block_destroy(int on) { std::lock_guard<std::mutex> l(g_mu); g_block_destroy = on; }
-void fake_unblock_destroy() { std::lock_guard<std::mutex> l(g_mu); g_block_destroy = 0; }
-int fake_aborts() { std::lock_guard<std::mutex> l(g_mu); return g_aborts; }
-int fake_destroys() { std::lock_guard<std::mutex> l(g_mu); return g_destroys; }
-int fake_finalizes() { std::lock_guard<std::mutex> l(g_mu); return g_finalizes; }
-int fake_destroy_timed_out() { std::lock_guard<std::mutex> l(g_mu); return g_destroy_timed_out; }
-int fake_events_live() { std::lock_guard<std::mutex> l(g_mu); return g_events_live; }
+void fake_set_init_polls(int n) {
+  std::lock_guard<std::mutex> l(g_mu);
+  g_init_polls = n;
+}
+void fake_set_async_error(int code) {
+  std::lock_guard<std::mutex> l(g_mu);
+  g_async_error = code;
+}
+void fake_set_block_destroy(int on) {
+  std::lock_guard<std::mutex> l(g_mu);
+  g_block_destroy = on;
+}
+void fake_unblock_destroy() {
+  std::lock_guard<std::mutex> l(g_mu);
+  g_block_destroy = 0;
+}
+int fake_aborts() {
+  std::lock_guard<std::mutex> l(g_mu);
+  return g_aborts;
+}
+int fake_destroys() {
+  std::lock_guard<std::mutex> l(g_mu);
+  return g_destroys;
+}
+int fake_finalizes() {
+  std::lock_guard<std::mutex> l(g_mu);
+  return g_finalizes;
+}
+int fake_destroy_timed_out() {
+  std::lock_guard<std::mutex> l(g_mu);
+  return g_destroy_timed_out;
+}
+int fake_events_live() {
+  std::lock_guard<std::mutex> l(g_mu);
+  return g_events_live;
+}
 const char* fake_log() {
   static std::string copy;
   std::lock_guard<std::mutex> l(g_mu);
   copy = g_log;
   return copy.c_str();
 }
-void* fake_stream_create() { return new Stream(); }
+void* fake_stream_create() {
+  return new Stream();
+}
 void fake_stream_hold(void* s, int held) {
   std::lock_guard<std::mutex> l(g_mu);
   auto* st = static_cast<Stream*>(s);
@@ -79,7 +120,10 @@ void fake_stream_hold(void* s, int held) {
 }
 
 // ---- NCCL ABI ------------------------------------------------------------------------
-int ncclGetVersion(int* v) { *v = FAKE_VERSION; return kSuccess; }
+int ncclGetVersion(int* v) {
+  *v = FAKE_VERSION;
+  return kSuccess;
+}
 const char* ncclGetErrorString(int r) {
   switch (r) {
     case kSuccess: return "no error";
@@ -89,11 +133,15 @@ const char* ncclGetErrorString(int r) {
     default: return "fake error";
   }
 }
-int ncclGetUniqueId(void* uid) { std::memset(uid, 7, 128); return kSuccess; }
+int ncclGetUniqueId(void* uid) {
+  std::memset(uid, 7, 128);
+  return kSuccess;
+}
 int ncclCommInitRankConfig(void** comm, int nranks, UniqueId uid, int rank, void* config) {
   (void)uid;
   std::lock_guard<std::mutex> l(g_mu);
-  const int blocking = *reinterpret_cast<int*>(static_cast<char*>(config) + 16);  // after size/magic/version
+  const int blocking =
+      *reinterpret_cast<int*>(static_cast<char*>(config) + 16);  // after size/magic/version
   if (nranks < 1 || rank < 0 || rank >= nranks) return kInvalidUsage;
   auto* c = new Comm();
   c->polls_left = g_init_polls;
@@ -134,7 +182,10 @@ int ncclCommDestroy(void* comm) {
     {
       std::lock_guard<std::mutex> l(g_mu);
       if (!g_block_destroy) break;
-      if (std::chrono::steady_clock::now() > until) { g_destroy_timed_out = 1; break; }
+      if (std::chrono::steady_clock::now() > until) {
+        g_destroy_timed_out = 1;
+        break;
+      }
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
@@ -151,7 +202,9 @@ static int collective(const char* name, const void* send, void* recv, size_t byt
   log(std::string(name) + ":" + id(stream));
   return kSuccess;
 }
-static size_t esize(int dtype) { return dtype == 7 ? 4 : 2; }
+static size_t esize(int dtype) {
+  return dtype == 7 ? 4 : 2;
+}
 int ncclAllReduce(const void* s, void* r, size_t n, int dt, int, void*, void* st) {
   return collective("allreduce", s, r, n * esize(dt), st);
 }
@@ -163,8 +216,18 @@ int ncclAllGather(const void* s, void* r, size_t n, int dt, void*, void* st) {
 }
 
 // ---- host streams/events, with the layout of megadlm::nccl::StreamOps ------------------
-static int ev_create(void** e) { std::lock_guard<std::mutex> l(g_mu); ++g_events_live; *e = new Event(); return 0; }
-static int ev_destroy(void* e) { std::lock_guard<std::mutex> l(g_mu); --g_events_live; delete static_cast<Event*>(e); return 0; }
+static int ev_create(void** e) {
+  std::lock_guard<std::mutex> l(g_mu);
+  ++g_events_live;
+  *e = new Event();
+  return 0;
+}
+static int ev_destroy(void* e) {
+  std::lock_guard<std::mutex> l(g_mu);
+  --g_events_live;
+  delete static_cast<Event*>(e);
+  return 0;
+}
 static int ev_record(void* e, void* s) {
   std::lock_guard<std::mutex> l(g_mu);
   auto* ev = static_cast<Event*>(e);
@@ -183,9 +246,15 @@ static int ev_query(void* e) {
   auto* ev = static_cast<Event*>(e);
   return ev->stream && ev->stream->completed < ev->target ? 1 : 0;
 }
-static const char* err_string(int) { return "fake stream error"; }
+static const char* err_string(int) {
+  return "fake stream error";
+}
 struct Ops {
-  int (*c)(void**); int (*d)(void*); int (*r)(void*, void*); int (*w)(void*, void*); int (*q)(void*);
+  int (*c)(void**);
+  int (*d)(void*);
+  int (*r)(void*, void*);
+  int (*w)(void*, void*);
+  int (*q)(void*);
   const char* (*s)(int);
 };
 Ops megadlm_test_stream_ops = {ev_create, ev_destroy, ev_record, stream_wait, ev_query, err_string};

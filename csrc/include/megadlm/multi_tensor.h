@@ -26,7 +26,9 @@ namespace megadlm {
 // Element types the ops accept (values shared with the bindings' dtype mapping).
 enum DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
-MEGADLM_HD int dtype_size(int32_t d) { return d == kF32 ? 4 : 2; }
+MEGADLM_HD int dtype_size(int32_t d) {
+  return d == kF32 ? 4 : 2;
+}
 
 // What a kernel does with one element x of src (and d of dst), all math in fp32:
 //   kCopy:       dst = round(x * scale)            (flatten / unflatten)
@@ -37,8 +39,14 @@ MEGADLM_HD int dtype_size(int32_t d) { return d == kF32 ? 4 : 2; }
 //   kNonFinite:  any exponent-all-ones element     (has_nonfinite)
 //   kCopyStreaming: kCopy with non-temporal stores (CPU launcher's choice for outputs
 //                   larger than the last-level cache: saves the read-for-ownership)
-enum OpKind : int32_t { kCopy = 0, kAccumulate = 1, kScale = 2, kSumSquares = 3, kNonFinite = 4,
-                        kCopyStreaming = 5 };
+enum OpKind : int32_t {
+  kCopy = 0,
+  kAccumulate = 1,
+  kScale = 2,
+  kSumSquares = 3,
+  kNonFinite = 4,
+  kCopyStreaming = 5
+};
 
 // One tensor of a list. `start` is the prefix sum of numel over the previous segments
 // (empty tensors are dropped by the bindings), so segment i covers global elements
@@ -62,7 +70,10 @@ MEGADLM_HD int64_t find_segment(const Segment* segs, int64_t nseg, int64_t g) {
   int64_t lo = 0, hi = nseg - 1;
   while (lo < hi) {  // last segment with start <= g
     int64_t mid = (lo + hi + 1) >> 1;
-    if (segs[mid].start <= g) lo = mid; else hi = mid - 1;
+    if (segs[mid].start <= g)
+      lo = mid;
+    else
+      hi = mid - 1;
   }
   return lo;
 }
@@ -86,7 +97,9 @@ MEGADLM_HD uint32_t float_to_bits(float f) {
   return u;
 #endif
 }
-MEGADLM_HD float bf16_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
+MEGADLM_HD float bf16_to_float(uint16_t h) {
+  return bits_to_float(uint32_t(h) << 16);
+}
 MEGADLM_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_to_bits(f);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
@@ -107,9 +120,9 @@ MEGADLM_HD uint16_t float_to_fp16(float f) {
   uint32_t u = float_to_bits(f);
   uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);         // NaN
-  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);        // rounds to >= 65520: inf
-  if (a < 0x38800000u) {                                        // below 2^-14: subnormal
+  if (a > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
+  if (a >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // rounds to >= 65520: inf
+  if (a < 0x38800000u) {                                  // below 2^-14: subnormal
     // Adding 0.5 moves the value's subnormal bits to the mantissa; the FPU rounds to
     // nearest even for us.
     float v = bits_to_float(a) + 0.5f;
@@ -124,13 +137,26 @@ MEGADLM_HD uint16_t float_to_fp16(float f) {
 // The CUDA kernels are templates on the (source, destination) pair, so the dtype
 // dispatch happens once per launch (or once per segment for mixed lists), never per
 // element. Codes: pair = src * 3 + dst; kMixedPair when the list mixes pairs.
-struct F32T { using T = float; static constexpr int32_t kCode = kF32; };
-struct BF16T { using T = uint16_t; static constexpr int32_t kCode = kBF16; };
-struct F16T { using T = uint16_t; static constexpr int32_t kCode = kF16; };
-struct MixedT { static constexpr int32_t kCode = -1; };  // dtype read from each segment
+struct F32T {
+  using T = float;
+  static constexpr int32_t kCode = kF32;
+};
+struct BF16T {
+  using T = uint16_t;
+  static constexpr int32_t kCode = kBF16;
+};
+struct F16T {
+  using T = uint16_t;
+  static constexpr int32_t kCode = kF16;
+};
+struct MixedT {
+  static constexpr int32_t kCode = -1;
+};  // dtype read from each segment
 constexpr int32_t kMixedPair = -1;
 
-MEGADLM_HD int32_t pair_code(int32_t src, int32_t dst) { return src * 3 + dst; }
+MEGADLM_HD int32_t pair_code(int32_t src, int32_t dst) {
+  return src * 3 + dst;
+}
 
 // The pair shared by every segment, or kMixedPair (host: the launcher picks the kernel).
 inline int32_t uniform_pair(const Segment* segs, int64_t nseg) {
@@ -145,23 +171,32 @@ inline int32_t uniform_pair(const Segment* segs, int64_t nseg) {
 // launchers call them with host lambdas, the mixed-list kernels with device lambdas,
 // and nvcc keeps those apart.
 #define MEGADLM_WITH_TYPE_BODY(code, f) \
-  if (code == kF32) f(F32T{});          \
-  else if (code == kBF16) f(BF16T{});   \
-  else f(F16T{})
+  if (code == kF32)                     \
+    f(F32T{});                          \
+  else if (code == kBF16)               \
+    f(BF16T{});                         \
+  else                                  \
+    f(F16T{})
 // f(S{}) for a dtype code (host).
 template <class F>
-inline void with_type(int32_t code, F&& f) { MEGADLM_WITH_TYPE_BODY(code, f); }
+inline void with_type(int32_t code, F&& f) {
+  MEGADLM_WITH_TYPE_BODY(code, f);
+}
 // f(S{}, D{}) for a pair code; kMixedPair -> f(MixedT{}, MixedT{}) (host).
 template <class F>
 inline void with_pair(int32_t pair, F&& f) {
-  if (pair == kMixedPair) f(MixedT{}, MixedT{});
-  else with_type(pair / 3, [&](auto s) { with_type(pair % 3, [&](auto d) { f(s, d); }); });
+  if (pair == kMixedPair)
+    f(MixedT{}, MixedT{});
+  else
+    with_type(pair / 3, [&](auto s) { with_type(pair % 3, [&](auto d) { f(s, d); }); });
 }
 // f(S{}) for the source type of a pair code (ops whose destination is the source or none).
 template <class F>
 inline void with_src(int32_t pair, F&& f) {
-  if (pair == kMixedPair) f(MixedT{});
-  else with_type(pair / 3, f);
+  if (pair == kMixedPair)
+    f(MixedT{});
+  else
+    with_type(pair / 3, f);
 }
 
 #if defined(__CUDACC__)
@@ -171,7 +206,9 @@ inline void with_src(int32_t pair, F&& f) {
 #endif
 // Device copies: f(S{}) for a dtype code; f(S{}, D{}) for a concrete (src, dst) pair.
 template <class F>
-MEGADLM_DEVICE void dev_with_type(int32_t code, F&& f) { MEGADLM_WITH_TYPE_BODY(code, f); }
+MEGADLM_DEVICE void dev_with_type(int32_t code, F&& f) {
+  MEGADLM_WITH_TYPE_BODY(code, f);
+}
 template <class F>
 MEGADLM_DEVICE void dev_with_pair(int32_t src, int32_t dst, F&& f) {
   dev_with_type(src, [&](auto s) { dev_with_type(dst, [&](auto d) { f(s, d); }); });
@@ -180,25 +217,35 @@ MEGADLM_DEVICE void dev_with_pair(int32_t src, int32_t dst, F&& f) {
 
 template <class S>
 MEGADLM_HD float get(const void* p, int64_t i) {
-  if constexpr (S::kCode == kF32) return static_cast<const float*>(p)[i];
-  else if constexpr (S::kCode == kBF16) return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  else return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
+  if constexpr (S::kCode == kF32)
+    return static_cast<const float*>(p)[i];
+  else if constexpr (S::kCode == kBF16)
+    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  else
+    return fp16_to_float(static_cast<const uint16_t*>(p)[i]);
 }
 template <class D>
 MEGADLM_HD void put(void* p, int64_t i, float v) {
-  if constexpr (D::kCode == kF32) static_cast<float*>(p)[i] = v;
-  else if constexpr (D::kCode == kBF16) static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
-  else static_cast<uint16_t*>(p)[i] = float_to_fp16(v);
+  if constexpr (D::kCode == kF32)
+    static_cast<float*>(p)[i] = v;
+  else if constexpr (D::kCode == kBF16)
+    static_cast<uint16_t*>(p)[i] = float_to_bf16(v);
+  else
+    static_cast<uint16_t*>(p)[i] = float_to_fp16(v);
 }
 template <class S>
 MEGADLM_HD float to_float16bits(uint16_t h) {
-  if constexpr (S::kCode == kBF16) return bf16_to_float(h);
-  else return fp16_to_float(h);
+  if constexpr (S::kCode == kBF16)
+    return bf16_to_float(h);
+  else
+    return fp16_to_float(h);
 }
 template <class D>
 MEGADLM_HD uint16_t from_float16bits(float v) {
-  if constexpr (D::kCode == kBF16) return float_to_bf16(v);
-  else return float_to_fp16(v);
+  if constexpr (D::kCode == kBF16)
+    return float_to_bf16(v);
+  else
+    return float_to_fp16(v);
 }
 
 #if defined(__CUDACC__)
@@ -212,7 +259,14 @@ __device__ __forceinline__ void load8(const void* base, int64_t i, float (&v)[kV
   if constexpr (S::kCode == kF32) {
     const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(base) + i);
     const float4 a = p[0], b = p[1];
-    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w; v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    v[0] = a.x;
+    v[1] = a.y;
+    v[2] = a.z;
+    v[3] = a.w;
+    v[4] = b.x;
+    v[5] = b.y;
+    v[6] = b.z;
+    v[7] = b.w;
   } else {
     const uint4 r = *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(base) + i);
     const uint32_t w[4] = {r.x, r.y, r.z, r.w};
@@ -235,8 +289,10 @@ __device__ __forceinline__ void store8(void* base, int64_t i, const float (&v)[k
     uint32_t w[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k)
-      w[k] = uint32_t(from_float16bits<D>(v[2 * k])) | (uint32_t(from_float16bits<D>(v[2 * k + 1])) << 16);
-    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + i) = make_uint4(w[0], w[1], w[2], w[3]);
+      w[k] = uint32_t(from_float16bits<D>(v[2 * k])) |
+             (uint32_t(from_float16bits<D>(v[2 * k + 1])) << 16);
+    *reinterpret_cast<uint4*>(static_cast<uint16_t*>(base) + i) =
+        make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 #endif  // __CUDACC__
