@@ -44,6 +44,7 @@ optional Gumbel temperature (float64) and classifier-free guidance.
 
 from .config import MODEL_RUNNING_MODES, P_MASK_MODES, DiffusionConfig
 from .evaluation import validation_nelbo, validation_times
+from .likelihood import answer_nll_draws, conditional_log_likelihood
 from .loss import ar_loss, check_model_for_mode, compute_loss, diffusion_loss, loss_token_count
 from .noise import counter_uniform, forward_process, varilen_length
 from .sampler import add_gumbel_noise, generate, get_num_transfer_tokens
@@ -65,4 +66,6 @@ __all__ = [
     "generate",
     "get_num_transfer_tokens",
     "add_gumbel_noise",
+    "conditional_log_likelihood",
+    "answer_nll_draws",
 ]

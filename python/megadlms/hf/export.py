@@ -89,7 +89,9 @@ def save_safetensors(tensors: Dict[str, torch.Tensor], out_dir: str, max_shard_b
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for name, shard in zip(names, shards):
-        save_file({k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name), {"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name), {"format": "pt"}
+        )
     if len(shards) > 1:
         index = {
             "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
@@ -155,7 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
     p.add_argument("--max-shard-size-mb", type=int, default=5000, help="largest safetensors shard")
     p.add_argument("--gen-length", type=int, default=128, help="generation_config.json: tokens to generate")
-    p.add_argument("--steps", type=int, default=None, help="generation_config.json: steps (default gen-length)")
+    p.add_argument(
+        "--steps", type=int, default=None, help="generation_config.json: steps (default gen-length)"
+    )
     p.add_argument("--block-length", type=int, default=None, help="generation_config.json: block length")
     return p
 

@@ -66,7 +66,11 @@ def write_tokenizer_files(tokenizer, tokenizer_record: dict, out_dir: str, model
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }
-    for role, key in (("eos_token", "eos_token_id"), ("pad_token", "pad_token_id"), ("mask_token", "mask_token_id")):
+    for role, key in (
+        ("eos_token", "eos_token_id"),
+        ("pad_token", "pad_token_id"),
+        ("mask_token", "mask_token_id"),
+    ):
         if ids[key] is not None:
             config[role] = tok.id_to_token(ids[key])
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:

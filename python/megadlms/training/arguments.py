@@ -194,6 +194,7 @@ def _model_config(args) -> TransformerConfig:
         # so every wrapper starts from the same initial weights for a given --seed
         params_dtype=torch.float32,
         attention=_attention(args),
+        add_qkv_bias=bool(args.add_qkv_bias),
     )
 
 
@@ -327,6 +328,9 @@ def _checkpoint_config(args) -> CheckpointConfig:
         no_save_rng=bool(args.no_save_rng),
         no_load_rng=bool(args.no_load_rng),
         finetune=bool(args.finetune),
+        hf_init=args.hf_init,
+        ckpt_convert_format=args.ckpt_convert_format,
+        ckpt_convert_save=args.ckpt_convert_save,
     )
 
 

@@ -12,6 +12,7 @@ maps field names back to flags. The library layers' configs are reused as they a
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -208,6 +209,11 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     """Load weights only; start at iteration 0 with a fresh optimizer and schedule."""
+    hf_init: Optional[str] = None
+    """Hugging Face model directory the fresh model is initialised from (megadlms.hf.importer)."""
+    ckpt_convert_format: Optional[str] = None
+    """Convert ``load`` to this format into ``ckpt_convert_save``/<format>, then exit."""
+    ckpt_convert_save: Optional[str] = None
 
     def __post_init__(self) -> None:
         bad = Problems("CheckpointConfig")
@@ -218,6 +224,18 @@ class CheckpointConfig:
         bad.check(self.save is None or self.save_interval is not None, "save needs save_interval N")
         bad.positive(self, "save_interval", required=False)
         bad.check(not self.finetune or bool(self.load), "finetune needs load DIR (the weights to start from)")
+        bad.check(
+            self.ckpt_convert_format in (None,) + CKPT_FORMATS,
+            f"ckpt_convert_format must be one of {CKPT_FORMATS}, got {self.ckpt_convert_format!r}",
+        )
+        bad.check(
+            self.ckpt_convert_format is None or bool(self.load and self.ckpt_convert_save),
+            "ckpt_convert_format needs load DIR (the checkpoint to convert) and ckpt_convert_save DIR",
+        )
+        bad.check(
+            self.hf_init is None or os.path.isdir(self.hf_init),
+            f"hf_init {self.hf_init} is not a directory (a Hugging Face model directory with config.json)",
+        )
         bad.raise_if_any()
 
 
