@@ -39,7 +39,11 @@ def save_tiny(root, cfg: TransformerConfig, fmt="torch_dist", seed=0, iteration=
             elif "word_embeddings" in name or "output_layer" in name:
                 p.mul_(20.0)  # confident logits, so sampler tie-breaks do not decide
     checkpointing.save_checkpoint(
-        str(root), iteration, model=model, ckpt_format=fmt, model_config=cfg.to_dict(),
+        str(root),
+        iteration,
+        model=model,
+        ckpt_format=fmt,
+        model_config=cfg.to_dict(),
         tokenizer=TokenizerConfig().to_dict(),
     )
     return model.eval()

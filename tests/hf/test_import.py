@@ -13,8 +13,13 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 SMALL = dict(
-    vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=64,
+    vocab_size=259,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
 )
 
 
@@ -60,7 +65,11 @@ def test_causal_logits_match_hf(tmp_path, family, kw):
 @pytest.mark.parametrize(
     "family,kw,message",
     [
-        ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "RoPE scaling"),
+        (
+            "llama",
+            dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+            "RoPE scaling",
+        ),
         ("llama", dict(hidden_act="gelu"), "hidden_act"),
         ("llama", dict(attention_bias=True, mlp_bias=False), "attention_bias"),
         ("qwen2", dict(use_sliding_window=True, sliding_window=16), "sliding-window"),
@@ -86,9 +95,27 @@ def _byte_tokenizer_without_mask(path):
 
 def _train_flags(flags, tmp_path, iters=4):
     return flags + [
-        "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", str(iters), "--lr", "1e-3",
-        "--mock-data", "--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--log-interval", "1",
-        "--eval-interval", "1000", "--eval-iters", "0", "--seed", "3",
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "1e-3",
+        "--mock-data",
+        "--attention-dropout",
+        "0.1",
+        "--hidden-dropout",
+        "0.1",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "1000",
+        "--eval-iters",
+        "0",
+        "--seed",
+        "3",
     ]
 
 

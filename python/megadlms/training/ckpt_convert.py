@@ -24,7 +24,7 @@ from .checkpoint_format import join_state
 _log = logging.getLogger("megadlms.training")
 
 
-class _Tensors:
+class ConvertedCheckpoint:
     """A state_dict() holder standing in for the model / optimizer / scheduler at save."""
 
     def __init__(self, state):
@@ -50,11 +50,11 @@ def convert_checkpoint(config) -> str:
     }
     template = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in keep.items()}
     checkpointing._read_tensors(src, common, template)
-    # named like the source's wrapper, which common.json records as "wrapper"
-    holder = type(str(common.get("wrapper") or "Model"), (_Tensors,), {})
-    model = holder({k[len("model/") :]: v for k, v in template.items() if k.startswith("model/")})
-    optimizer = _Tensors(join_state(common["optimizer"], template)) if with_optim else None
-    scheduler = _Tensors(common["scheduler"]) if common.get("scheduler") is not None else None
+    model = ConvertedCheckpoint(
+        {k[len("model/") :]: v for k, v in template.items() if k.startswith("model/")}
+    )
+    optimizer = ConvertedCheckpoint(join_state(common["optimizer"], template)) if with_optim else None
+    scheduler = ConvertedCheckpoint(common["scheduler"]) if common.get("scheduler") is not None else None
     root = os.path.join(ck.ckpt_convert_save, ck.ckpt_convert_format)
     out = checkpointing.save_checkpoint(
         root,
@@ -67,7 +67,11 @@ def convert_checkpoint(config) -> str:
         args=common.get("args"),
         model_config=common.get("model_config"),
         tokenizer=common.get("tokenizer"),
-        extra={**common.get("extra", {}), "converted_from": os.path.abspath(src)},
+        extra={
+            **common.get("extra", {}),
+            "converted_from": os.path.abspath(src),
+            "converted_from_wrapper": common.get("wrapper"),
+        },
         save_rng=False,
     )
     _log.info(f"converted {src} ({common['ckpt_format']}) -> {out} ({ck.ckpt_convert_format}); exiting")
