@@ -37,15 +37,15 @@ def _exact(model, prompt, answer):
     L, P = len(answer), len(prompt)
     seq = torch.tensor(prompt + answer)
     total = 0.0
-    for l in range(1, L + 1):
-        subsets = list(itertools.combinations(range(L), l))
+    for n in range(1, L + 1):
+        subsets = list(itertools.combinations(range(L), n))
         acc = 0.0
         for S in subsets:
             x = seq.clone()
             idx = torch.tensor(S) + P
             x[idx] = MASK
             logp = F.log_softmax(model(x[None])[0].double(), -1)
-            acc += -(logp[idx, seq[idx]]).sum().item() * L / l
+            acc += -(logp[idx, seq[idx]]).sum().item() * L / n
         total += acc / len(subsets) / L
     return -total
 
