@@ -44,7 +44,7 @@ def test_multiple_choice_task_end_to_end(tmp_path, monkeypatch):
     with open(tasks / "data.jsonl", "w") as f:
         f.writelines(json.dumps(d) + "\n" for d in DOCS)
     (tasks / "tiny_mc.yaml").write_text(TASK.format(data=os.path.join(tasks, "data.jsonl")))
-    args = f"pretrained={tmp_path / 'ck'},mc_samples=8,batch_size=4,seed=2"
+    args = f"pretrained={tmp_path / 'ck'},mc_samples=8,mc_batch_size=4,seed=2"
     out = lm_eval.simple_evaluate(
         model="megadlms",
         model_args=args,
@@ -52,7 +52,7 @@ def test_multiple_choice_task_end_to_end(tmp_path, monkeypatch):
         task_manager=TaskManager(include_path=str(tasks)),
         log_samples=True,
     )
-    lm = MegaDLMsLM(pretrained=str(tmp_path / "ck"), mc_samples=8, batch_size=4, seed=2)
+    lm = MegaDLMsLM(pretrained=str(tmp_path / "ck"), mc_samples=8, mc_batch_size=4, seed=2)
     direct = [[lm.score(d["question"], " " + c) for c in d["choices"]] for d in DOCS]
     samples = sorted(out["samples"]["tiny_mc"], key=lambda s: s["doc_id"])
     for s, lls in zip(samples, direct):

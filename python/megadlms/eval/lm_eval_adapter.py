@@ -10,7 +10,8 @@ it); from Python, ``import megadlms.eval.lm_eval_adapter`` then ``lm_eval.simple
 model="megadlms", model_args="pretrained=CKPT")``.
 
 model_args: ``pretrained`` (a --save directory or an iter_* directory), ``mc_samples``
-(128, LLaDA's default), ``batch_size`` (forward rows per estimator batch, 16),
+(128, LLaDA's default), ``mc_batch_size`` (forward rows per estimator batch, 16; lm-eval's
+own ``--batch_size`` is accepted and has no effect: requests are scored one by one),
 ``cfg_scale`` (0), ``seed`` (0), ``is_check_greedy`` (False: report is_greedy=False without
 the extra decode), ``gen_length`` / ``steps`` / ``block_length`` / ``temperature`` /
 ``remasking`` for generate_until, ``device``.
@@ -18,6 +19,7 @@ the extra decode), ``gen_length`` / ``steps`` / ``block_length`` / ``temperature
 
 from __future__ import annotations
 
+import logging
 from typing import List, Optional, Tuple
 
 import torch
@@ -40,7 +42,8 @@ class MegaDLMsLM(LM):
         self,
         pretrained: str,
         mc_samples: int = 128,
-        batch_size: int = 16,
+        mc_batch_size: int = 16,
+        batch_size=None,
         cfg_scale: float = 0.0,
         seed: int = 0,
         is_check_greedy: bool = False,
@@ -53,13 +56,17 @@ class MegaDLMsLM(LM):
         **unused,
     ) -> None:
         super().__init__()
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI passes --device (default cuda); like its HF model, use the CPU then
+            logging.getLogger("megadlms.eval").warning(f"device {device} is not available: using cpu")
+            device = "cpu"
         self.model, self.tokenizer, self.common = load_for_inference(
             pretrained, torch.device(device) if device else None
         )
         if self.model.config.attention != "bidirectional":
             raise ValueError(f"pretrained={pretrained} is a causal (vanilla) model; this adapter is for DLMs")
         self.mask_id = self.tokenizer.mask_token_id
-        self.mc_samples, self.mc_batch = int(mc_samples), int(batch_size)
+        self.mc_samples, self.mc_batch = int(mc_samples), int(mc_batch_size)
         self.cfg_scale, self.seed = float(cfg_scale), int(seed)
         self.is_check_greedy = _bool(is_check_greedy)
         self.gen_length = int(gen_length)

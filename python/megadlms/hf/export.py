@@ -137,7 +137,6 @@ def export_hf(
         "steps": steps or gen_length,
         "gen_length": gen_length,
         "block_length": block_length or gen_length,
-        "temperature": 0.0,
         "cfg_scale": 0.0,
         "remasking": "low_confidence",
         "mask_token_id": special.get("mask_token_id"),
