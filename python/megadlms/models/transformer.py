@@ -103,7 +103,8 @@ class SelfAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         dt = config.params_dtype
         qkv_out = self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim
-        self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=config.add_bias_linear, dtype=dt)
+        qkv_bias = config.add_bias_linear or config.add_qkv_bias
+        self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=qkv_bias, dtype=dt)
         self.linear_proj = nn.Linear(
             self.num_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear, dtype=dt
         )

@@ -224,6 +224,7 @@ def _model_config(args) -> TransformerConfig:
         # so every wrapper starts from the same initial weights for a given --seed
         params_dtype=torch.float32,
         attention=_attention(args),
+        add_qkv_bias=bool(args.add_qkv_bias),
     )
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "build_model",
     "build_scheduler",
     "device_for_rank",
+    "init_from_hf",
     "padded_vocab_size",
     "wrap_model",
 ]
@@ -52,6 +53,19 @@ def build_model(
     """The plain GPTModel, initialised from ``seed`` identically on every rank."""
     torch.manual_seed(seed)
     return GPTModel(config, core_attn_implementation=core_attn_implementation).to(device)
+
+
+def init_from_hf(model: torch.nn.Module, hf_dir: str) -> dict:
+    """--hf-init: copy a Hugging Face Llama/Qwen2 model into the plain ``model``; an
+    architecture mismatch is an error naming the flags (megadlms.hf.importer)."""
+    from megadlms.hf.importer import init_from_hf as _init
+
+    from .arguments import flag_message
+
+    try:
+        return _init(model, hf_dir)
+    except ValueError as exc:
+        raise ValueError(flag_message(str(exc))) from exc
 
 
 def wrap_model(model: torch.nn.Module, config: RunConfig):

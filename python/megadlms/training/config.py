@@ -12,6 +12,7 @@ maps field names back to flags. The library layers' configs are reused as they a
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
@@ -227,6 +228,11 @@ class CheckpointConfig:
     """Load weights only; start at iteration 0 with a fresh optimizer and schedule."""
     checkpoint_steps: Tuple[int, ...] = ()
     """Extra iterations to save at, besides every save_interval (MegaDLMs' --checkpoint-steps)."""
+    hf_init: Optional[str] = None
+    """Hugging Face model directory the fresh model is initialised from (megadlms.hf.importer)."""
+    ckpt_convert_format: Optional[str] = None
+    """Convert ``load`` to this format into ``ckpt_convert_save``/<format>, then exit."""
+    ckpt_convert_save: Optional[str] = None
 
     def __post_init__(self) -> None:
         bad = Problems("CheckpointConfig")
@@ -243,6 +249,18 @@ class CheckpointConfig:
         bad.check(self.save is None or self.save_interval is not None, "save needs save_interval N")
         bad.positive(self, "save_interval", required=False)
         bad.check(not self.finetune or bool(self.load), "finetune needs load DIR (the weights to start from)")
+        bad.check(
+            self.ckpt_convert_format in (None,) + CKPT_FORMATS,
+            f"ckpt_convert_format must be one of {CKPT_FORMATS}, got {self.ckpt_convert_format!r}",
+        )
+        bad.check(
+            self.ckpt_convert_format is None or bool(self.load and self.ckpt_convert_save),
+            "ckpt_convert_format needs load DIR (the checkpoint to convert) and ckpt_convert_save DIR",
+        )
+        bad.check(
+            self.hf_init is None or os.path.isdir(self.hf_init),
+            f"hf_init {self.hf_init} is not a directory (a Hugging Face model directory with config.json)",
+        )
         bad.raise_if_any()
 
 

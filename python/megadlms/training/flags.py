@@ -106,7 +106,12 @@ def _model_args(p):
         dest="add_bias_linear",
         help="No bias in the linear layers.",
     )
-    _add(g, "--add-qkv-bias", action="store_true", help="Bias only on QKV (not supported yet).")
+    _add(
+        g,
+        "--add-qkv-bias",
+        action="store_true",
+        help="Bias on the QKV projection even with --disable-bias-linear (Qwen2).",
+    )
     _add(
         g, "--qk-layernorm", action="store_true", help="Normalise queries and keys per head before attention."
     )
@@ -731,6 +736,25 @@ def _megadlms_args(p):
     )
 
 
+def _interop_args(p):
+    g = p.add_argument_group("Hugging Face interop / checkpoint conversion")
+    _add(
+        g,
+        "--hf-init",
+        default=None,
+        help="Initialise the model from a local Hugging Face Llama/Qwen2 (or megadlms export) directory; "
+        "the model flags must match its config.json.",
+    )
+    _add(
+        g,
+        "--ckpt-convert-format",
+        default=None,
+        choices=["torch", "torch_dist"],
+        help="Convert the --load checkpoint to this format into --ckpt-convert-save/<format>, then exit.",
+    )
+    _add(g, "--ckpt-convert-save", default=None, help="Root directory of the converted checkpoint.")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full Megatron-compatible parser (no validation; see :func:`parse_args`)."""
     p = argparse.ArgumentParser(
@@ -748,6 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
         _checkpoint_args,
         _logging_args,
         _megadlms_args,
+        _interop_args,
     ):
         add(p)
     return p

@@ -20,7 +20,6 @@ UNSUPPORTED = (
     ("train_samples", "--train-samples", None),
     ("rampup_batch_size", "--rampup-batch-size", None),
     ("rotary_percent", "--rotary-percent", 1.0),
-    ("add_qkv_bias", "--add-qkv-bias", False),
     ("use_checkpoint_args", "--use-checkpoint-args", False),
 )
 

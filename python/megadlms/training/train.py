@@ -206,6 +206,8 @@ class Trainer:
         model = builders.build_model(
             config.model, seed=t.seed, device=self.device, core_attn_implementation=t.core_attn_implementation
         )
+        if config.checkpoint.hf_init:  # before wrapping; a --load checkpoint still wins
+            builders.init_from_hf(model, config.checkpoint.hf_init)
         check_model_for_mode(model, config.diffusion)  # once, not per micro-batch
         self.num_params = sum(p.numel() for p in model.parameters())
         self.model = builders.wrap_model(model, config)

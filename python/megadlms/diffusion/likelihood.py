@@ -1,0 +1,105 @@
+"""Prompt-conditioned log-likelihood of a masked-diffusion LM (LLaDA's estimator).
+
+For a prompt p and an answer a of L tokens, the ELBO of log p(a | p) (LLaDA, Nie et al.
+2025, eq. 6 / their ``get_log_likelihood``) keeps the prompt clean and masks answer tokens:
+
+    log p(a | p) >= - E_{l ~ U{1..L}} E_{S ~ uniform l-subset of the answer}
+                        [ (L / l) * sum_{j in S} -log p_theta(a_j | p, a with S masked) ]
+
+Monte Carlo with ``mc_samples`` draws, in batches of ``batch_size`` forward rows. Within a
+batch the numbers of masked tokens are stratified (LLaDA's batch stratification): one
+offset k ~ U{1..L} per batch and l_r = ((k - 1 + floor(r L / b)) mod L) + 1 for row r of
+b, so each row's l is still uniform on 1..L (unbiased) while a batch covers 1..L evenly.
+The draws are counter-based (seed, batch, row, position), so the estimate is reproducible
+and every (prompt, answer) of the same answer length sees the same masks (common random
+numbers: the choices of a multiple-choice question are compared under the same noise).
+
+This complements ``validation_nelbo`` (unconditional, every token maskable, t ~ U(0, 1)).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from .noise import counter_uniform
+
+# noise.py's tags are 1..4; these streams must not alias them.
+TAG_LL_LENGTH = 5
+TAG_LL_MASK = 6
+
+Ids = Union[Sequence[int], torch.Tensor]
+
+
+def answer_masks(length: int, rows: int, batch: int, seed: int, device=None) -> torch.Tensor:
+    """bool [rows, length]: the masked answer positions of batch ``batch`` (rows stratified)."""
+    u = counter_uniform(seed, TAG_LL_LENGTH, torch.tensor([batch]), device=device)
+    k = 1 + min(int(u.item() * length), length - 1)
+    r = torch.arange(rows, device=device)
+    num = (k - 1 + (r * length) // rows) % length + 1
+    pos_u = counter_uniform(
+        seed, TAG_LL_MASK, batch, r[:, None], torch.arange(length, device=device)[None, :]
+    )
+    rank = pos_u.argsort(dim=1).argsort(dim=1)  # 0 = smallest uniform
+    return rank < num[:, None]
+
+
+def _logits(model, x: torch.Tensor, prompt_len: int, mask_token_id: int, cfg_scale: float) -> torch.Tensor:
+    if cfg_scale <= 0:
+        return model(x)
+    uncond = x.clone()
+    uncond[:, :prompt_len] = mask_token_id
+    cond, unc = model(torch.cat([x, uncond])).chunk(2)
+    return unc + (cfg_scale + 1) * (cond - unc)
+
+
+@torch.no_grad()
+def answer_nll_draws(
+    model: torch.nn.Module,
+    prompt: Ids,
+    answer: Ids,
+    *,
+    mask_token_id: int,
+    mc_samples: int = 128,
+    batch_size: int = 16,
+    cfg_scale: float = 0.0,
+    seed: int = 0,
+) -> torch.Tensor:
+    """float64 [mc_samples]: each draw's (L / l) * sum of masked answer CE; their mean
+    estimates -ELBO of log p(answer | prompt). ``model(ids [b, S]) -> logits [b, S, V]``."""
+    if mc_samples < 1 or batch_size < 1:
+        raise ValueError(f"mc_samples ({mc_samples}) and batch_size ({batch_size}) must be >= 1")
+    device = next(model.parameters()).device
+    prompt_t = torch.as_tensor(prompt, dtype=torch.int64, device=device).reshape(-1)
+    answer_t = torch.as_tensor(answer, dtype=torch.int64, device=device).reshape(-1)
+    L, P = answer_t.numel(), prompt_t.numel()
+    if L == 0:
+        raise ValueError("the answer is empty: nothing to score")
+    seq = torch.cat([prompt_t, answer_t])
+    was_training = model.training
+    model.eval()
+    out = []
+    try:
+        for batch, start in enumerate(range(0, mc_samples, batch_size)):
+            rows = min(batch_size, mc_samples - start)
+            masked = answer_masks(L, rows, batch, seed, device)
+            x = seq.expand(rows, -1).clone()
+            x[:, P:][masked] = mask_token_id
+            logits = _logits(model, x, P, mask_token_id, cfg_scale)[:, P:]
+            ce = F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), answer_t.repeat(rows), reduction="none"
+            ).reshape(rows, L)
+            weight = L / masked.sum(dim=1).to(torch.float64)
+            out.append((ce.double() * masked).sum(dim=1) * weight)
+    finally:
+        model.train(was_training)
+    return torch.cat(out)
+
+
+def conditional_log_likelihood(model, prompt: Ids, answer: Ids, **kwargs) -> float:
+    """LLaDA's estimate of log p(answer | prompt) (the ELBO; see the module docstring).
+    Keyword arguments as :func:`answer_nll_draws` (mask_token_id, mc_samples, batch_size,
+    cfg_scale, seed)."""
+    return -answer_nll_draws(model, prompt, answer, **kwargs).mean().item()

@@ -1,0 +1,1 @@
+"""Standard evaluation: the lm-evaluation-harness adapter (``lm_eval_adapter``)."""

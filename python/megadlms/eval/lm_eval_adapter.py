@@ -1,0 +1,197 @@
+"""lm-evaluation-harness model ``megadlms``: a megadlms checkpoint evaluated with
+LLaDA's likelihood estimator (loglikelihood tasks: multiple choice, ...) and our sampler
+(generate_until tasks).
+
+    megadlms-lm-eval --model megadlms --model_args pretrained=CKPT,mc_samples=128 --tasks ...
+
+``megadlms-lm-eval`` is lm-eval's own command line with this model registered (lm-eval
+0.4 has no plugin discovery for third-party models, so a plain ``lm_eval`` does not see
+it); from Python, ``import megadlms.eval.lm_eval_adapter`` then ``lm_eval.simple_evaluate(
+model="megadlms", model_args="pretrained=CKPT")``.
+
+model_args: ``pretrained`` (a --save directory or an iter_* directory), ``mc_samples``
+(128, LLaDA's default), ``mc_batch_size`` (forward rows per estimator batch, 16; lm-eval's
+own ``--batch_size`` is accepted and has no effect: requests are scored one by one),
+``cfg_scale`` (0), ``seed`` (0), ``is_check_greedy`` (False: report is_greedy=False without
+the extra decode), ``gen_length`` / ``steps`` / ``block_length`` / ``temperature`` /
+``remasking`` for generate_until, ``device``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import List, Optional, Tuple
+
+import torch
+from lm_eval.api.model import LM
+from lm_eval.api.registry import register_model
+
+from megadlms.diffusion import conditional_log_likelihood, generate
+from megadlms.generate import load_for_inference
+
+
+def _bool(v) -> bool:
+    return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")
+
+
+@register_model("megadlms")
+class MegaDLMsLM(LM):
+    """The ``megadlms`` model of lm-evaluation-harness (see the module docstring)."""
+
+    def __init__(
+        self,
+        pretrained: str,
+        mc_samples: int = 128,
+        mc_batch_size: int = 16,
+        batch_size=None,
+        cfg_scale: float = 0.0,
+        seed: int = 0,
+        is_check_greedy: bool = False,
+        gen_length: int = 128,
+        steps: Optional[int] = None,
+        block_length: Optional[int] = None,
+        temperature: float = 0.0,
+        remasking: str = "low_confidence",
+        device: Optional[str] = None,
+        **unused,
+    ) -> None:
+        super().__init__()
+        if device and str(device).startswith("cuda") and not torch.cuda.is_available():
+            # lm-eval's CLI passes --device (default cuda); like its HF model, use the CPU then
+            logging.getLogger("megadlms.eval").warning(f"device {device} is not available: using cpu")
+            device = "cpu"
+        self.model, self.tokenizer, self.common = load_for_inference(
+            pretrained, torch.device(device) if device else None
+        )
+        if self.model.config.attention != "bidirectional":
+            raise ValueError(f"pretrained={pretrained} is a causal (vanilla) model; this adapter is for DLMs")
+        self.mask_id = self.tokenizer.mask_token_id
+        self.mc_samples, self.mc_batch = int(mc_samples), int(mc_batch_size)
+        self.cfg_scale, self.seed = float(cfg_scale), int(seed)
+        self.is_check_greedy = _bool(is_check_greedy)
+        self.gen_length = int(gen_length)
+        self.steps = int(steps) if steps else self.gen_length
+        self.block_length = int(block_length) if block_length else self.gen_length
+        self.temperature, self.remasking = float(temperature), remasking
+        self.max_length = self.model.config.max_position_embeddings
+
+    # ------------------------------------------------------------------ encoding
+    def _split(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
+        """Token ids of (context, continuation), tokenized together so a merge across the
+        boundary stays in the continuation (lm-eval's HF convention)."""
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole = self.tokenizer.tokenize(context + continuation)
+        ctx = self.tokenizer.tokenize(context)
+        n = len(ctx)
+        if whole[:n] != ctx:
+            n = max(0, n - 1)
+        prompt, answer = whole[:n], whole[n:]
+        if not prompt:  # RoPE: an all-[MASK] input has no positions; give one real token
+            prompt = [self.tokenizer.eod]
+        keep = self.max_length - len(answer)
+        if keep < 1:
+            raise ValueError(f"continuation of {len(answer)} tokens does not fit {self.max_length} positions")
+        return prompt[-keep:], answer
+
+    def score(self, context: str, continuation: str) -> float:
+        """The estimate of log p(continuation | context) this adapter reports."""
+        prompt, answer = self._split(context, continuation)
+        return conditional_log_likelihood(
+            self.model,
+            prompt,
+            answer,
+            mask_token_id=self.mask_id,
+            mc_samples=self.mc_samples,
+            batch_size=self.mc_batch,
+            cfg_scale=self.cfg_scale,
+            seed=self.seed,
+        )
+
+    def _greedy(self, prompt: List[int], answer: List[int]) -> bool:
+        device = next(self.model.parameters()).device
+        x = torch.tensor([prompt], dtype=torch.int64, device=device)
+        L = len(answer)
+        out = generate(
+            self.model,
+            x,
+            mask_token_id=self.mask_id,
+            gen_length=L,
+            steps=L,
+            block_length=L,
+            cfg_scale=self.cfg_scale,
+        )
+        return out[0, len(prompt) :].tolist() == list(answer)
+
+    # ------------------------------------------------------------------ lm-eval API
+    def loglikelihood(self, requests) -> List[Tuple[float, bool]]:
+        out = []
+        for req in requests:
+            context, continuation = req.args[:2]
+            prompt, answer = self._split(context, continuation)
+            ll = self.score(context, continuation)
+            greedy = self._greedy(prompt, answer) if self.is_check_greedy else False
+            out.append((ll, greedy))
+        return out
+
+    def loglikelihood_rolling(self, requests) -> List[float]:
+        """ELBO of the whole text: disjoint windows, each scored after one eod token."""
+        out = []
+        for req in requests:
+            ids = self.tokenizer.tokenize(req.args[0])
+            width = self.max_length - 1
+            total = 0.0
+            for start in range(0, len(ids), width):
+                total += conditional_log_likelihood(
+                    self.model,
+                    [self.tokenizer.eod],
+                    ids[start : start + width],
+                    mask_token_id=self.mask_id,
+                    mc_samples=self.mc_samples,
+                    batch_size=self.mc_batch,
+                    seed=self.seed,
+                )
+            out.append(total)
+        return out
+
+    def generate_until(self, requests) -> List[str]:
+        device = next(self.model.parameters()).device
+        out = []
+        for req in requests:
+            context, gen_kwargs = req.args[0], dict(req.args[1]) if len(req.args) > 1 else {}
+            until = gen_kwargs.get("until") or []
+            until = [until] if isinstance(until, str) else list(until)
+            prompt = self.tokenizer.tokenize(context)[-(self.max_length - self.gen_length) :] or [
+                self.tokenizer.eod
+            ]
+            x = torch.tensor([prompt], dtype=torch.int64, device=device)
+            ids = generate(
+                self.model,
+                x,
+                mask_token_id=self.mask_id,
+                gen_length=self.gen_length,
+                steps=self.steps,
+                block_length=self.block_length,
+                temperature=self.temperature,
+                remasking=self.remasking,
+                cfg_scale=self.cfg_scale,
+                seed=self.seed,
+            )[0, len(prompt) :].tolist()
+            text = self.tokenizer.detokenize(ids)
+            for stop in until:
+                if stop and stop in text:
+                    text = text[: text.index(stop)]
+            out.append(text)
+        return out
+
+
+def main() -> None:
+    """``megadlms-lm-eval``: lm-eval's CLI with the ``megadlms`` model registered."""
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""``megadlms-export-hf --load CKPT --output DIR [--dtype bf16]``: a megadlms checkpoint as a
+Hugging Face model directory.
+
+DIR receives ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards with
+``model.safetensors.index.json``), ``config.json`` (``model_type`` "megadlms", ``auto_map``
+to the bundled ``modeling_megadlms.py``, ``mask_token_id``), ``generation_config.json``
+(the sampler settings), the modeling file and the tokenizer files. Load it with
+
+    AutoModel.from_pretrained(DIR, trust_remote_code=True)
+
+The checkpoint may be of either format (torch_dist, torch), from any wrapper and any
+data-parallel size: it is read by ``checkpointing.load_model_state``, the loader every
+megadlms tool uses. Needs ``safetensors`` (``pip install megadlms[hf]``), not transformers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from megadlms.models import TransformerConfig
+
+from .mapping import megadlms_to_hf
+
+MODELING_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote", "modeling_megadlms.py")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hf_config(cfg: TransformerConfig, special: Dict[str, Optional[int]], dtype: torch.dtype) -> dict:
+    """config.json of the export (Hugging Face names where one exists)."""
+    return {
+        "architectures": ["MegaDLMsModelLM"],
+        "model_type": "megadlms",
+        "auto_map": {
+            "AutoConfig": "modeling_megadlms.MegaDLMsConfig",
+            "AutoModel": "modeling_megadlms.MegaDLMsModelLM",
+            "AutoModelForMaskedLM": "modeling_megadlms.MegaDLMsModelLM",
+        },
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.ffn_hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_query_groups,
+        "head_dim": cfg.kv_channels,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "normalization": cfg.normalization,
+        "norm_eps": cfg.norm_epsilon,
+        "swiglu": cfg.swiglu,
+        "add_bias_linear": cfg.add_bias_linear,
+        "add_qkv_bias": bool(getattr(cfg, "add_qkv_bias", False)),
+        "qk_layernorm": cfg.qk_layernorm,
+        "position_embedding_type": cfg.position_embedding_type,
+        "rope_theta": float(cfg.rotary_base),
+        "attention": cfg.attention,
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+        "initializer_range": cfg.init_method_std,
+        "mask_token_id": special.get("mask_token_id"),
+        "eos_token_id": special.get("eos_token_id"),
+        "pad_token_id": special.get("pad_token_id"),
+        "dtype": str(dtype).replace("torch.", ""),
+        "megadlms_model_config": cfg.to_dict(),
+    }
+
+
+def save_safetensors(tensors: Dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int) -> list:
+    """Write ``tensors`` as one file or as shards of at most ``max_shard_bytes`` (+ index)."""
+    from safetensors.torch import save_file
+
+    shards, current, size = [], {}, 0
+    for name in sorted(tensors):
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        if current and size + nbytes > max_shard_bytes:
+            shards.append(current)
+            current, size = {}, 0
+        current[name] = t
+        size += nbytes
+    shards.append(current)
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, shard in zip(names, shards):
+        save_file(
+            {k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name), {"format": "pt"}
+        )
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": {k: name for name, shard in zip(names, shards) for k in shard},
+        }
+        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+    return names
+
+
+def export_hf(
+    load: str,
+    output: str,
+    *,
+    dtype: str = "fp32",
+    max_shard_size_mb: int = 5000,
+    steps: Optional[int] = None,
+    gen_length: int = 128,
+    block_length: Optional[int] = None,
+) -> dict:
+    """Export checkpoint ``load`` to Hugging Face directory ``output``; returns config.json."""
+    from megadlms.generate import load_for_inference
+
+    from .tokenizer_files import write_tokenizer_files
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model, tokenizer, common = load_for_inference(load, torch.device("cpu"))
+    cfg = model.config
+    os.makedirs(output, exist_ok=True)
+    sd = {k: v.detach().to(DTYPES[dtype]) for k, v in model.state_dict().items()}
+    tensors = megadlms_to_hf(sd, cfg)
+    save_safetensors(tensors, output, max_shard_size_mb * 1024 * 1024)
+    from megadlms.training import checkpointing
+
+    record = checkpointing.tokenizer_record(common)
+    special = write_tokenizer_files(tokenizer, record, output, cfg.max_position_embeddings)
+    config = hf_config(cfg, special, DTYPES[dtype])
+    config["megadlms_source"] = {"checkpoint": os.path.abspath(load), "iteration": common.get("iteration")}
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    generation = {
+        "steps": steps or gen_length,
+        "gen_length": gen_length,
+        "block_length": block_length or gen_length,
+        "cfg_scale": 0.0,
+        "remasking": "low_confidence",
+        "mask_token_id": special.get("mask_token_id"),
+        "eos_token_id": special.get("eos_token_id"),
+        "pad_token_id": special.get("pad_token_id"),
+    }
+    with open(os.path.join(output, "generation_config.json"), "w") as f:
+        json.dump(generation, f, indent=2)
+    shutil.copyfile(MODELING_FILE, os.path.join(output, "modeling_megadlms.py"))
+    return config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megadlms-export-hf", description=__doc__.split("\n\n")[0])
+    p.add_argument("--load", required=True, help="checkpoint: a --save directory or one iter_* directory")
+    p.add_argument("--output", required=True, help="Hugging Face model directory to write")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
+    p.add_argument("--max-shard-size-mb", type=int, default=5000, help="largest safetensors shard")
+    p.add_argument("--gen-length", type=int, default=128, help="generation_config.json: tokens to generate")
+    p.add_argument(
+        "--steps", type=int, default=None, help="generation_config.json: steps (default gen-length)"
+    )
+    p.add_argument("--block-length", type=int, default=None, help="generation_config.json: block length")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        config = export_hf(
+            args.load,
+            args.output,
+            dtype=args.dtype,
+            max_shard_size_mb=args.max_shard_size_mb,
+            steps=args.steps,
+            gen_length=args.gen_length,
+            block_length=args.block_length,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"megadlms-export-hf: error: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"exported {args.load} -> {args.output} ({config['num_hidden_layers']} layers, hidden "
+        f"{config['hidden_size']}, vocab {config['vocab_size']}, {config['attention']}, {args.dtype}, "
+        f"mask_token_id {config['mask_token_id']})"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

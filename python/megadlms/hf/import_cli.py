@@ -1,0 +1,143 @@
+"""``megadlms-import-hf --hf DIR --output CKPT``: a Hugging Face Llama / Qwen2 causal LM as a
+megadlms checkpoint (iteration 0, weights only) to continue pretraining from with
+``--load CKPT --finetune`` (see ``importer`` for what maps and how rows are initialised).
+
+The tokenizer.json of DIR is copied next to the checkpoint; when it has no mask token and
+``--mask-token`` names none, ``<|mask|>`` is added to it as a special token (the next id)
+and its embedding row starts at the mean of the real tokens' rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Optional, Sequence
+
+import torch
+
+
+def _mask_token(tok, requested: Optional[str]):
+    """(mask id, added?) for tokenizers.Tokenizer ``tok``."""
+    from megadlms.data.tokenizers import _MASK_NAMES, _resolve_mask
+
+    size = tok.get_vocab_size(with_added_tokens=True)
+    if requested is not None:
+        return _resolve_mask(requested, tok.token_to_id, size, "the Hugging Face tokenizer"), False
+    for name in _MASK_NAMES:
+        if tok.token_to_id(name) is not None:
+            return int(tok.token_to_id(name)), False
+    tok.add_special_tokens(["<|mask|>"])
+    return int(tok.token_to_id("<|mask|>")), True
+
+
+def import_hf(
+    hf_dir: str,
+    output: str,
+    *,
+    mask_token: Optional[str] = None,
+    seq_length: Optional[int] = None,
+    vocab_divisible_by: int = 128,
+    attention: str = "bidirectional",
+    ckpt_format: str = "torch_dist",
+) -> dict:
+    """Write the checkpoint; returns {"checkpoint", "mask_token_id", "added", "flags"}."""
+    from tokenizers import Tokenizer
+
+    from megadlms.data import TokenizerConfig
+    from megadlms.models import GPTModel
+    from megadlms.training import checkpointing
+    from megadlms.training.config import padded_vocab_size
+
+    from .importer import init_from_hf, model_flags, read_hf_config, transformer_config_from_hf
+
+    tok_path = os.path.join(hf_dir, "tokenizer.json")
+    if not os.path.isfile(tok_path):
+        raise FileNotFoundError(f"--hf {hf_dir}: no tokenizer.json there (a fast tokenizer is needed)")
+    tok = Tokenizer.from_file(tok_path)
+    real_tokens = tok.get_vocab_size(with_added_tokens=True)
+    mask_id, added = _mask_token(tok, mask_token)
+    hf = read_hf_config(hf_dir)
+    vocab = padded_vocab_size(
+        max(hf["vocab_size"], tok.get_vocab_size(with_added_tokens=True)), vocab_divisible_by
+    )
+    cfg = transformer_config_from_hf(hf, f"--hf {hf_dir}", seq_length=seq_length, attention=attention)
+    cfg = type(cfg).from_dict({**cfg.to_dict(), "vocab_size": vocab})
+    torch.manual_seed(0)  # rows beyond the HF vocabulary are set to the mean; the rest is copied
+    model = GPTModel(cfg)
+    report = init_from_hf(
+        model,
+        hf_dir,
+        mean_init_ids=[mask_id] if added else [],
+        num_real_tokens=min(real_tokens, hf["vocab_size"]),
+    )
+    tok_dir = os.path.join(os.path.abspath(output), "tokenizer")
+    os.makedirs(tok_dir, exist_ok=True)
+    tok.save(os.path.join(tok_dir, "tokenizer.json"))
+    record = TokenizerConfig(
+        tokenizer_type="HuggingFaceTokenizer",
+        tokenizer_model=os.path.join(tok_dir, "tokenizer.json"),
+        mask_token=mask_id,
+        vocab_size=vocab,
+    )
+    ckpt = checkpointing.save_checkpoint(
+        output,
+        0,
+        model=model,
+        ckpt_format=ckpt_format,
+        model_config=cfg.to_dict(),
+        tokenizer=record.to_dict(),
+        extra={"hf_import": {"source": os.path.abspath(hf_dir), **report}},
+    )
+    flags = model_flags(cfg) + [
+        f"--seq-length {cfg.seq_length}",
+        "--tokenizer-type HuggingFaceTokenizer",
+        f"--tokenizer-model {record.tokenizer_model}",
+        f"--mask-token {mask_id}",
+        f"--vocab-size {vocab}",
+        f"--load {output} --finetune",
+    ]
+    if attention == "causal":
+        flags.append("--model-running-mode vanilla")
+    return {"checkpoint": ckpt, "mask_token_id": mask_id, "added": added, "flags": flags}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="megadlms-import-hf", description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--hf", required=True, help="local Hugging Face model directory (config.json, safetensors)"
+    )
+    p.add_argument("--output", required=True, help="megadlms checkpoint directory to write (a --save root)")
+    p.add_argument("--mask-token", default=None, help="existing token (string or id) to use as [MASK]")
+    p.add_argument(
+        "--seq-length", type=int, default=None, help="training length (default min(max pos, 4096))"
+    )
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="Megatron's vocab padding")
+    p.add_argument("--model-running-mode", choices=("difflm-noshift", "vanilla"), default="difflm-noshift")
+    p.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        out = import_hf(
+            args.hf,
+            args.output,
+            mask_token=args.mask_token,
+            seq_length=args.seq_length,
+            vocab_divisible_by=args.make_vocab_size_divisible_by,
+            attention="causal" if args.model_running_mode == "vanilla" else "bidirectional",
+            ckpt_format=args.ckpt_format,
+        )
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"megadlms-import-hf: error: {exc}", file=sys.stderr)
+        return 2
+    how = "added" if out["added"] else "chosen"
+    print(f"wrote {out['checkpoint']} (mask token id {out['mask_token_id']}, {how})")
+    print("continue with: pretrain_difflm.py " + " ".join(out["flags"]) + " <data and training flags>")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,247 @@
+"""Start from a Hugging Face causal LM (Llama / Qwen2 family, or a megadlms export): its
+weights in megadlms' GPTModel, to continue pretraining it as a diffusion LM (the Dream /
+DiffuLLaMA adaptation) or as an AR model.
+
+Two ways in:
+
+* ``pretrain_difflm.py ... --hf-init DIR``: the run's model (built from its flags) is
+  initialised from DIR before wrapping; every architecture flag must match DIR's
+  config.json (the error lists the flags that do).
+* ``megadlms-import-hf --hf DIR --output CKPT [--mask-token TOKEN|ID]``: writes a megadlms
+  checkpoint (iteration 0, weights only) with the tokenizer (mask token added when it has
+  none) and prints the flags to continue from it with ``--load CKPT --finetune``.
+
+What maps: token embeddings, RMSNorm weights and epsilon, RoPE base (default rope type
+only), grouped-query attention, head_dim, q/k/v biases (Qwen2; Llama ``attention_bias``
+with ``mlp_bias``), SwiGLU MLP, tied or untied output layer. What is refused, with the
+reason: other activations, RoPE scaling (llama3, yarn, ...), sliding-window attention,
+biases on some linears but not others (other than Qwen2's q/k/v), unknown tensors.
+
+Vocabulary rows: the first min(ours, theirs) rows are copied. Rows ours has beyond the
+HF vocabulary (Megatron's padding, an added [MASK]) and an added [MASK] row inside it
+start at the mean of the HF embedding rows of the real tokens (input and, when untied,
+output), as ``transformers``' ``resize_token_embeddings`` does; a mask token chosen among
+the existing tokens keeps its trained row.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterable, List, Optional
+
+import torch
+
+from megadlms.models import TransformerConfig
+
+from .mapping import hf_to_megadlms
+
+SUPPORTED = ("llama", "qwen2", "megadlms")
+ARCH_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "ffn_hidden_size",
+    "num_attention_heads",
+    "num_query_groups",
+    "kv_channels",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "add_bias_linear",
+    "add_qkv_bias",
+    "qk_layernorm",
+    "position_embedding_type",
+    "rotary_base",
+    "untie_embeddings_and_output_weights",
+)
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"--hf-init {hf_dir}: no config.json there (a Hugging Face model directory)")
+    with open(path) as f:
+        return json.load(f)
+
+
+def _rope_base(hf: dict, where: str) -> float:
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling")
+    kind = (
+        rope.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
+    )
+    if kind != "default":
+        raise ValueError(f"{where}: RoPE scaling {kind!r} cannot be mapped (megadlms has plain RoPE only)")
+    base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    return int(base) if float(base).is_integer() else float(base)
+
+
+def transformer_config_from_hf(
+    hf: dict, where: str = "the Hugging Face model", *, seq_length: Optional[int] = None, **overrides
+) -> TransformerConfig:
+    """The GPTModel config of HF config.json ``hf``; raises naming what cannot be mapped."""
+    kind = hf.get("model_type")
+    if kind == "megadlms":
+        d = dict(hf["megadlms_model_config"])
+        if seq_length:
+            d["seq_length"] = seq_length
+        d.update(overrides)
+        return TransformerConfig.from_dict(d)
+    if kind not in SUPPORTED:
+        raise ValueError(f"{where}: model_type {kind!r} is not supported; megadlms imports {SUPPORTED}")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU needs silu)")
+    if kind == "qwen2" and hf.get("use_sliding_window"):
+        raise ValueError(f"{where}: sliding-window attention (use_sliding_window) cannot be mapped")
+    if kind == "qwen2":
+        bias, qkv_bias = False, True
+    else:
+        attn_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
+        if attn_bias != mlp_bias:
+            raise ValueError(
+                f"{where}: attention_bias={attn_bias} with mlp_bias={mlp_bias} cannot be mapped "
+                "(megadlms has biases on every linear or on q/k/v only)"
+            )
+        bias, qkv_bias = attn_bias, False
+    heads = hf["num_attention_heads"]
+    max_pos = hf.get("max_position_embeddings", 2048)
+    fields = dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        seq_length=seq_length or min(max_pos, 4096),
+        max_position_embeddings=max_pos,
+        normalization="RMSNorm",
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        swiglu=True,
+        add_bias_linear=bias,
+        add_qkv_bias=qkv_bias,
+        position_embedding_type="rope",
+        rotary_base=_rope_base(hf, where),
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        init_method_std=hf.get("initializer_range", 0.02),
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def load_hf_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor of ``model.safetensors`` or its shards (via the index)."""
+    from safetensors.torch import load_file
+
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(
+            f"{hf_dir}: no model.safetensors (or index); only safetensors checkpoints are read "
+            "(re-save a .bin model with save_pretrained(..., safe_serialization=True))"
+        )
+    out: Dict[str, torch.Tensor] = {}
+    for name in files:
+        out.update(load_file(os.path.join(hf_dir, name)))
+    return out
+
+
+def model_flags(cfg: TransformerConfig) -> List[str]:
+    """pretrain_difflm.py flags that build ``cfg``'s architecture."""
+    flags = [
+        f"--num-layers {cfg.num_layers}",
+        f"--hidden-size {cfg.hidden_size}",
+        f"--ffn-hidden-size {cfg.ffn_hidden_size}",
+        f"--num-attention-heads {cfg.num_attention_heads}",
+        f"--kv-channels {cfg.kv_channels}",
+        f"--max-position-embeddings {cfg.max_position_embeddings}",
+        f"--normalization {cfg.normalization}",
+        f"--norm-epsilon {cfg.norm_epsilon}",
+        f"--position-embedding-type {cfg.position_embedding_type}",
+        f"--rotary-base {cfg.rotary_base}",
+    ]
+    if cfg.num_query_groups != cfg.num_attention_heads:
+        flags.append(f"--group-query-attention --num-query-groups {cfg.num_query_groups}")
+    flags += [
+        f
+        for f, on in (
+            ("--swiglu", cfg.swiglu),
+            ("--disable-bias-linear", not cfg.add_bias_linear),
+            ("--add-qkv-bias", cfg.add_qkv_bias),
+            ("--qk-layernorm", cfg.qk_layernorm),
+            ("--untie-embeddings-and-output-weights", cfg.untie_embeddings_and_output_weights),
+        )
+        if on
+    ]
+    return flags
+
+
+def check_compatible(hf_cfg: TransformerConfig, run_cfg: TransformerConfig, where: str) -> None:
+    """Raise listing every architecture field where the run differs from the HF model."""
+    diffs = [
+        f"{f}={getattr(run_cfg, f)!r} (the model has {getattr(hf_cfg, f)!r})"
+        for f in ARCH_FIELDS
+        if getattr(hf_cfg, f) != getattr(run_cfg, f)
+    ]
+    if diffs:
+        raise ValueError(
+            f"{where} does not match this run's model: "
+            + "; ".join(diffs)
+            + ". The model's flags: "
+            + " ".join(model_flags(hf_cfg))
+        )
+
+
+@torch.no_grad()
+def init_from_hf(
+    model: torch.nn.Module,
+    hf_dir: str,
+    *,
+    mean_init_ids: Iterable[int] = (),
+    num_real_tokens: Optional[int] = None,
+) -> dict:
+    """Copy the HF model in ``hf_dir`` into the plain GPTModel ``model`` (in place).
+
+    ``mean_init_ids``: vocabulary rows (e.g. an added [MASK]) to set to the mean embedding
+    like the rows beyond the HF vocabulary; ``num_real_tokens``: rows the mean is taken
+    over (default all HF rows). Returns {"hf_vocab_size", "mean_rows"}."""
+    where = f"--hf-init {hf_dir}"
+    hf = read_hf_config(hf_dir)
+    ours = model.config
+    theirs = transformer_config_from_hf(hf, where, seq_length=ours.seq_length)
+    check_compatible(theirs, ours, where)
+    tensors = load_hf_tensors(hf_dir)
+    if not theirs.untie_embeddings_and_output_weights:
+        tensors.pop("lm_head.weight", None)  # some tied exports store the copy anyway
+    try:
+        sd = hf_to_megadlms(tensors, theirs)
+    except KeyError as exc:
+        raise ValueError(f"{where}: {exc.args[0]}") from exc
+    target = model.state_dict()
+    missing, unexpected = set(target) - set(sd), set(sd) - set(target)
+    if missing or unexpected:
+        raise ValueError(
+            f"{where}: tensors do not match the model: missing {sorted(missing)[:5]}, "
+            f"unexpected {sorted(unexpected)[:5]}"
+        )
+    hf_vocab = theirs.vocab_size
+    real = num_real_tokens or hf_vocab
+    mean_rows = sorted({*range(hf_vocab, ours.vocab_size), *mean_init_ids})
+    for name, src in sd.items():
+        dst = target[name]
+        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            n = min(dst.shape[0], src.shape[0])
+            dst[:n].copy_(src[:n])
+            if mean_rows:
+                dst[mean_rows] = src[:real].to(torch.float64).mean(0).to(dst.dtype)
+        elif tuple(dst.shape) != tuple(src.shape):
+            raise ValueError(f"{where}: {name} has shape {tuple(src.shape)}, the model {tuple(dst.shape)}")
+        else:
+            dst.copy_(src)
+    return {"hf_vocab_size": hf_vocab, "mean_rows": mean_rows}

@@ -1,0 +1,329 @@
+"""Hugging Face modeling file of a megadlms export (loaded with ``trust_remote_code=True``).
+
+Self-contained on purpose: it needs only torch and transformers, so an exported directory
+works without megadlms installed. The network is megadlms' GPTModel (pre-norm transformer,
+LayerNorm or RMSNorm, RoPE or learned positions, SwiGLU or GeLU MLP, optional qk-norm,
+grouped-query attention), run bidirectionally (a masked-diffusion LM) or causally, with
+Llama-style parameter names (``model.layers.0.self_attn.q_proj.weight``, ...).
+
+``MegaDLMsModelLM.generate(input_ids, steps, gen_length, block_length, temperature,
+cfg_scale, remasking)`` is LLaDA's semi-autoregressive sampler; at temperature 0 it gives
+the tokens ``megadlms-generate`` gives.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.modeling_outputs import MaskedLMOutput
+
+
+class MegaDLMsConfig(PretrainedConfig):
+    """Shape of a megadlms GPTModel, in Hugging Face names where one exists."""
+
+    model_type = "megadlms"
+
+    def __init__(
+        self,
+        vocab_size: int = 384,
+        hidden_size: int = 64,
+        intermediate_size: int = 256,
+        num_hidden_layers: int = 2,
+        num_attention_heads: int = 4,
+        num_key_value_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        max_position_embeddings: int = 128,
+        normalization: str = "RMSNorm",
+        norm_eps: float = 1e-5,
+        swiglu: bool = True,
+        add_bias_linear: bool = False,
+        add_qkv_bias: bool = False,
+        qk_layernorm: bool = False,
+        position_embedding_type: str = "rope",
+        rope_theta: float = 10000.0,
+        attention: str = "bidirectional",
+        mask_token_id: Optional[int] = None,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.normalization = normalization
+        self.norm_eps = norm_eps
+        self.swiglu = swiglu
+        self.add_bias_linear = add_bias_linear
+        self.add_qkv_bias = add_qkv_bias
+        self.qk_layernorm = qk_layernorm
+        self.position_embedding_type = position_embedding_type
+        self.rope_theta = rope_theta
+        self.attention = attention
+        self.mask_token_id = mask_token_id
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+
+def _norm(config: MegaDLMsConfig, size: int) -> nn.Module:
+    if config.normalization == "RMSNorm":
+        return nn.RMSNorm(size, eps=config.norm_eps)
+    return nn.LayerNorm(size, eps=config.norm_eps)
+
+
+def _rotary(position_ids: torch.Tensor, dim: int, base: float):
+    """(cos, sin) fp32 [B, S, 1, D]: non-interleaved RoPE, angles in fp32."""
+    exponent = torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim
+    inv_freq = 1.0 / (float(base) ** exponent)
+    freqs = position_ids.to(torch.float32)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos()[:, :, None, :], emb.sin()[:, :, None, :]
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)
+
+
+class MegaDLMsAttention(nn.Module):
+    def __init__(self, config: MegaDLMsConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.d = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        self.causal = config.attention == "causal"
+        h, bias = config.hidden_size, config.add_bias_linear
+        qkv_bias = bias or config.add_qkv_bias
+        self.q_proj = nn.Linear(h, self.n_heads * self.d, bias=qkv_bias)
+        self.k_proj = nn.Linear(h, self.n_kv * self.d, bias=qkv_bias)
+        self.v_proj = nn.Linear(h, self.n_kv * self.d, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.n_heads * self.d, h, bias=bias)
+        if config.qk_layernorm:
+            self.q_norm, self.k_norm = _norm(config, self.d), _norm(config, self.d)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, rotary, attn_mask):
+        B, S, _ = x.shape
+        q = self.q_proj(x).view(B, S, self.n_heads, self.d)
+        k = self.k_proj(x).view(B, S, self.n_kv, self.d)
+        v = self.v_proj(x).view(B, S, self.n_kv, self.d)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rotary is not None:
+            q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=attn_mask,
+            is_causal=self.causal and attn_mask is None,
+            enable_gqa=self.n_kv != self.n_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.d))
+
+
+class MegaDLMsMLP(nn.Module):
+    def __init__(self, config: MegaDLMsConfig) -> None:
+        super().__init__()
+        h, f, bias = config.hidden_size, config.intermediate_size, config.add_bias_linear
+        self.swiglu = config.swiglu
+        self.gate_proj = nn.Linear(h, f, bias=bias) if config.swiglu else None
+        self.up_proj = nn.Linear(h, f, bias=bias)
+        self.down_proj = nn.Linear(f, h, bias=bias)
+
+    def forward(self, x):
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x)))
+
+
+class MegaDLMsLayer(nn.Module):
+    def __init__(self, config: MegaDLMsConfig) -> None:
+        super().__init__()
+        self.input_layernorm = _norm(config, config.hidden_size)
+        self.self_attn = MegaDLMsAttention(config)
+        self.post_attention_layernorm = _norm(config, config.hidden_size)
+        self.mlp = MegaDLMsMLP(config)
+
+    def forward(self, x, rotary, attn_mask):
+        x = x + self.self_attn(self.input_layernorm(x), rotary, attn_mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MegaDLMsPreTrainedModel(PreTrainedModel):
+    config_class = MegaDLMsConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["MegaDLMsLayer"]
+    _supports_sdpa = True
+
+    def _init_weights(self, module):
+        std = getattr(self.config, "initializer_range", 0.02)
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            module.reset_parameters()
+
+
+class MegaDLMsModel(MegaDLMsPreTrainedModel):
+    """Embeddings, layers and final norm (the hidden states)."""
+
+    def __init__(self, config: MegaDLMsConfig) -> None:
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        if config.position_embedding_type == "learned_absolute":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        else:
+            self.embed_positions = None
+        self.layers = nn.ModuleList(MegaDLMsLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = _norm(config, config.hidden_size)
+        self.post_init()
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None):
+        B, S = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        x = self.embed_tokens(input_ids)
+        if self.embed_positions is not None:
+            x = x + self.embed_positions(position_ids)
+        rotary = None
+        if self.config.position_embedding_type == "rope":
+            rotary = _rotary(position_ids, self.config.head_dim, self.config.rope_theta)
+        mask = None
+        if attention_mask is not None and not bool(attention_mask.all()):
+            # key padding mask (True = attend), [B, 1, 1 or S, S]
+            mask = attention_mask.to(torch.bool)[:, None, None, :]
+            if self.config.attention == "causal":
+                causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
+                mask = mask & causal[None, None]
+        for layer in self.layers:
+            x = layer(x, rotary, mask)
+        return self.norm(x)
+
+
+class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
+    """The language model: ``forward(input_ids, attention_mask=None) -> .logits [B, S, V]``
+    over the padded vocabulary, and LLaDA's ``generate``."""
+
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: MegaDLMsConfig) -> None:
+        super().__init__(config)
+        self.model = MegaDLMsModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, **kwargs):
+        hidden = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
+        return MaskedLMOutput(logits=self.lm_head(hidden))
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        steps: Optional[int] = None,
+        gen_length: Optional[int] = None,
+        block_length: Optional[int] = None,
+        temperature: Optional[float] = None,
+        cfg_scale: Optional[float] = None,
+        remasking: Optional[str] = None,
+        mask_id: Optional[int] = None,
+        seed: int = 0,
+        generator: Optional[torch.Generator] = None,
+    ) -> torch.Tensor:
+        """LLaDA's sampler: complete ``input_ids`` [b, P] with ``gen_length`` tokens in
+        blocks of ``block_length``, ``steps`` denoising steps in all. Returns [b, P + gen_length].
+
+        At each step every position is predicted, a token drawn (argmax at temperature 0,
+        Gumbel-max in float64 otherwise; never [MASK]), and in the current block the masked
+        positions with the highest confidence are committed: the model's probability of the
+        drawn token under the unmodified softmax ("low_confidence", LLaDA) or a uniform
+        draw ("random"). ``cfg_scale``: classifier-free guidance against a copy with the
+        prompt masked. Randomness comes from ``generator`` or one seeded with ``seed``.
+        Arguments left None take the export's generation_config.json values.
+        """
+        gen = getattr(self, "generation_config", None)
+
+        def default(name, fallback):
+            return getattr(gen, name, None) if getattr(gen, name, None) is not None else fallback
+
+        gen_length = gen_length or default("gen_length", 128)
+        steps = steps or default("steps", gen_length)
+        block_length = block_length or default("block_length", gen_length)
+        temperature = default("temperature", 0.0) if temperature is None else temperature
+        cfg_scale = default("cfg_scale", 0.0) if cfg_scale is None else cfg_scale
+        remasking = remasking or default("remasking", "low_confidence")
+        mask_id = self.config.mask_token_id if mask_id is None else mask_id
+        if mask_id is None:
+            raise ValueError("generate needs the [MASK] id: the config has no mask_token_id; pass mask_id")
+        if self.config.attention != "bidirectional":
+            raise ValueError("generate is the diffusion sampler: this export is a causal model")
+        if gen_length % block_length:
+            raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+        num_blocks = gen_length // block_length
+        if steps % num_blocks:
+            raise ValueError(f"steps ({steps}) must be a multiple of gen_length/block_length = {num_blocks}")
+        if remasking not in ("low_confidence", "random"):
+            raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
+        device = input_ids.device
+        if generator is None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+        b, P = input_ids.shape
+        x = torch.full((b, P + gen_length), mask_id, dtype=torch.int64, device=device)
+        x[:, :P] = input_ids
+        prompt_index = x != mask_id
+        steps_per_block = steps // num_blocks
+        for block in range(num_blocks):
+            start, end = P + block * block_length, P + (block + 1) * block_length
+            num = (x[:, start:end] == mask_id).sum(dim=1, keepdim=True)
+            ids = torch.arange(steps_per_block, device=device)[None, :]
+            num_transfer = num // steps_per_block + (ids < num % steps_per_block).to(torch.int64)
+            for step in range(steps_per_block):
+                mask_index = x == mask_id
+                if cfg_scale > 0:
+                    uncond = x.clone()
+                    uncond[prompt_index] = mask_id
+                    cond, unc = self(torch.cat([x, uncond])).logits.chunk(2)
+                    logits = unc + (cfg_scale + 1) * (cond - unc)
+                else:
+                    logits = self(x).logits
+                drawable = logits.clone()
+                drawable[..., mask_id] = float("-inf")  # a committed position never holds [MASK]
+                if temperature > 0:
+                    noisy = drawable.to(torch.float64)
+                    u = torch.rand(noisy.shape, dtype=torch.float64, device=device, generator=generator)
+                    drawable = noisy.exp() / (-torch.log(u)) ** temperature
+                x0 = drawable.argmax(dim=-1)
+                if remasking == "low_confidence":
+                    probs = F.softmax(logits.to(torch.float64), dim=-1)
+                    conf = probs.gather(-1, x0[..., None]).squeeze(-1)
+                else:
+                    conf = torch.rand(x0.shape, dtype=torch.float64, device=device, generator=generator)
+                conf[:, end:] = float("-inf")
+                x0 = torch.where(mask_index, x0, x)
+                conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
+                transfer = torch.zeros_like(mask_index)
+                for j, k in enumerate(num_transfer[:, step].tolist()):
+                    if k > 0:
+                        transfer[j, torch.topk(conf[j], k).indices] = True
+                x = torch.where(transfer, x0, x)
+        return x

@@ -1,0 +1,78 @@
+"""Megatron's ``--ckpt-convert-format torch|torch_dist --ckpt-convert-save DIR``: rewrite
+the ``--load`` checkpoint in the other format and exit.
+
+As in Megatron the result goes to ``DIR/<format>/`` (a --save root with its own
+``latest_checkpointed_iteration.txt``). Every tensor is carried over (model, and the
+optimizer state unless --no-load-optim or --no-save-optim), with common.json's records
+(iteration, consumed samples, model config, tokenizer, scheduler, args); RNG states are
+not (as MegaDLMs' conversion passes --no-save-rng), so a resume from the converted
+checkpoint restores everything but dropout's RNG. This is the first step of MegaDLMs'
+ckpt_conversion.sh; its second step (megatron_to_hf) is ``megadlms-export-hf``, which
+reads either format directly.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from . import checkpointing
+from .checkpoint_format import join_state
+
+_log = logging.getLogger("megadlms.training")
+
+
+class ConvertedCheckpoint:
+    """A state_dict() holder standing in for the model / optimizer / scheduler at save."""
+
+    def __init__(self, state):
+        self._state = state
+
+    def state_dict(self):
+        return self._state
+
+
+def convert_checkpoint(config) -> str:
+    """Convert ``config.checkpoint.load``; returns the written iteration directory."""
+    ck = config.checkpoint
+    src = checkpointing.resolve_checkpoint(ck.load)
+    if src is None:
+        raise ValueError(f"--ckpt-convert-format: no checkpoint in --load {ck.load}")
+    common = checkpointing.read_common(src)
+    shapes = checkpointing._metadata_shapes(src, common)
+    with_optim = common.get("optimizer") is not None and not (ck.no_load_optim or ck.no_save_optim)
+    keep = {
+        k: v
+        for k, v in shapes.items()
+        if k.startswith("model/") or (with_optim and k.startswith("optimizer/"))
+    }
+    template = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in keep.items()}
+    checkpointing._read_tensors(src, common, template)
+    model = ConvertedCheckpoint(
+        {k[len("model/") :]: v for k, v in template.items() if k.startswith("model/")}
+    )
+    optimizer = ConvertedCheckpoint(join_state(common["optimizer"], template)) if with_optim else None
+    scheduler = ConvertedCheckpoint(common["scheduler"]) if common.get("scheduler") is not None else None
+    root = os.path.join(ck.ckpt_convert_save, ck.ckpt_convert_format)
+    out = checkpointing.save_checkpoint(
+        root,
+        int(common["iteration"]),
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        ckpt_format=ck.ckpt_convert_format,
+        consumed_samples=int(common.get("consumed_samples", 0)),
+        args=common.get("args"),
+        model_config=common.get("model_config"),
+        tokenizer=common.get("tokenizer"),
+        extra={
+            **common.get("extra", {}),
+            "converted_from": os.path.abspath(src),
+            "converted_from_wrapper": common.get("wrapper"),
+        },
+        save_rng=False,
+    )
+    _log.info(f"converted {src} ({common['ckpt_format']}) -> {out} ({ck.ckpt_convert_format}); exiting")
+    return out

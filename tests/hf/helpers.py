@@ -1,0 +1,49 @@
+"""Tiny megadlms checkpoints for the Hugging Face tests."""
+
+import torch
+
+from megadlms.data import TokenizerConfig
+from megadlms.models import GPTModel, TransformerConfig
+from megadlms.training import checkpointing
+
+ROPE_SWIGLU = dict(
+    position_embedding_type="rope",
+    swiglu=True,
+    normalization="RMSNorm",
+    add_bias_linear=False,
+    qk_layernorm=True,
+    num_query_groups=2,
+)
+LEARNED_GELU = dict(
+    position_embedding_type="learned_absolute",
+    normalization="LayerNorm",
+    add_bias_linear=True,
+    untie_embeddings_and_output_weights=True,
+)
+
+
+def tiny_config(**kw) -> TransformerConfig:
+    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=384, seq_length=48)
+    base.update(kw)
+    return TransformerConfig(**base)
+
+
+def save_tiny(root, cfg: TransformerConfig, fmt="torch_dist", seed=0, iteration=3) -> GPTModel:
+    """A GPTModel with random (non-default) weights saved as a megadlms checkpoint."""
+    torch.manual_seed(seed)
+    model = GPTModel(cfg)
+    with torch.no_grad():  # non-trivial norms and biases, so their mapping is tested
+        for name, p in model.named_parameters():
+            if "layernorm" in name or name.endswith("bias"):
+                p.add_(0.3 * torch.randn_like(p))
+            elif "word_embeddings" in name or "output_layer" in name:
+                p.mul_(20.0)  # confident logits, so sampler tie-breaks do not decide
+    checkpointing.save_checkpoint(
+        str(root),
+        iteration,
+        model=model,
+        ckpt_format=fmt,
+        model_config=cfg.to_dict(),
+        tokenizer=TokenizerConfig().to_dict(),
+    )
+    return model.eval()

@@ -1,0 +1,167 @@
+"""Import of Hugging Face causal LMs (Llama, Qwen2) into GPTModel, and --hf-init."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megadlms.hf.importer import init_from_hf, read_hf_config, transformer_config_from_hf
+from megadlms.models import GPTModel
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+
+SMALL = dict(
+    vocab_size=259,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _hf_model(path, family, **kw):
+    torch.manual_seed(0)
+    if family == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, **kw))
+    else:
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, **kw))
+    with torch.no_grad():  # random weights everywhere (norms and biases too)
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.save_pretrained(str(path))
+    return model.eval()
+
+
+CASES = [
+    ("llama", dict(rope_parameters={"rope_type": "default", "rope_theta": 50000.0})),
+    ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True, head_dim=16)),
+    ("qwen2", dict(tie_word_embeddings=True)),
+    ("qwen2", dict(tie_word_embeddings=False, rms_norm_eps=1e-5)),
+]
+
+
+@pytest.mark.parametrize("family,kw", CASES)
+def test_causal_logits_match_hf(tmp_path, family, kw):
+    hf = _hf_model(tmp_path / "hf", family, **kw)
+    cfg = transformer_config_from_hf(read_hf_config(str(tmp_path / "hf")), seq_length=32, attention="causal")
+    cfg = type(cfg).from_dict({**cfg.to_dict(), "vocab_size": 384})  # Megatron-padded rows
+    ours = GPTModel(cfg).eval()
+    report = init_from_hf(ours, str(tmp_path / "hf"))
+    assert report["mean_rows"] == list(range(259, 384))
+    ids = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = hf(ids).logits
+        got = ours(ids)
+    assert ref.abs().max() > 0.1
+    torch.testing.assert_close(got[..., :259], ref, rtol=0, atol=1e-5)
+    emb = ours.embedding.word_embeddings.weight
+    torch.testing.assert_close(emb[300], hf.model.embed_tokens.weight.mean(0), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "family,kw,message",
+    [
+        (
+            "llama",
+            dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+            "RoPE scaling",
+        ),
+        ("llama", dict(hidden_act="gelu"), "hidden_act"),
+        ("llama", dict(attention_bias=True, mlp_bias=False), "attention_bias"),
+        ("qwen2", dict(use_sliding_window=True, sliding_window=16), "sliding-window"),
+    ],
+)
+def test_refuses_what_it_cannot_map(tmp_path, family, kw, message):
+    _hf_model(tmp_path / "hf", family, **kw)
+    with pytest.raises(ValueError, match=message):
+        transformer_config_from_hf(read_hf_config(str(tmp_path / "hf")))
+
+
+def _byte_tokenizer_without_mask(path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from megadlms.hf.tokenizer_files import _bytes_to_unicode
+
+    tok = Tokenizer(models.BPE(vocab={c: b for b, c in _bytes_to_unicode().items()}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<|endoftext|>"])
+    tok.save(os.path.join(path, "tokenizer.json"))
+
+
+def _train_flags(flags, tmp_path, iters=4):
+    return flags + [
+        "--micro-batch-size",
+        "2",
+        "--global-batch-size",
+        "2",
+        "--train-iters",
+        str(iters),
+        "--lr",
+        "1e-3",
+        "--mock-data",
+        "--attention-dropout",
+        "0.1",
+        "--hidden-dropout",
+        "0.1",
+        "--log-interval",
+        "1",
+        "--eval-interval",
+        "1000",
+        "--eval-iters",
+        "0",
+        "--seed",
+        "3",
+    ]
+
+
+def test_import_cli_adds_mask_and_trains_as_dlm(tmp_path):
+    from megadlms.hf.import_cli import main
+    from megadlms.pretrain import run
+
+    _hf_model(tmp_path / "hf", "qwen2", tie_word_embeddings=True)
+    _byte_tokenizer_without_mask(str(tmp_path / "hf"))
+    assert main(["--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ck"), "--seq-length", "32"]) == 0
+    common = json.load(open(tmp_path / "ck" / "iter_0000000" / "common.json"))
+    assert common["tokenizer"]["mask_token"] == 257  # added after <|endoftext|> (256)
+    assert common["model_config"]["add_qkv_bias"] is True
+    from megadlms.hf.import_cli import import_hf
+
+    flags = import_hf(str(tmp_path / "hf"), str(tmp_path / "ck2"), seq_length=32)["flags"]
+    argv = " ".join(flags).split()
+    result = run(_train_flags(argv, tmp_path, iters=6))
+    losses = list(result.losses.values())
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    assert losses[-1] < losses[0]
+
+
+def test_hf_init_flag_checks_the_architecture(tmp_path):
+    from megadlms.hf.importer import model_flags
+    from megadlms.pretrain import run
+
+    _hf_model(tmp_path / "hf", "llama")
+    cfg = transformer_config_from_hf(read_hf_config(str(tmp_path / "hf")), seq_length=32)
+    flags = " ".join(model_flags(cfg)).split() + ["--seq-length", "32", "--hf-init", str(tmp_path / "hf")]
+    result = run(_train_flags(flags, tmp_path, iters=2))
+    assert len(result.losses) == 2
+    bad = [f if f != "1e-06" else "1e-05" for f in flags]  # --norm-epsilon differs
+    with pytest.raises(ValueError, match="--norm-epsilon"):
+        run(_train_flags(bad, tmp_path, iters=1))
+
+
+def test_export_then_import_round_trips(tmp_path):
+    from megadlms.hf.export import export_hf
+
+    from .helpers import ROPE_SWIGLU, save_tiny, tiny_config
+
+    cfg = tiny_config(**ROPE_SWIGLU)
+    ours = save_tiny(tmp_path / "ck", cfg)
+    export_hf(str(tmp_path / "ck"), str(tmp_path / "hf"))
+    again = GPTModel(transformer_config_from_hf(read_hf_config(str(tmp_path / "hf"))))
+    init_from_hf(again, str(tmp_path / "hf"))
+    for (k, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), k
