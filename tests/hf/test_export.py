@@ -77,6 +77,9 @@ def test_sharded_export_loads(tmp_path):
         dict(gen_length=12, steps=12, block_length=4, remasking="random", cfg_scale=1.5),
         # one step per block commits every position, whatever the confidences
         dict(gen_length=16, steps=2, block_length=8, remasking="low_confidence"),
+        # several steps per block: both rank by p(x0) of the unmodified logits (LLaDA)
+        dict(gen_length=16, steps=8, block_length=8, remasking="low_confidence"),
+        dict(gen_length=12, steps=12, block_length=4, remasking="low_confidence", cfg_scale=1.0),
     ],
 )
 def test_generate_matches_megadlms_sampler(tmp_path, kw):
