@@ -327,6 +327,16 @@ def _checkpoint_config(args) -> CheckpointConfig:
         no_save_rng=bool(args.no_save_rng),
         no_load_rng=bool(args.no_load_rng),
         finetune=bool(args.finetune),
+        **_reliability_fields(args),
+    )
+
+
+def _reliability_fields(args) -> dict:
+    """Automatic resume, verified-checkpoint fallback, asynchronous saves (docs/reliability.md)."""
+    return dict(
+        auto_resume=bool(args.auto_resume),
+        ckpt_fallback=bool(args.ckpt_fallback),
+        async_save=bool(args.async_save),
     )
 
 

@@ -208,9 +208,19 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     """Load weights only; start at iteration 0 with a fresh optimizer and schedule."""
+    auto_resume: bool = True
+    """Without load: resume from the latest checkpoint in save when it has one (docs/reliability.md)."""
+    ckpt_fallback: bool = False
+    """A checkpoint that fails verification: load the newest older one that passes, instead of failing."""
+    async_save: bool = False
+    """Write torch_dist checkpoints in the background; the next save and the exit wait for it."""
 
     def __post_init__(self) -> None:
         bad = Problems("CheckpointConfig")
+        bad.check(
+            not self.async_save or self.ckpt_format == "torch_dist",
+            f"async_save needs ckpt_format torch_dist (got {self.ckpt_format})",
+        )
         bad.check(
             self.ckpt_format in CKPT_FORMATS,
             f"ckpt_format {self.ckpt_format} is not supported yet: use torch_dist (default) or torch",

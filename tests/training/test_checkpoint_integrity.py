@@ -1,0 +1,214 @@
+"""Verified checkpoints, a full disk, --ckpt-fallback, --async-save and the data position on
+resume.
+
+Single-process tests on a plain module for the files; the trainer paths on 2 (and 1) gloo
+ranks through ``megadlms.pretrain.run``, against an uninterrupted run of the same flags."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+
+from megadlms.training import checkpointing as ck
+from megadlms.training.checkpoint_integrity import CheckpointCorruptError
+from tests.dist_utils import run_distributed
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.LayerNorm(5), torch.nn.Linear(5, 3))
+
+
+def _save(root, it, seed, fmt="torch_dist"):
+    m = _model(seed)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(4, 6)).square().sum().backward()
+    opt.step()
+    return ck.save_checkpoint(root, it, model=m, optimizer=opt, ckpt_format=fmt, consumed_samples=it)
+
+
+def _load(path):
+    m = _model(9)
+    return ck.load_checkpoint(path, model=m, optimizer=torch.optim.AdamW(m.parameters(), lr=1e-2))
+
+
+def _flip(path):
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x01
+    open(path, "wb").write(bytes(data))
+
+
+def _truncate(path):
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 3)
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "torch"])
+@pytest.mark.parametrize("damage", ["bit_flip", "truncate", "missing"])
+def test_damaged_file_is_named_on_load(tmp_path, fmt, damage):
+    path = _save(str(tmp_path), 3, seed=1, fmt=fmt)
+    common = ck.read_common(path)
+    files = common["files"]
+    victim = ck.TORCH_FILE if fmt == "torch" else next(f for f in files if f.endswith(".distcp"))
+    assert "rng/rank_0.pt" in files and victim in files
+    for rel, rec in files.items():  # the record is what is on disk
+        assert os.path.getsize(os.path.join(path, rel)) == rec["size"]
+    assert _load(path).iteration == 3  # intact: loads
+    target = os.path.join(path, victim)
+    {"bit_flip": _flip, "truncate": _truncate, "missing": os.remove}[damage](target)
+    words = {"bit_flip": "fails its checksum", "truncate": "bytes", "missing": "is missing"}[damage]
+    with pytest.raises(CheckpointCorruptError, match=words) as info:
+        _load(path)
+    assert target in str(info.value) and "--ckpt-fallback" in str(info.value)
+
+
+def test_checkpoint_without_manifest_still_loads(tmp_path):
+    """Format-2 checkpoints (no ``files`` record) load unchecked."""
+    path = _save(str(tmp_path), 2, seed=1)
+    common = ck.read_common(path)
+    del common["files"]
+    common["format_version"] = 2
+    with open(os.path.join(path, ck.COMMON_FILE), "w") as f:
+        json.dump(common, f)
+    assert _load(path).iteration == 2
+
+
+def _fill_disk(monkeypatch, after_bytes=64):
+    """DCP's writer fails with ENOSPC after writing a few bytes of its first item."""
+    from torch.distributed.checkpoint import filesystem
+
+    def full(transforms, stream, data, *a, **k):
+        stream.write(b"\0" * after_bytes)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "__0_0.distcp")
+
+    monkeypatch.setattr(filesystem, "_write_item", full)
+
+
+def test_disk_full_keeps_previous_checkpoint_and_latest(tmp_path, monkeypatch):
+    root = str(tmp_path)
+    _save(root, 1, seed=1)
+    _fill_disk(monkeypatch)
+    with pytest.raises(OSError, match="no space left on device") as info:
+        _save(root, 2, seed=2)
+    assert info.value.errno == errno.ENOSPC
+    assert "iter_0000001 and latest_checkpointed_iteration.txt are untouched" in str(info.value)
+    assert ck.read_latest_iteration(root) == 1 and not os.path.exists(os.path.join(root, "iter_0000002"))
+    monkeypatch.undo()
+    assert _load(ck.resolve_checkpoint(root)).iteration == 1  # verifies and loads
+    _save(root, 2, seed=2)  # space back: the next save clears the torn directory
+    assert ck.read_latest_iteration(root) == 2
+
+
+# ------------------------------------------------------------------ trainer paths (gloo ranks)
+TINY = (
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+    "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
+    "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 2 --global-batch-size 8 "
+    "--train-iters 8 --lr 2e-3 --seed 7 --mock-data --log-interval 1 --eval-interval 1000 "
+    "--eval-iters 0 --save-interval 4"
+).split()
+
+
+def _spied_run(argv, seen):
+    """pretrain.run recording every step's sample indices on this rank."""
+    from megadlms.pretrain import run
+    from megadlms.training import train
+
+    real = train.train_step
+
+    def spy(model, optimizer, micro, cfg, iteration, **k):
+        seen[iteration + 1] = sorted(int(i) for b in micro for i in b["sample_idx"])
+        return real(model, optimizer, micro, cfg, iteration, **k)
+
+    train.train_step = spy
+    try:
+        return run(TINY + list(argv))
+    finally:
+        train.train_step = real
+
+
+def _two_rank_world(rank, world, tmp):
+    out = {}
+    save = os.path.join(tmp, "s")
+    seen = out["straight_seen"] = {}
+    out["straight"] = _spied_run(["--num-workers", "2"], seen)
+    out["part"] = _spied_run(["--num-workers", "2", "--save", save, "--exit-interval", "4"], {})
+    seen = out["resume_seen"] = {}
+    out["resume"] = _spied_run(["--num-workers", "2", "--save", save], seen)  # auto-resume from --save
+    out["async"] = _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "a"), "--async-save"], {})
+    out["sync"] = _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "b")], {})
+    # damage iteration 8 of the async run: the resume names the file; --ckpt-fallback takes 4
+    import torch.distributed as dist
+
+    files = ck.read_common(os.path.join(tmp, "a", "iter_0000008"))["files"]
+    out["victim"] = victim = max((f for f in files if f.endswith(".distcp")), key=lambda f: files[f]["size"])
+    if rank == 0:
+        _flip(os.path.join(tmp, "a", "iter_0000008", victim))
+    dist.barrier()
+    try:
+        _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "a"), "--train-iters", "10"], {})
+        out["corrupt"] = None
+    except CheckpointCorruptError as exc:
+        out["corrupt"] = str(exc)
+    out["fallback"] = _spied_run(
+        ["--num-workers", "0", "--save", os.path.join(tmp, "a"), "--ckpt-fallback"], {}
+    )
+    # ENOSPC on rank 1 only while the trainer saves iteration 8: every rank raises it
+    from torch.distributed.checkpoint import filesystem
+
+    real_write = filesystem._write_item
+
+    def full(transforms, stream, *a, **k):
+        if "iter_0000008" in str(getattr(stream, "name", "")):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), stream.name)
+        return real_write(transforms, stream, *a, **k)
+
+    if rank == 1:
+        filesystem._write_item = full
+    try:
+        _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "full")], {})
+        out["enospc"] = None
+    except OSError as exc:
+        out["enospc"] = str(exc)
+    finally:
+        filesystem._write_item = real_write
+    return out
+
+
+def _one_rank_world(rank, world, tmp):
+    seen = {}
+    _spied_run(["--num-workers", "2", "--load", os.path.join(tmp, "s", "iter_0000004"), "--no-auto-resume",
+                "--save", os.path.join(tmp, "one")], seen)  # fmt: skip
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_trainer_resume_position_fallback_async_and_disk_full(tmp_path):
+    tmp = str(tmp_path)
+    r = run_distributed(_two_rank_world, 2, (tmp,))
+    a = r[0]
+    # the data position: every rank resumes at its exact next sample (num_workers 2)
+    for res in r:
+        assert [res["resume_seen"][i] for i in range(5, 9)] == [res["straight_seen"][i] for i in range(5, 9)]
+    assert a["part"].iteration == 4 and sorted(a["resume"].losses) == [5, 6, 7, 8]
+    assert [a["resume"].losses[i] for i in range(5, 9)] == [a["straight"].losses[i] for i in range(5, 9)]
+    # ... and at another rank count (1 rank resumes the 2-rank checkpoint): same global samples
+    one = run_distributed(_one_rank_world, 1, (tmp,))[0]
+    for i in range(5, 9):
+        assert one[i] == sorted(r[0]["straight_seen"][i] + r[1]["straight_seen"][i]), i
+    # --async-save: same numbers as the synchronous run, both checkpoints complete
+    assert a["async"].losses == a["sync"].losses and len(a["async"].save_stalls) == 2
+    assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "8"
+    for res in r:
+        assert res["victim"] in res["corrupt"] and "fails its checksum" in res["corrupt"]
+        fb = res["fallback"]
+        assert sorted(fb.losses) == [5, 6, 7, 8]
+        assert [fb.losses[i] for i in range(5, 9)] == [a["straight"].losses[i] for i in range(5, 9)]
+        assert "no space left on device" in res["enospc"] and "iter_0000004" in res["enospc"]
+    assert (tmp_path / "full" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert ck.read_common(str(tmp_path / "full" / "iter_0000004"))["files"]
