@@ -54,7 +54,8 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0):
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        # not daemonic, so a rank may start DataLoader workers; the finally below reaps them
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:

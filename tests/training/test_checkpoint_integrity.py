@@ -131,26 +131,56 @@ def _spied_run(argv, seen):
         train.train_step = real
 
 
-def _two_rank_world(rank, world, tmp):
+def _position_world(rank, world, tmp):
     out = {}
     save = os.path.join(tmp, "s")
     seen = out["straight_seen"] = {}
-    out["straight"] = _spied_run(["--num-workers", "2"], seen)
-    out["part"] = _spied_run(["--num-workers", "2", "--save", save, "--exit-interval", "4"], {})
+    out["straight"] = _spied_run(["--num-workers", "0"], seen)  # the reference: no workers
+    out["part"] = _spied_run(["--num-workers", "0", "--save", save, "--exit-interval", "4"], {})
     seen = out["resume_seen"] = {}
     out["resume"] = _spied_run(["--num-workers", "2", "--save", save], seen)  # auto-resume from --save
+    return out
+
+
+def _one_rank_world(rank, world, tmp):
+    seen = {}
+    _spied_run(["--num-workers", "2", "--load", os.path.join(tmp, "s", "iter_0000004"), "--no-auto-resume",
+                "--save", os.path.join(tmp, "one")], seen)  # fmt: skip
+    return seen
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_resume_restores_exact_next_sample_any_rank_count_with_workers(tmp_path):
+    """--num-workers 2: after a resume every rank gets exactly the samples the uninterrupted run
+    (no workers) gave it, and a 1-rank run resuming the 2-rank checkpoint gets the same global samples."""
+    tmp = str(tmp_path)
+    r = run_distributed(_position_world, 2, (tmp,))
+    for res in r:
+        assert [res["resume_seen"][i] for i in range(5, 9)] == [res["straight_seen"][i] for i in range(5, 9)]
+    a = r[0]
+    assert a["part"].iteration == 4 and sorted(a["resume"].losses) == [5, 6, 7, 8]
+    assert [a["resume"].losses[i] for i in range(5, 9)] == [a["straight"].losses[i] for i in range(5, 9)]
+    one = run_distributed(_one_rank_world, 1, (tmp,))[0]
+    for i in range(5, 9):
+        assert one[i] == sorted(r[0]["straight_seen"][i] + r[1]["straight_seen"][i]), i
+
+
+def _save_world(rank, world, tmp):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import filesystem
+
+    out = {}
     out["async"] = _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "a"), "--async-save"], {})
     out["sync"] = _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "b")], {})
     # damage iteration 8 of the async run: the resume names the file; --ckpt-fallback takes 4
-    import torch.distributed as dist
-
     files = ck.read_common(os.path.join(tmp, "a", "iter_0000008"))["files"]
     out["victim"] = victim = max((f for f in files if f.endswith(".distcp")), key=lambda f: files[f]["size"])
     if rank == 0:
         _flip(os.path.join(tmp, "a", "iter_0000008", victim))
     dist.barrier()
     try:
-        _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "a"), "--train-iters", "10"], {})
+        _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "a")], {})
         out["corrupt"] = None
     except CheckpointCorruptError as exc:
         out["corrupt"] = str(exc)
@@ -158,8 +188,6 @@ def _two_rank_world(rank, world, tmp):
         ["--num-workers", "0", "--save", os.path.join(tmp, "a"), "--ckpt-fallback"], {}
     )
     # ENOSPC on rank 1 only while the trainer saves iteration 8: every rank raises it
-    from torch.distributed.checkpoint import filesystem
-
     real_write = filesystem._write_item
 
     def full(transforms, stream, *a, **k):
@@ -179,36 +207,23 @@ def _two_rank_world(rank, world, tmp):
     return out
 
 
-def _one_rank_world(rank, world, tmp):
-    seen = {}
-    _spied_run(["--num-workers", "2", "--load", os.path.join(tmp, "s", "iter_0000004"), "--no-auto-resume",
-                "--save", os.path.join(tmp, "one")], seen)  # fmt: skip
-    return seen
-
-
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_trainer_resume_position_fallback_async_and_disk_full(tmp_path):
-    tmp = str(tmp_path)
-    r = run_distributed(_two_rank_world, 2, (tmp,))
+@pytest.mark.timeout(300)
+def test_async_save_fallback_and_disk_full_on_two_ranks(tmp_path):
+    """--async-save trains the same numbers as synchronous saves and leaves complete
+    checkpoints; a bit flip in a shard is named on every rank, --ckpt-fallback resumes from
+    the previous checkpoint and continues the same curve; ENOSPC on one rank is a clear error
+    on every rank, the previous checkpoint and latest untouched."""
+    r = run_distributed(_save_world, 2, (str(tmp_path),))
     a = r[0]
-    # the data position: every rank resumes at its exact next sample (num_workers 2)
-    for res in r:
-        assert [res["resume_seen"][i] for i in range(5, 9)] == [res["straight_seen"][i] for i in range(5, 9)]
-    assert a["part"].iteration == 4 and sorted(a["resume"].losses) == [5, 6, 7, 8]
-    assert [a["resume"].losses[i] for i in range(5, 9)] == [a["straight"].losses[i] for i in range(5, 9)]
-    # ... and at another rank count (1 rank resumes the 2-rank checkpoint): same global samples
-    one = run_distributed(_one_rank_world, 1, (tmp,))[0]
-    for i in range(5, 9):
-        assert one[i] == sorted(r[0]["straight_seen"][i] + r[1]["straight_seen"][i]), i
-    # --async-save: same numbers as the synchronous run, both checkpoints complete
     assert a["async"].losses == a["sync"].losses and len(a["async"].save_stalls) == 2
     assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "8"
     for res in r:
         assert res["victim"] in res["corrupt"] and "fails its checksum" in res["corrupt"]
         fb = res["fallback"]
         assert sorted(fb.losses) == [5, 6, 7, 8]
-        assert [fb.losses[i] for i in range(5, 9)] == [a["straight"].losses[i] for i in range(5, 9)]
+        assert [fb.losses[i] for i in range(5, 9)] == [a["sync"].losses[i] for i in range(5, 9)]
         assert "no space left on device" in res["enospc"] and "iter_0000004" in res["enospc"]
     assert (tmp_path / "full" / "latest_checkpointed_iteration.txt").read_text() == "4"
+    assert not (tmp_path / "full" / "iter_0000008").exists()
     assert ck.read_common(str(tmp_path / "full" / "iter_0000004"))["files"]

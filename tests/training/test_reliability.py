@@ -94,38 +94,32 @@ def _check_resumed(tmp, name, reference, log, died_after, resume_from):
     assert (tmp / name / "latest_checkpointed_iteration.txt").read_text() == "12"
 
 
+SIGKILLS = {
+    # rank 1 at the start of step 7: its peer is inside the step's first collective
+    "step": ({"kind": "kill", "rank": 1, "iteration": 7}, [], 6),
+    # rank 1 inside the save of iteration 8, after writing its tensor files
+    "save": ({"kind": "kill_in_save", "rank": 1, "iteration": 8}, [], 8),
+    # --async-save: rank 0 while it finishes the background save of iteration 8 (common.json)
+    "async": ({"kind": "kill_in_save", "rank": 0, "iteration": 8}, ["--async-save"], None),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(400)
-def test_sigkill_mid_step_and_mid_save_restart_resumes_bitwise(tmp_path, reference):
-    """torchrun --max-restarts 1: rank 1 SIGKILLed at the start of step 7 (its peer is inside
-    the step's collective), and rank 1 SIGKILLed inside the save of iteration 8 after writing
-    its tensors; with --async-save rank 0 SIGKILLed while finishing the background save of
-    iteration 8. Each restart resumes from iteration 4 (the last complete checkpoint) and
-    reproduces the reference curve bitwise."""
-    rc, log = _torchrun(tmp_path, "step", _dir_args(tmp_path, "step"), {"kind": "kill", "rank": 1,
-                        "iteration": 7}, restarts=1)  # fmt: skip
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("case", sorted(SIGKILLS))
+def test_sigkill_restart_resumes_bitwise(tmp_path, reference, case):
+    """torchrun --max-restarts 1 restarts the group after a SIGKILL; it resumes from iteration
+    4 (the last complete checkpoint: 8 never completed) and reproduces the reference bitwise."""
+    fault, extra, died_after = SIGKILLS[case]
+    rc, log = _torchrun(tmp_path, case, _dir_args(tmp_path, case) + extra, fault, restarts=1)
     assert rc == 0, log[-4000:]
-    assert "failed (exitcode: -9) local_rank: 1" in log and "resuming from --save" in log
-    _check_resumed(tmp_path, "step", reference, log, died_after=6, resume_from=4)
-
-    rc, log = _torchrun(tmp_path, "save", _dir_args(tmp_path, "save"), {"kind": "kill_in_save", "rank": 1,
-                        "iteration": 8}, restarts=1)  # fmt: skip
-    assert rc == 0, log[-4000:]
-    _check_resumed(tmp_path, "save", reference, log, died_after=8, resume_from=4)
-
-    argv = _dir_args(tmp_path, "async") + ["--async-save"]
-    rc, log = _torchrun(
-        tmp_path, "async", argv, {"kind": "kill_in_save", "rank": 0, "iteration": 8}, restarts=1
-    )
-    assert rc == 0, log[-4000:]
-    records = _curve(tmp_path / "async.jsonl")
-    restart = next(
-        i for i in range(1, len(records)) if records[i]["iteration"] <= records[i - 1]["iteration"]
-    )
-    assert records[restart]["iteration"] == 5  # resumed from iteration 4: 8 never became complete
-    assert 8 <= records[restart - 1]["iteration"] <= 12
-    assert all(r["lm_loss"] == reference[r["iteration"]] for r in records)
-    assert (tmp_path / "async" / "latest_checkpointed_iteration.txt").read_text() == "12"
+    assert f"local_rank: {fault['rank']}" in log and "resuming from --save" in log
+    if died_after is None:  # async: the kill lands while training continues past iteration 8
+        records = _curve(tmp_path / f"{case}.jsonl")
+        its = [r["iteration"] for r in records]
+        died_after = next(its[i - 1] for i in range(1, len(its)) if its[i] <= its[i - 1])
+        assert 8 <= died_after <= 12, its
+    _check_resumed(tmp_path, case, reference, log, died_after=died_after, resume_from=4)
 
 
 def _wait_for(predicate, timeout, what):
