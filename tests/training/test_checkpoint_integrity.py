@@ -138,13 +138,13 @@ def _position_world(rank, world, tmp):
     out["straight"] = _spied_run(["--num-workers", "0"], seen)  # the reference: no workers
     out["part"] = _spied_run(["--num-workers", "0", "--save", save, "--exit-interval", "4"], {})
     seen = out["resume_seen"] = {}
-    out["resume"] = _spied_run(["--num-workers", "2", "--save", save], seen)  # auto-resume from --save
+    out["resume"] = _spied_run(["--num-workers", "1", "--save", save], seen)  # auto-resume from --save
     return out
 
 
 def _one_rank_world(rank, world, tmp):
     seen = {}
-    _spied_run(["--num-workers", "2", "--load", os.path.join(tmp, "s", "iter_0000004"), "--no-auto-resume",
+    _spied_run(["--num-workers", "1", "--load", os.path.join(tmp, "s", "iter_0000004"), "--no-auto-resume",
                 "--save", os.path.join(tmp, "one")], seen)  # fmt: skip
     return seen
 
@@ -152,7 +152,7 @@ def _one_rank_world(rank, world, tmp):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_resume_restores_exact_next_sample_any_rank_count_with_workers(tmp_path):
-    """--num-workers 2: after a resume every rank gets exactly the samples the uninterrupted run
+    """--num-workers 1: after a resume every rank gets exactly the samples the uninterrupted run
     (no workers) gave it, and a 1-rank run resuming the 2-rank checkpoint gets the same global samples."""
     tmp = str(tmp_path)
     r = run_distributed(_position_world, 2, (tmp,))

@@ -57,6 +57,7 @@ except ImportError:  # torch < 2.4: no FSDP2 either
 
 from megadlms.distributed.wrappers import unwrap_model
 
+from .checkpoint_faults import agree, find_enospc
 from .checkpoint_format import SafeFileSystemReader, join_state, split_state, tensor_paths
 from .checkpoint_integrity import CheckpointCorruptError, file_manifest, verify_checkpoint  # noqa: F401
 
@@ -186,41 +187,9 @@ def _set_rng_state(s: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- save
-def _agree(error: Optional[BaseException], what: str) -> None:
-    """Every rank learns whether any rank failed ``what``; all raise (no rank left blocked)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        if error is not None:
-            raise error
-        return
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(r, e) for r, e in enumerate(gathered) if e is not None]
-    if failed:
-        raise RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
-
-
-def _find_enospc(exc: BaseException) -> Optional[OSError]:
-    """The ENOSPC OSError inside ``exc`` (its cause chain or DCP's per-rank failures), if any."""
-    seen, todo = set(), [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
-            return e
-        todo += [e.__cause__, e.__context__]
-        failures = getattr(e, "failures", None)  # dcp CheckpointException: rank -> (exc, traceback)
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    return None
-
-
 def save_error(exc: BaseException, root: str, iteration: int) -> BaseException:
     """A save failure worded for the user: disk full names the directory and what is intact."""
-    full = _find_enospc(exc)
+    full = find_enospc(exc)
     if full is None:
         return exc
     previous = read_latest_iteration(root) if os.path.isdir(root) else None
@@ -250,7 +219,7 @@ def _prepare(root: str, iteration: int) -> str:
             os.makedirs(os.path.join(tmp, "rng"))
         except OSError as exc:
             error = save_error(exc, root, iteration)
-    _agree(error, "creating the checkpoint directory")
+    agree(error, "creating the checkpoint directory")
     return tmp
 
 
@@ -345,7 +314,7 @@ def save_checkpoint(
                 torch.save(full, os.path.join(tmp, TORCH_FILE))
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank learns of it in _agree
         error = save_error(exc, root, iteration)
-    _agree(error, f"saving checkpoint iteration {iteration}")
+    agree(error, f"saving checkpoint iteration {iteration}")
     if async_group is not None:
         from .checkpoint_async import start_async_save
 
@@ -356,7 +325,7 @@ def save_checkpoint(
             finalize_checkpoint(root, iteration, common)
         except Exception as exc:  # noqa: BLE001 - shared below so no rank waits forever
             error = save_error(exc, root, iteration)
-    _agree(error, f"finishing checkpoint iteration {iteration}")
+    agree(error, f"finishing checkpoint iteration {iteration}")
     return final
 
 

@@ -48,6 +48,7 @@ from megadlms.models import num_floating_point_operations
 from megadlms.optimizer import get_optimizer
 
 from . import builders, checkpoint_async, checkpointing
+from .collectives import CollectiveError, is_comm_error, named_collective  # noqa: F401
 from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
 
@@ -110,35 +111,6 @@ class _StepOut:
     seq_length: int
 
 
-class CollectiveError(RuntimeError):
-    """A collective of the training step failed or timed out (a peer died or stopped responding)."""
-
-
-_COMM_SIGNS = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe", "NCCL")
-
-
-def _is_comm_error(exc: BaseException) -> bool:
-    dist_error = getattr(dist, "DistError", ())
-    return isinstance(exc, dist_error) or any(sign in str(exc) for sign in _COMM_SIGNS)
-
-
-@contextlib.contextmanager
-def _collective(name: str, iteration: int, always: bool = True):
-    """Name the collective when it fails: a timeout here means a peer rank stopped responding
-    (or died) and is reported on every live rank within the collective timeout."""
-    try:
-        yield
-    except RuntimeError as exc:
-        if isinstance(exc, CollectiveError) or not (always or _is_comm_error(exc)):
-            raise
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        raise CollectiveError(
-            f"iteration {iteration + 1}: rank {rank}: collective '{name}' failed: {exc} -- a peer rank "
-            "died or stopped responding for longer than the collective timeout "
-            "(--distributed-timeout-minutes, or $MEGADLMS_DISTRIBUTED_TIMEOUT_SECONDS); stopping this rank"
-        ) from exc
-
-
 def _forward_backward(model, optimizer, micro_batches, diff_cfg, iteration, crop, scale, device):
     """Loss sum of this rank's micro-batches; backward of each, synced on the last."""
     local_loss = torch.zeros((), dtype=torch.float64, device=device)
@@ -173,7 +145,7 @@ def train_step(
     # Device tensors throughout: no host sync until the single reduction after backward.
     local_tokens = torch.stack([loss_token_count(b, crop).to(torch.float64) for b in micro_batches]).sum()
     global_tokens = local_tokens.to(device=device).reshape(1).clone()
-    with _collective("all-reduce of the step's loss-token count", iteration):
+    with named_collective("all-reduce of the step's loss-token count", iteration):
         dist.all_reduce(global_tokens)
     # Sum mode divides by N here, once; an averaging wrapper divides by dp itself.
     dp = 1 if model.ddp_config.calculate_per_token_loss else model.comm.world_size
@@ -186,11 +158,13 @@ def train_step(
             model, optimizer, micro_batches, diff_cfg, iteration, crop, scale, device
         )
     except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank knows
-        if _is_comm_error(exc):  # a peer is gone: no collective can complete, stop now
-            with _collective("forward/backward (FSDP2 all-gather / gradient bucket reduction)", iteration):
+        if is_comm_error(exc):  # a peer is gone: no collective can complete, stop now
+            with named_collective(
+                "forward/backward (FSDP2 all-gather / gradient bucket reduction)", iteration
+            ):
                 raise
         error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
-    with _collective("gradient reduction (finish_grad_sync)", iteration):
+    with named_collective("gradient reduction (finish_grad_sync)", iteration):
         model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
 
     # One reduction carries the loss, the NaN/Inf verdict, failures and the exit requests.
@@ -200,7 +174,7 @@ def train_step(
     packed = torch.cat(
         [torch.where(nonfinite > 0, 0.0, local_loss).reshape(1), nonfinite.reshape(1), failed, flags]
     )
-    with _collective("all-reduce of [loss, NaN flag, failure flag, exit flags]", iteration):
+    with named_collective("all-reduce of [loss, NaN flag, failure flag, exit flags]", iteration):
         dist.all_reduce(packed)
     loss_total, nan_ranks, failed_ranks, *exit_reduced = packed.tolist()
     seq_length = micro_batches[0]["labels"].shape[1] if crop is None else crop
@@ -214,7 +188,9 @@ def train_step(
     n_global = float(global_tokens.item())
     if nan_ranks > 0 or n_global <= 0:
         return _StepOut(float("nan"), None, False, True, exit_reduced, seq_length)
-    with _collective("optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False):
+    with named_collective(
+        "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
+    ):
         success, grad_norm = optimizer.step()
     return _StepOut(
         loss_total / n_global,
