@@ -173,6 +173,13 @@ def _save_world(rank, world, tmp):
     out = {}
     out["async"] = _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "a"), "--async-save"], {})
     out["sync"] = _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "b")], {})
+    # FSDP2 + --async-save (DTensor shards staged), read back by DDP: resharding still works
+    fsdp = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--num-workers", "0"]
+    _spied_run(fsdp + ["--save", os.path.join(tmp, "f"), "--async-save", "--exit-interval", "4"], {})
+    out["from_fsdp"] = _spied_run(
+        ["--untie-embeddings-and-output-weights", "--num-workers", "0", "--load", os.path.join(tmp, "f")], {}
+    )
+    out["untied"] = _spied_run(["--untie-embeddings-and-output-weights", "--num-workers", "0"], {})
     # damage iteration 8 of the async run: the resume names the file; --ckpt-fallback takes 4
     files = ck.read_common(os.path.join(tmp, "a", "iter_0000008"))["files"]
     out["victim"] = victim = max((f for f in files if f.endswith(".distcp")), key=lambda f: files[f]["size"])
@@ -211,13 +218,16 @@ def _save_world(rank, world, tmp):
 @pytest.mark.timeout(300)
 def test_async_save_fallback_and_disk_full_on_two_ranks(tmp_path):
     """--async-save trains the same numbers as synchronous saves and leaves complete
-    checkpoints; a bit flip in a shard is named on every rank, --ckpt-fallback resumes from
+    checkpoints (an FSDP2 one still reshards into DDP); a bit flip in a shard is named on every rank, --ckpt-fallback resumes from
     the previous checkpoint and continues the same curve; ENOSPC on one rank is a clear error
     on every rank, the previous checkpoint and latest untouched."""
     r = run_distributed(_save_world, 2, (str(tmp_path),))
     a = r[0]
     assert a["async"].losses == a["sync"].losses and len(a["async"].save_stalls) == 2
     assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "8"
+    assert sorted(a["from_fsdp"].losses) == [5, 6, 7, 8]
+    for i in range(5, 9):
+        assert a["from_fsdp"].losses[i] == pytest.approx(a["untied"].losses[i], rel=1e-5), i
     for res in r:
         assert res["victim"] in res["corrupt"] and "fails its checksum" in res["corrupt"]
         fb = res["fallback"]
