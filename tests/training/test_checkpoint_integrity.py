@@ -237,3 +237,19 @@ def test_async_save_fallback_and_disk_full_on_two_ranks(tmp_path):
     assert (tmp_path / "full" / "latest_checkpointed_iteration.txt").read_text() == "4"
     assert not (tmp_path / "full" / "iter_0000008").exists()
     assert ck.read_common(str(tmp_path / "full" / "iter_0000004"))["files"]
+
+
+def test_reliability_flags_parse_into_the_config():
+    from megadlms.training.arguments import parse_config
+
+    base = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
+            "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]  # fmt: skip
+    cfg = parse_config(
+        base + ["--save", "s", "--save-interval", "1", "--async-save", "--ckpt-fallback"], world_size=1
+    )
+    ck_cfg = cfg.checkpoint
+    assert ck_cfg.async_save and ck_cfg.ckpt_fallback and ck_cfg.auto_resume
+    assert not any("--async-save" in n for n in cfg.logging.notes)  # it has an effect now
+    assert not parse_config(base + ["--no-auto-resume"], world_size=1).checkpoint.auto_resume
+    with pytest.raises(ValueError, match="--async-save needs --ckpt-format torch_dist"):
+        parse_config(base + ["--async-save", "--ckpt-format", "torch"], world_size=1)
