@@ -54,7 +54,8 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0):
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=True)
+        # not daemonic, so a rank may start DataLoader workers; the finally below reaps them
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
         for r in range(world_size)
     ]
     for p in procs:
@@ -70,9 +71,15 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0):
                 break
     finally:
         for p in procs:
-            p.join(timeout=5 if not errors else 1)
+            p.join(timeout=30 if not errors else 1)
             if p.is_alive():
                 p.terminate()
+                p.join(5)
     if errors:
         raise RuntimeError("\n".join(errors))
+    # A rank that returned its result but then died (e.g. SIGABRT at interpreter exit after
+    # destroy_process_group) is a failure too: teardown must be clean.
+    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise RuntimeError(f"ranks exited uncleanly after returning their results (rank, exit code): {bad}")
     return results

@@ -9,6 +9,7 @@ fast on every rank), initialise torch.distributed (NCCL with CUDA, gloo otherwis
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -30,6 +31,38 @@ def _single_process_env() -> None:
     )
 
 
+TIMEOUT_ENV = "MEGADLMS_DISTRIBUTED_TIMEOUT_SECONDS"
+"""Overrides --distributed-timeout-minutes with seconds (tests of stuck ranks; docs/reliability.md)."""
+
+
+def collective_timeout(parallel) -> datetime.timedelta:
+    """Timeout of every collective: --distributed-timeout-minutes or $MEGADLMS_DISTRIBUTED_TIMEOUT_SECONDS."""
+    seconds = os.environ.get(TIMEOUT_ENV)
+    if seconds:
+        try:
+            value = float(seconds)
+        except ValueError:
+            value = -1.0
+        if value <= 0:
+            raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds, got {seconds!r}")
+        return datetime.timedelta(seconds=value)
+    return datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
+
+
+def _bootstrap_store(timeout: datetime.timedelta):
+    """The store to bootstrap the process group with, namespaced per torchrun restart attempt.
+
+    With torchrun's defaults the workers share the agent's TCPStore, and it outlives a restart:
+    a restarted group would read the previous attempt's keys (pytorch#135712). Prefixing every
+    key with the restart count makes each attempt start from an empty namespace. None outside
+    torchrun (plain env:// rendezvous)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None:
+        return None
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(f"megadlms/attempt_{attempt}/", store)
+
+
 def init_distributed(parallel) -> None:
     """Initialise the default process group from torchrun's environment
     (``parallel``: the run's ParallelConfig)."""
@@ -39,8 +72,13 @@ def init_distributed(parallel) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("--distributed-backend nccl needs CUDA devices; use gloo on CPU")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    minutes = parallel.distributed_timeout_minutes
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=minutes))
+    timeout = collective_timeout(parallel)
+    store = _bootstrap_store(timeout)
+    if store is None:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world)
 
 
 def run(argv: Optional[Sequence[str]] = None):
@@ -59,15 +97,36 @@ def run(argv: Optional[Sequence[str]] = None):
     if owned:
         init_distributed(config.parallel)
     setup_logging(dist.get_rank())
+    ok = False
     try:
         if config.checkpoint.ckpt_convert_format:  # Megatron: convert, then exit
             from megadlms.training.ckpt_convert import convert_checkpoint
 
-            return convert_checkpoint(config)
-        return pretrain(config)
+            result = convert_checkpoint(config)
+        else:
+            result = pretrain(config)
+        ok = True
+        return result
     finally:
         if owned and dist.is_initialized():
-            dist.destroy_process_group()
+            _teardown(ok)
+
+
+def _teardown(ok: bool) -> None:
+    """Destroy the process group so nothing of it is left to interpreter finalization.
+
+    The trainer's wrappers sit in reference cycles (autograd hooks) and keep their gloo
+    groups and work objects alive until a gc pass; if that pass is the interpreter's final
+    one, gloo's worker threads are torn down with Python half gone and the process can abort
+    ("terminate called without an active exception", SIGABRT, after correct results). So:
+    collect those cycles first, then (on success, when every rank is here) a barrier so no
+    rank destroys its group while a peer still talks to it, then destroy. After a failure the
+    barrier is skipped: a peer may be gone and it would wait for the timeout."""
+    gc.collect()
+    if ok:
+        dist.barrier()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -19,9 +19,12 @@ maps saved chunks onto whatever sharding the loading run has, so a
 checkpoint from {DDP, DDP + distributed optimizer, FSDP2} at dp=N loads into any of
 them at dp=M.
 
-Crash safety: everything is written into ``iter_XXXXXXX.tmp``; rank 0 writes
-common.json last, renames the directory into place, then replaces the ``latest``
-file. A crash at any point leaves the previous checkpoint and ``latest`` intact.
+Crash safety: everything is written into ``iter_XXXXXXX.tmp``; rank 0 records every
+file's size and CRC-32 (checkpoint_integrity.py), writes common.json last, renames the
+directory into place, then replaces the ``latest`` file. A crash (or a full disk) at any
+point leaves the previous checkpoint and ``latest`` intact. With ``async_group`` the
+tensors are written in the background (checkpoint_async.py) and the same finishing steps
+run only once the write has completed.
 
 Safety on load: tensor files are read with ``weights_only=True``; DCP's ``.metadata``
 pickle is read with an unpickler that only admits DCP's metadata classes; the rest
@@ -31,6 +34,7 @@ is JSON. Nothing else is unpickled.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import random
@@ -42,6 +46,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -52,13 +57,16 @@ except ImportError:  # torch < 2.4: no FSDP2 either
 
 from megadlms.distributed.wrappers import unwrap_model
 
+from .checkpoint_faults import agree, find_enospc
 from .checkpoint_format import SafeFileSystemReader, join_state, split_state, tensor_paths
+from .checkpoint_integrity import CheckpointCorruptError, file_manifest, verify_checkpoint  # noqa: F401
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"
 TORCH_FILE = os.path.join("mp_rank_00", "model_optim_rng.pt")
-FORMAT_VERSION = 2
-"""2: common.json carries the tokenizer record (``tokenizer``); 1 had only the flags (``args``)."""
+FORMAT_VERSION = 3
+"""3: common.json records every file's size and CRC-32 (``files``, checked on load); 2 added the
+tokenizer record (``tokenizer``); 1 had only the flags (``args``)."""
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -90,6 +98,18 @@ def resolve_checkpoint(path: str) -> Optional[str]:
             f"is missing or incomplete (no {COMMON_FILE})"
         )
     return ckpt
+
+
+def older_checkpoints(root: str, before: int) -> list:
+    """Complete ``iter_*`` directories of ``root`` older than iteration ``before``, newest first
+    (the candidates of --ckpt-fallback)."""
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        it = name[5:]
+        if name.startswith("iter_") and it.isdigit() and int(it) < before:
+            if os.path.isfile(os.path.join(root, name, COMMON_FILE)):
+                found.append((int(it), os.path.join(root, name)))
+    return [path for _, path in sorted(found, reverse=True)]
 
 
 def read_common(ckpt: str) -> dict:
@@ -167,6 +187,72 @@ def _set_rng_state(s: dict) -> None:
 
 
 # ---------------------------------------------------------------------------- save
+def save_error(exc: BaseException, root: str, iteration: int) -> BaseException:
+    """A save failure worded for the user: disk full names the directory and what is intact."""
+    full = find_enospc(exc)
+    if full is None:
+        return exc
+    previous = read_latest_iteration(root) if os.path.isdir(root) else None
+    intact = (
+        f"the previous checkpoint {checkpoint_dir(root, previous)} and {LATEST_FILE} are untouched"
+        if previous is not None
+        else f"no earlier checkpoint exists; {LATEST_FILE} was not written"
+    )
+    err = OSError(
+        errno.ENOSPC,
+        f"saving checkpoint iteration {iteration} to {root} failed: no space left on device "
+        f"({full.filename or full}); {intact}. Free space on that filesystem or point --save elsewhere",
+    )
+    err.__cause__ = exc
+    return err
+
+
+def _prepare(root: str, iteration: int) -> str:
+    """Rank 0 creates an empty ``iter_XXXXXXX.tmp`` (a torn one from a crash is removed)."""
+    tmp = checkpoint_dir(root, iteration) + ".tmp"
+    error = None
+    if _rank() == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(tmp):  # left by a crashed save
+                shutil.rmtree(tmp)
+            os.makedirs(os.path.join(tmp, "rng"))
+        except OSError as exc:
+            error = save_error(exc, root, iteration)
+    agree(error, "creating the checkpoint directory")
+    return tmp
+
+
+def _collect(model, optimizer) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
+    tensors: Dict[str, torch.Tensor] = {}
+    for k, v in unwrap_model(model).state_dict().items():
+        if isinstance(v, torch.Tensor):  # skip extra_state objects
+            tensors[f"model/{k}"] = v
+    opt_skel = None
+    if optimizer is not None:
+        opt_skel = split_state(optimizer.state_dict(), "optimizer", tensors)
+    return tensors, opt_skel
+
+
+def finalize_checkpoint(root: str, iteration: int, common: dict) -> str:
+    """Rank 0, once every file of ``iter_XXXXXXX.tmp`` is written: record each file's size and
+    checksum, write common.json, rename the directory into place, then replace ``latest``."""
+    final = checkpoint_dir(root, iteration)
+    tmp = final + ".tmp"
+    common = dict(common, files=file_manifest(tmp))
+    _write_atomic(os.path.join(tmp, COMMON_FILE), json.dumps(common, indent=1, default=str))
+    if os.path.exists(final):  # re-saving the same iteration: swap, then drop the old one
+        old = f"{final}.old.{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+    _write_atomic(os.path.join(root, LATEST_FILE), str(iteration))
+    return final
+
+
 def save_checkpoint(
     root: str,
     iteration: int,
@@ -181,8 +267,12 @@ def save_checkpoint(
     tokenizer: Optional[dict] = None,
     extra: Optional[dict] = None,
     save_rng: bool = True,
-) -> str:
-    """Write ``root/iter_XXXXXXX`` (collective: every rank calls). Returns its path.
+    async_group=None,
+):
+    """Write ``root/iter_XXXXXXX`` (collective: every rank calls). Returns its path, or with
+    ``async_group`` (a gloo process group of all ranks, torch_dist only) a
+    :class:`~megadlms.training.checkpoint_async.PendingSave` whose ``wait()`` returns it once
+    the background write, the manifest, the rename and ``latest`` are done.
 
     ``model``: our wrapper or a plain module (its unwrapped state dict is stored).
     ``optimizer``: anything whose ``state_dict()`` has MixedPrecisionOptimizer's format
@@ -191,62 +281,51 @@ def save_checkpoint(
     """
     if ckpt_format not in ("torch_dist", "torch"):
         raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
+    if async_group is not None and ckpt_format != "torch_dist":
+        raise ValueError("--async-save needs --ckpt-format torch_dist")
     rank = _rank()
-    final = checkpoint_dir(root, iteration)
-    tmp = final + ".tmp"
+    tmp = _prepare(root, iteration)
+    tensors, opt_skel = _collect(model, optimizer)
+    common = {
+        "format_version": FORMAT_VERSION,
+        "ckpt_format": ckpt_format,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "wrapper": type(model).__name__,
+        "model_config": model_config or {},
+        "tokenizer": tokenizer,
+        "args": args or {},
+        "scheduler": scheduler.state_dict() if scheduler else None,
+        "optimizer": opt_skel,
+        "rng_saved": save_rng,
+        "extra": extra or {},
+    }
+    error = None
+    try:
+        if save_rng:
+            torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+        if async_group is None and ckpt_format == "torch_dist":
+            dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+        elif async_group is None:
+            full = {k: _full(v) for k, v in tensors.items()}  # collective for DTensors
+            if rank == 0:
+                os.makedirs(os.path.join(tmp, "mp_rank_00"))
+                torch.save(full, os.path.join(tmp, TORCH_FILE))
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank learns of it in _agree
+        error = save_error(exc, root, iteration)
+    agree(error, f"saving checkpoint iteration {iteration}")
+    if async_group is not None:
+        from .checkpoint_async import start_async_save
+
+        return start_async_save(tensors, tmp, root, iteration, common, async_group)
+    error, final = None, checkpoint_dir(root, iteration)
     if rank == 0:
-        os.makedirs(root, exist_ok=True)
-        if os.path.exists(tmp):  # left by a crashed save
-            shutil.rmtree(tmp)
-        os.makedirs(os.path.join(tmp, "rng"))
-    _barrier()
-
-    tensors: Dict[str, torch.Tensor] = {}
-    for k, v in unwrap_model(model).state_dict().items():
-        if isinstance(v, torch.Tensor):  # skip extra_state objects
-            tensors[f"model/{k}"] = v
-    opt_skel = None
-    if optimizer is not None:
-        opt_skel = split_state(optimizer.state_dict(), "optimizer", tensors)
-
-    if ckpt_format == "torch_dist":
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
-    else:
-        full = {k: _full(v) for k, v in tensors.items()}  # collective for DTensors
-        if rank == 0:
-            os.makedirs(os.path.join(tmp, "mp_rank_00"))
-            torch.save(full, os.path.join(tmp, TORCH_FILE))
-    if save_rng:
-        torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-    _barrier()
-
-    if rank == 0:
-        common = {
-            "format_version": FORMAT_VERSION,
-            "ckpt_format": ckpt_format,
-            "iteration": iteration,
-            "consumed_samples": consumed_samples,
-            "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-            "wrapper": type(model).__name__,
-            "model_config": model_config or {},
-            "tokenizer": tokenizer,
-            "args": args or {},
-            "scheduler": scheduler.state_dict() if scheduler else None,
-            "optimizer": opt_skel,
-            "rng_saved": save_rng,
-            "extra": extra or {},
-        }
-        _write_atomic(os.path.join(tmp, COMMON_FILE), json.dumps(common, indent=1, default=str))
-        if os.path.exists(final):  # re-saving the same iteration: swap, then drop the old one
-            old = f"{final}.old.{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
-        _write_atomic(os.path.join(root, LATEST_FILE), str(iteration))
-    _barrier()
+        try:
+            finalize_checkpoint(root, iteration, common)
+        except Exception as exc:  # noqa: BLE001 - shared below so no rank waits forever
+            error = save_error(exc, root, iteration)
+    agree(error, f"finishing checkpoint iteration {iteration}")
     return final
 
 
@@ -427,7 +506,9 @@ def load_checkpoint(
     4. this rank's RNG states when ``load_rng`` and the world size matches.
 
     Returns the counters to continue from; ``model_config`` (a ``TransformerConfig.to_dict()``)
-    is checked against the checkpoint's record first."""
+    is checked against the checkpoint's record first, and every file is verified against the
+    sizes and checksums recorded at save time (:class:`CheckpointCorruptError` names the file)."""
+    verify_checkpoint(ckpt, read_common(ckpt))
     common = load_model_state(ckpt, model, model_config=model_config)
     if optimizer is not None:
         if restore_optimizer:

@@ -233,6 +233,12 @@ class CheckpointConfig:
     ckpt_convert_format: Optional[str] = None
     """Convert ``load`` to this format into ``ckpt_convert_save``/<format>, then exit."""
     ckpt_convert_save: Optional[str] = None
+    auto_resume: bool = True
+    """Without load: resume from the latest checkpoint in save when it has one (docs/reliability.md)."""
+    ckpt_fallback: bool = False
+    """A checkpoint that fails verification: load the newest older one that passes, instead of failing."""
+    async_save: bool = False
+    """Write torch_dist checkpoints in the background; the next save and the exit wait for it."""
 
     def __post_init__(self) -> None:
         bad = Problems("CheckpointConfig")
@@ -242,6 +248,10 @@ class CheckpointConfig:
             f"checkpoint_steps must be positive iterations, got {list(self.checkpoint_steps)}",
         )
         bad.check(not self.checkpoint_steps or bool(self.save), "checkpoint_steps needs save DIR")
+        bad.check(
+            not self.async_save or self.ckpt_format == "torch_dist",
+            f"async_save needs ckpt_format torch_dist (got {self.ckpt_format})",
+        )
         bad.check(
             self.ckpt_format in CKPT_FORMATS,
             f"ckpt_format {self.ckpt_format} is not supported yet: use torch_dist (default) or torch",

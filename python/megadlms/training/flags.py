@@ -599,7 +599,11 @@ def _checkpoint_args(p):
         help="Accepted for Megatron scripts (no effect).",
     )
     _add(
-        g, "--async-save", action="store_true", help="Accepted for Megatron scripts (saves are synchronous)."
+        g,
+        "--async-save",
+        action="store_true",
+        help="Write torch_dist checkpoints in the background while training continues; the next save "
+        "and the exit wait for the previous one (docs/reliability.md).",
     )
     _add(g, "--no-load-optim", action="store_true", help="Do not load optimizer state.")
     _add(g, "--no-load-rng", action="store_true", help="Do not load RNG states.")
@@ -646,6 +650,21 @@ def _checkpoint_args(p):
     )
     _add(
         g, "--non-persistent-global-ckpt-dir", default=None, help="Accepted for Megatron scripts (no effect)."
+    )
+    _add(
+        g,
+        "--no-auto-resume",
+        dest="auto_resume",
+        action="store_false",
+        help="With --save and no --load, start from scratch even if --save holds a checkpoint "
+        "(default: resume from it, as Megatron does with --load equal to --save).",
+    )
+    _add(
+        g,
+        "--ckpt-fallback",
+        action="store_true",
+        help="If the checkpoint to resume fails verification (corrupt, truncated or missing file), load "
+        "the newest older complete checkpoint instead of stopping with an error.",
     )
 
 

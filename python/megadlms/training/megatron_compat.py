@@ -53,7 +53,6 @@ WITHOUT_EFFECT = (
         "no rerun state machine; NaN/Inf steps are skipped (--nan-skip-limit)",
     ),
     ("ckpt_fully_parallel_load", "--ckpt-fully-parallel-load", False, "torch_dist loads are always parallel"),
-    ("async_save", "--async-save", False, "checkpoints are written synchronously"),
     (
         "non_persistent_save_interval",
         "--non-persistent-save-interval",

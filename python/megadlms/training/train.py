@@ -26,6 +26,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import os
 import signal
 import time
 from typing import Callable, Dict, List, Optional
@@ -43,7 +44,8 @@ from megadlms.diffusion import (
 from megadlms.models import num_floating_point_operations
 from megadlms.optimizer import get_optimizer
 
-from . import builders, checkpointing
+from . import builders, checkpoint_async, checkpointing
+from .collectives import CollectiveError, is_comm_error, named_collective  # noqa: F401
 from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
 from .validation import evaluate, params_norm
@@ -72,6 +74,8 @@ class RunResult:
     last_checkpoint: Optional[str]
     final_evals: Dict[str, float] = dataclasses.field(default_factory=dict)
     """'validation' / 'test' -> NELBO of the evaluation after the last step (Megatron's)."""
+    save_stalls: List[float] = dataclasses.field(default_factory=list)
+    """Seconds the loop spent inside each save call (with --async-save: staging only)."""
 
 
 class _SignalFlag:
@@ -122,7 +126,8 @@ def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, dev
     failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=device)
     loss = torch.where(nonfinite > 0, 0.0, local_loss).reshape(1)
     packed = torch.cat([loss, nonfinite.reshape(1), failed, flags])
-    dist.all_reduce(packed)
+    with named_collective("all-reduce of [loss, NaN flag, failure flag, exit flags]", iteration):
+        dist.all_reduce(packed)
     loss_total, nan_ranks, failed_ranks, *exit_reduced = packed.tolist()
     if failed_ranks > 0:
         if error is not None:
@@ -156,7 +161,8 @@ def train_step(
         [loss_token_count(b, c, diff_cfg).to(torch.float64) for b, c in zip(micro_batches, crops)]
     ).sum()
     global_tokens = local_tokens.to(device=device).reshape(1).clone()
-    dist.all_reduce(global_tokens)
+    with named_collective("all-reduce of the step's loss-token count", iteration):
+        dist.all_reduce(global_tokens)
     # Sum mode divides by N here, once; an averaging wrapper divides by dp itself.
     dp = 1 if model.ddp_config.calculate_per_token_loss else model.comm.world_size
     scale = (dp / global_tokens).to(torch.float32)[0]  # a 0-token step gives inf -> NaN skip
@@ -168,15 +174,24 @@ def train_step(
             model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device
         )
     except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank knows
+        if is_comm_error(exc):  # a peer is gone: no collective can complete, stop now
+            with named_collective(
+                "forward/backward (FSDP2 all-gather / gradient bucket reduction)", iteration
+            ):
+                raise
         error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
-    model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
+    with named_collective("gradient reduction (finish_grad_sync)", iteration):
+        model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
 
     loss_total, nan_ranks, exit_reduced = _reduce_step(local_loss, error, exit_flags(), iteration, device)
     seq_length = S if crops[0] is None else crops[0]  # the throughput line's length
     n_global = float(global_tokens.item())
     if nan_ranks > 0 or n_global <= 0:
         return _StepOut(float("nan"), None, False, True, exit_reduced, seq_length)
-    success, grad_norm = optimizer.step()
+    with named_collective(
+        "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
+    ):
+        success, grad_norm = optimizer.step()
     return _StepOut(
         loss_total / n_global,
         float(grad_norm) if grad_norm is not None else None,
@@ -214,6 +229,8 @@ class Trainer:
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
+        self._pending = None
+        self._ckpt_group = checkpoint_async.checkpoint_group(config.checkpoint.async_save)
         self.ckpt = self._restore()
 
         log = config.logging
@@ -270,18 +287,27 @@ class Trainer:
         )
         self._log_start()
 
-    def _restore(self) -> Optional[str]:
-        """Everything from --load in one call (weights, optimizer, schedule, RNG, counters)."""
+    def _resume_path(self) -> Optional[str]:
+        """--load, or (automatic resume) --save when it holds a checkpoint and --load is absent."""
         ck = self.config.checkpoint
-        if not ck.load:
-            return None
-        path = checkpointing.resolve_checkpoint(ck.load)
-        if path is None:
-            _log.warning(
-                f"no checkpoint in --load {ck.load} (no {checkpointing.LATEST_FILE}); training from scratch"
-            )
-            return None
-        state = checkpointing.load_checkpoint(
+        if ck.load:
+            path = checkpointing.resolve_checkpoint(ck.load)
+            if path is None:
+                _log.warning(
+                    f"no checkpoint in --load {ck.load} (no {checkpointing.LATEST_FILE}); "
+                    "training from scratch"
+                )
+            return path
+        if ck.save and ck.auto_resume:
+            path = checkpointing.resolve_checkpoint(ck.save)
+            if path is not None:
+                _log.info(f"resuming from --save {ck.save} (no --load given; --no-auto-resume starts fresh)")
+            return path
+        return None
+
+    def _load(self, path: str):
+        ck = self.config.checkpoint
+        return checkpointing.load_checkpoint(
             path,
             model=self.model,
             optimizer=self.optimizer,
@@ -291,6 +317,33 @@ class Trainer:
             override_scheduler=self.config.schedule.override_opt_param_scheduler,
             model_config=self.config.model.to_dict(),
         )
+
+    def _load_verified(self, path: str):
+        """Load ``path``; with --ckpt-fallback a checkpoint that fails verification gives way to
+        the newest older one that passes (every rank takes the same decision: the verdict is shared)."""
+        try:
+            return path, self._load(path)
+        except checkpointing.CheckpointCorruptError as exc:
+            if not self.config.checkpoint.ckpt_fallback:
+                raise
+            root, it = os.path.dirname(path), int(checkpointing.read_common(path)["iteration"])
+            for older in checkpointing.older_checkpoints(root, it):
+                _log.warning(f"{exc}\n--ckpt-fallback: trying {older}")
+                try:
+                    return older, self._load(older)
+                except checkpointing.CheckpointCorruptError as again:
+                    exc = again
+            raise checkpointing.CheckpointCorruptError(
+                f"{exc} (--ckpt-fallback: no older complete checkpoint in {root} verifies)"
+            ) from exc
+
+    def _restore(self) -> Optional[str]:
+        """Everything from the checkpoint in one call (weights, optimizer, schedule, RNG, counters)."""
+        ck = self.config.checkpoint
+        path = self._resume_path()
+        if path is None:
+            return None
+        path, state = self._load_verified(path)
         common = state.common
         if not ck.finetune:
             if not ck.no_load_rng and not state.rng_restored:
@@ -324,8 +377,12 @@ class Trainer:
         )
 
     def save(self) -> None:
+        """Checkpoint the current iteration (with --async-save: after the previous background
+        save has finished, and in the background; :meth:`wait_for_save` waits for it)."""
         ck = self.config.checkpoint
-        self.result.last_checkpoint = checkpointing.save_checkpoint(
+        self.wait_for_save()
+        t0 = time.perf_counter()
+        written = checkpointing.save_checkpoint(
             ck.save,
             self.iteration,
             model=self.model,
@@ -338,8 +395,22 @@ class Trainer:
             tokenizer=self.config.data.tokenizer.to_dict(),
             extra={"nan_iterations": self.nan_total, "skipped_iterations": self.skipped_total},
             save_rng=not ck.no_save_rng,
+            async_group=self._ckpt_group,
         )
-        _log.info(f"saved checkpoint {self.result.last_checkpoint}")
+        self.result.save_stalls.append(time.perf_counter() - t0)
+        if isinstance(written, str):
+            self.result.last_checkpoint = written
+            _log.info(f"saved checkpoint {written}")
+        else:
+            self._pending = written
+            _log.info(f"saving checkpoint iteration {self.iteration} in the background")
+
+    def wait_for_save(self) -> None:
+        """Block until the background save in flight (if any) is complete and in place."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self.result.last_checkpoint = pending.wait()
+            _log.info(f"saved checkpoint {self.result.last_checkpoint}")
 
     def _account(self, out: _StepOut, lr: float) -> None:
         """Counters after a step: schedule, NaN/skip counts, the result record."""
@@ -500,6 +571,7 @@ class Trainer:
                 self.save()
             if self.result.exit_reason == "done":
                 self._final_evaluation()
+            self.wait_for_save()  # the exit waits for a background save
         finally:
             signal_flag.restore()
             self.metrics.close()
