@@ -85,8 +85,10 @@ def main() -> int:
         name = (
             f"rank_{os.environ.get('RANK', '0')}.attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         )
-        with open(os.path.join(pid_dir, name + ".pid"), "w") as f:
+        path = os.path.join(pid_dir, name + ".pid")
+        with open(path + ".tmp", "w") as f:  # renamed into place: a reader never sees it empty
             f.write(str(os.getpid()))
+        os.replace(path + ".tmp", path)
     if os.environ.get("MEGADLMS_TEST_FAULT"):
         _install(json.loads(os.environ["MEGADLMS_TEST_FAULT"]))
     from megadlms.pretrain import main as pretrain_main

@@ -190,7 +190,11 @@ def test_stopped_rank_fails_peers_within_timeout_and_exception_stops_all(tmp_pat
     with open(log_path, "w") as out:
         proc = subprocess.Popen(_cmd(["--train-iters", "6"]), env=env, stdout=out, stderr=subprocess.STDOUT)
         try:
-            _wait_for(lambda: (tmp_path / "rank_1.attempt_0.pid").exists(), 90, "the pid files")
+            _wait_for(
+                lambda: all((tmp_path / f"rank_{r}.attempt_0.pid").exists() for r in (0, 1)),
+                90,
+                "the pid files",
+            )
             stopped_pid = _pids(tmp_path)[1]
             t_stop = _wait_for(lambda: _state(stopped_pid) == "T", 90, "rank 1 to stop")
             t_fail = _wait_for(lambda: "CollectiveError" in log_path.read_text(), 60, "rank 0's error")

@@ -26,10 +26,8 @@ import contextlib
 import dataclasses
 import functools
 import logging
-import os
-import signal
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,56 +42,15 @@ from megadlms.diffusion import (
 from megadlms.models import num_floating_point_operations
 from megadlms.optimizer import get_optimizer
 
-from . import builders, checkpoint_async, checkpointing
+from . import builders, checkpoint_async, checkpointing, resume
 from .collectives import CollectiveError, is_comm_error, named_collective  # noqa: F401
 from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
+from .run_state import RunResult, SignalFlag
 from .validation import evaluate, params_norm
 from .validation import to_device as _to_device
 
 _log = logging.getLogger("megadlms.training")
-
-
-@dataclasses.dataclass
-class RunResult:
-    """What a run did (returned by :func:`pretrain`; tests and scripts read it)."""
-
-    iteration: int
-    consumed_samples: int
-    wrapper: str
-    losses: Dict[int, float]
-    """Iteration (1-based) -> global per-token loss of that step (nan when skipped for NaN)."""
-    grad_norms: Dict[int, float]
-    lrs: Dict[int, float]
-    nan_iterations: List[int]
-    skipped_iterations: int
-    evals: Dict[int, float]
-    """Iteration -> validation NELBO."""
-    exit_reason: str
-    """'done', 'exit_interval', 'exit_duration' or 'signal'."""
-    last_checkpoint: Optional[str]
-    final_evals: Dict[str, float] = dataclasses.field(default_factory=dict)
-    """'validation' / 'test' -> NELBO of the evaluation after the last step (Megatron's)."""
-    save_stalls: List[float] = dataclasses.field(default_factory=list)
-    """Seconds the loop spent inside each save call (with --async-save: staging only)."""
-
-
-class _SignalFlag:
-    """Records SIGTERM (--exit-signal-handler); the loop agrees across ranks and saves."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.received = False
-        self._previous = None
-        if enabled:
-            self._previous = signal.signal(signal.SIGTERM, self._handler)
-
-    def _handler(self, signum, frame) -> None:
-        self.received = True
-
-    def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
 
 
 @dataclasses.dataclass
@@ -287,63 +244,13 @@ class Trainer:
         )
         self._log_start()
 
-    def _resume_path(self) -> Optional[str]:
-        """--load, or (automatic resume) --save when it holds a checkpoint and --load is absent."""
-        ck = self.config.checkpoint
-        if ck.load:
-            path = checkpointing.resolve_checkpoint(ck.load)
-            if path is None:
-                _log.warning(
-                    f"no checkpoint in --load {ck.load} (no {checkpointing.LATEST_FILE}); "
-                    "training from scratch"
-                )
-            return path
-        if ck.save and ck.auto_resume:
-            path = checkpointing.resolve_checkpoint(ck.save)
-            if path is not None:
-                _log.info(f"resuming from --save {ck.save} (no --load given; --no-auto-resume starts fresh)")
-            return path
-        return None
-
-    def _load(self, path: str):
-        ck = self.config.checkpoint
-        return checkpointing.load_checkpoint(
-            path,
-            model=self.model,
-            optimizer=self.optimizer,
-            scheduler=self.scheduler,
-            restore_optimizer=not (ck.finetune or ck.no_load_optim),
-            load_rng=not (ck.finetune or ck.no_load_rng),
-            override_scheduler=self.config.schedule.override_opt_param_scheduler,
-            model_config=self.config.model.to_dict(),
-        )
-
-    def _load_verified(self, path: str):
-        """Load ``path``; with --ckpt-fallback a checkpoint that fails verification gives way to
-        the newest older one that passes (every rank takes the same decision: the verdict is shared)."""
-        try:
-            return path, self._load(path)
-        except checkpointing.CheckpointCorruptError as exc:
-            if not self.config.checkpoint.ckpt_fallback:
-                raise
-            root, it = os.path.dirname(path), int(checkpointing.read_common(path)["iteration"])
-            for older in checkpointing.older_checkpoints(root, it):
-                _log.warning(f"{exc}\n--ckpt-fallback: trying {older}")
-                try:
-                    return older, self._load(older)
-                except checkpointing.CheckpointCorruptError as again:
-                    exc = again
-            raise checkpointing.CheckpointCorruptError(
-                f"{exc} (--ckpt-fallback: no older complete checkpoint in {root} verifies)"
-            ) from exc
-
     def _restore(self) -> Optional[str]:
         """Everything from the checkpoint in one call (weights, optimizer, schedule, RNG, counters)."""
         ck = self.config.checkpoint
-        path = self._resume_path()
+        path = resume.resume_path(ck)
         if path is None:
             return None
-        path, state = self._load_verified(path)
+        path, state = resume.load_verified(path, self.config, self.model, self.optimizer, self.scheduler)
         common = state.common
         if not ck.finetune:
             if not ck.no_load_rng and not state.rng_restored:
@@ -538,7 +445,7 @@ class Trainer:
     def train(self) -> RunResult:
         """Optimizer steps until --train-iters or an exit request; saves as asked."""
         t, ck = self.config.training, self.config.checkpoint
-        signal_flag = _SignalFlag(t.exit_signal_handler)
+        signal_flag = SignalFlag(t.exit_signal_handler)
         start = time.perf_counter()
 
         def exit_flags():

@@ -1,0 +1,67 @@
+"""Where a run starts from: --load, automatic resume from --save, verified loading with the
+optional fallback to an older checkpoint (docs/reliability.md). The loading itself is
+``checkpointing.load_checkpoint``, one call for weights, optimizer, schedule and RNG."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Optional, Tuple
+
+from . import checkpointing
+from .config import CheckpointConfig, RunConfig
+
+_log = logging.getLogger("megadlms.training")
+
+
+def resume_path(ck: CheckpointConfig) -> Optional[str]:
+    """--load, or (automatic resume) --save when it holds a checkpoint and --load is absent."""
+    if ck.load:
+        path = checkpointing.resolve_checkpoint(ck.load)
+        if path is None:
+            _log.warning(
+                f"no checkpoint in --load {ck.load} (no {checkpointing.LATEST_FILE}); training from scratch"
+            )
+        return path
+    if ck.save and ck.auto_resume:
+        path = checkpointing.resolve_checkpoint(ck.save)
+        if path is not None:
+            _log.info(f"resuming from --save {ck.save} (no --load given; --no-auto-resume starts fresh)")
+        return path
+    return None
+
+
+def _load(path: str, config: RunConfig, model, optimizer, scheduler) -> checkpointing.TrainState:
+    ck = config.checkpoint
+    return checkpointing.load_checkpoint(
+        path,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        restore_optimizer=not (ck.finetune or ck.no_load_optim),
+        load_rng=not (ck.finetune or ck.no_load_rng),
+        override_scheduler=config.schedule.override_opt_param_scheduler,
+        model_config=config.model.to_dict(),
+    )
+
+
+def load_verified(
+    path: str, config: RunConfig, model, optimizer, scheduler
+) -> Tuple[str, checkpointing.TrainState]:
+    """Load ``path``; with --ckpt-fallback a checkpoint that fails verification gives way to
+    the newest older one that passes (every rank takes the same decision: the verdict is shared)."""
+    try:
+        return path, _load(path, config, model, optimizer, scheduler)
+    except checkpointing.CheckpointCorruptError as exc:
+        if not config.checkpoint.ckpt_fallback:
+            raise
+        root, it = os.path.dirname(path), int(checkpointing.read_common(path)["iteration"])
+        for older in checkpointing.older_checkpoints(root, it):
+            _log.warning(f"{exc}\n--ckpt-fallback: trying {older}")
+            try:
+                return older, _load(older, config, model, optimizer, scheduler)
+            except checkpointing.CheckpointCorruptError as again:
+                exc = again
+        raise checkpointing.CheckpointCorruptError(
+            f"{exc} (--ckpt-fallback: no older complete checkpoint in {root} verifies)"
+        ) from exc

@@ -1,0 +1,49 @@
+"""What a run reports (:class:`RunResult`) and how it notices SIGTERM (:class:`SignalFlag`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import signal
+from typing import Dict, List, Optional
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run did (returned by :func:`pretrain`; tests and scripts read it)."""
+
+    iteration: int
+    consumed_samples: int
+    wrapper: str
+    losses: Dict[int, float]
+    """Iteration (1-based) -> global per-token loss of that step (nan when skipped for NaN)."""
+    grad_norms: Dict[int, float]
+    lrs: Dict[int, float]
+    nan_iterations: List[int]
+    skipped_iterations: int
+    evals: Dict[int, float]
+    """Iteration -> validation NELBO."""
+    exit_reason: str
+    """'done', 'exit_interval', 'exit_duration' or 'signal'."""
+    last_checkpoint: Optional[str]
+    final_evals: Dict[str, float] = dataclasses.field(default_factory=dict)
+    """'validation' / 'test' -> NELBO of the evaluation after the last step (Megatron's)."""
+    save_stalls: List[float] = dataclasses.field(default_factory=list)
+    """Seconds the loop spent inside each save call (with --async-save: staging only)."""
+
+
+class SignalFlag:
+    """Records SIGTERM (--exit-signal-handler); the loop agrees across ranks and saves."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.received = False
+        self._previous = None
+        if enabled:
+            self._previous = signal.signal(signal.SIGTERM, self._handler)
+
+    def _handler(self, signum, frame) -> None:
+        self.received = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
