@@ -190,6 +190,24 @@ class Trainer:
         self._ckpt_group = checkpoint_async.checkpoint_group(config.checkpoint.async_save)
         self.ckpt = self._restore()
 
+        self._build_data(tokenizer)
+        log = config.logging
+        self.metrics = MetricsLogger(
+            rank=self.rank,
+            train_iters=t.train_iters,
+            metrics_jsonl=log.metrics_jsonl,
+            tensorboard_dir=log.tensorboard_dir,
+            fp16=config.optimizer.fp16,
+        )
+        self.result = RunResult(
+            self.iteration, self.consumed, type(self.model).__name__, {}, {}, {}, [], self.skipped_total, {},
+            "done", None,
+        )  # fmt: skip
+        self._log_start()
+
+    def _build_data(self, tokenizer) -> None:
+        """Datasets, loaders (positioned at the consumed samples) and the packing fields."""
+        config, t = self.config, self.config.training
         log = config.logging
         valid_samples = log.eval_iters * self.gbs if log.eval_interval else 0
         train_ds, valid_ds, test_ds = builders.build_datasets(
@@ -222,27 +240,6 @@ class Trainer:
         )
         self.valid_loader = None if valid_ds is None else loader(valid_ds, consumed_samples=0, num_workers=0)
         self.test_loader = None if test_ds is None else loader(test_ds, consumed_samples=0, num_workers=0)
-        self.metrics = MetricsLogger(
-            rank=self.rank,
-            train_iters=t.train_iters,
-            metrics_jsonl=log.metrics_jsonl,
-            tensorboard_dir=log.tensorboard_dir,
-            fp16=config.optimizer.fp16,
-        )
-        self.result = RunResult(
-            self.iteration,
-            self.consumed,
-            type(self.model).__name__,
-            {},
-            {},
-            {},
-            [],
-            self.skipped_total,
-            {},
-            "done",
-            None,
-        )
-        self._log_start()
 
     def _restore(self) -> Optional[str]:
         """Everything from the checkpoint in one call (weights, optimizer, schedule, RNG, counters)."""
