@@ -17,7 +17,7 @@ namespace nccl {
 
 struct UniqueId {
   char internal[128];
-};                   // ncclUniqueId (NCCL_UNIQUE_ID_BYTES = 128)
+};  // ncclUniqueId (NCCL_UNIQUE_ID_BYTES = 128)
 using Comm = void*;  // ncclComm_t (opaque pointer)
 
 // ncclDataType_t / ncclRedOp_t values used here (stable since NCCL 2.10).
