@@ -49,6 +49,38 @@ def test_failure_inside_a_step_on_one_rank_stops_every_rank():
         assert "other rank(s) failed inside the step" in res[1] and "iteration 3" in res[1], res
 
 
+def _data_failure_world(rank, world):
+    """One rank's data loading fails at its third step: every rank stops (no collective left
+    waiting until the timeout)."""
+    from megadlms.pretrain import run
+    from megadlms.training import train
+
+    real, calls = train._to_device, [0]
+
+    def failing(batch, device):
+        calls[0] += 1
+        if rank == 0 and calls[0] == 5:  # 2 micro-batches per step: the first of step 3
+            raise OSError("injected: a data shard became unreadable on rank 0")
+        return real(batch, device)
+
+    train._to_device = failing
+    try:
+        run(TINY + ["--global-batch-size", "12", "--overlap-grad-reduce", "--ddp-bucket-size", "500"])
+    except (RuntimeError, OSError) as exc:
+        return type(exc).__name__, str(exc)
+    finally:
+        train._to_device = real
+    return None
+
+
+def test_data_loading_failure_on_one_rank_stops_every_rank():
+    first, *others = run_distributed(_data_failure_world, 3, timeout=240)
+    assert first is not None and first[0] == "OSError" and "injected" in first[1], first
+    for res in others:
+        assert res is not None and res[0] == "RuntimeError", res
+        assert "other rank(s) failed inside the step" in res[1] and "iteration 3" in res[1], res
+
+
 def _spy_world(rank, world, tmp):
     from megadlms.diffusion import loss as loss_mod
     from megadlms.distributed import DistributedDataParallel

@@ -106,17 +106,24 @@ def train_step(
     device: torch.device,
     exit_flags: Callable[[], List[float]] = list,
     bidirectional: bool = True,
+    data_error: Optional[BaseException] = None,
 ) -> _StepOut:
     """One optimizer step over this rank's micro-batches (see the module docstring).
 
     ``exit_flags()`` is read just before the step's reduction, so a request (e.g. SIGTERM)
-    that arrived during this step's forward/backward is seen by every rank after it."""
-    S, n = micro_batches[0]["labels"].shape[1], len(micro_batches)
-    crops = [micro_batch_crop(diff_cfg, iteration, i, n, S, bidirectional=bidirectional) for i in range(n)]
-    # Device tensors throughout: no host sync until the single reduction after backward.
-    local_tokens = torch.stack(
-        [loss_token_count(b, c, diff_cfg).to(torch.float64) for b, c in zip(micro_batches, crops)]
-    ).sum()
+    that arrived during this step's forward/backward is seen by every rank after it.
+    ``data_error``: this rank could not load its micro-batches; it still takes part in the
+    step's collectives (contributing nothing) so that every rank stops with the error."""
+    crops, local_tokens = [None], torch.zeros((), dtype=torch.float64)
+    if data_error is None:
+        S, n = micro_batches[0]["labels"].shape[1], len(micro_batches)
+        crops = [
+            micro_batch_crop(diff_cfg, iteration, i, n, S, bidirectional=bidirectional) for i in range(n)
+        ]
+        # Device tensors throughout: no host sync until the single reduction after backward.
+        local_tokens = torch.stack(
+            [loss_token_count(b, c, diff_cfg).to(torch.float64) for b, c in zip(micro_batches, crops)]
+        ).sum()
     global_tokens = local_tokens.to(device=device).reshape(1).clone()
     with named_collective("all-reduce of the step's loss-token count", iteration):
         dist.all_reduce(global_tokens)
@@ -125,11 +132,12 @@ def train_step(
     scale = (dp / global_tokens).to(torch.float32)[0]  # a 0-token step gives inf -> NaN skip
 
     optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step
-    error = None
+    error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)
     try:
-        local_loss = _forward_backward(
-            model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device
-        )
+        if error is None:
+            local_loss = _forward_backward(
+                model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device
+            )
     except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank knows
         if is_comm_error(exc):  # a peer is gone: no collective can complete, stop now
             with named_collective(
@@ -412,14 +420,18 @@ class Trainer:
     def _step(self, data_iter, window: dict, exit_flags) -> _StepOut:
         """One optimizer step with its accounting and throughput window."""
         t0 = time.perf_counter()
-        micro = [_to_device(next(data_iter), self.device) for _ in range(self.num_micro)]
-        if self._packing is not None:
-            micro = [self._packing(b) for b in micro]
+        micro, data_error = None, None
+        try:
+            micro = [_to_device(next(data_iter), self.device) for _ in range(self.num_micro)]
+            if self._packing is not None:
+                micro = [self._packing(b) for b in micro]
+        except Exception as exc:  # noqa: BLE001 - carried by the step's reductions to every rank
+            data_error = exc
         lr = self.optimizer.param_groups[0]["lr"]
         out = train_step(
             self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
             device=self.device, exit_flags=exit_flags,
-            bidirectional=self.config.model.attention != "causal",
+            bidirectional=self.config.model.attention != "causal", data_error=data_error,
         )  # fmt: skip
         self.iteration += 1
         self.consumed += self.gbs
