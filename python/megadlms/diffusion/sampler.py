@@ -91,10 +91,9 @@ def generate(
         raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
     if temperature < 0 or cfg_scale < 0:
         raise ValueError(f"temperature ({temperature}) and cfg_scale ({cfg_scale}) must be >= 0")
-    base = model
-    while isinstance(getattr(base, "module", None), torch.nn.Module):  # unwrap DDP/FSDP wrappers
-        base = base.module
-    vocab_size = getattr(getattr(base, "config", None), "vocab_size", None)
+    # ``model`` is the plain model (unwrap wrappers with megadlms.distributed.unwrap_model);
+    # a model without a config is still checked against its logits below.
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
     if vocab_size is not None and not 0 <= mask_token_id < vocab_size:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the model's vocabulary of {vocab_size}")
     device = prompt.device

@@ -43,7 +43,7 @@ from megadlms.models import num_floating_point_operations
 from megadlms.optimizer import get_optimizer
 
 from . import builders, checkpoint_async, checkpointing, resume
-from .collectives import CollectiveError, is_comm_error, named_collective  # noqa: F401
+from .collectives import is_comm_error, named_collective
 from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
 from .run_state import RunResult, SignalFlag
