@@ -1,8 +1,8 @@
 """Model-parallel building blocks: process groups, TP/SP collectives, TP layers, the
-vocab-parallel cross-entropy and the model-parallel RNG tracker (docs/parallel.md).
+vocab-parallel cross-entropy, the model-parallel RNG tracker and the shard rule
+(docs/parallel.md)."""
 
-Not yet used by the models, DDP, the optimizer or the CLI."""
-
+from megadlms.parallel.context import TensorParallelContext
 from megadlms.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megadlms.parallel.groups import Axis, ParallelGroups, check_sizes, rank_grid
 from megadlms.parallel.layers import (
@@ -13,6 +13,7 @@ from megadlms.parallel.layers import (
     normal_init,
 )
 from megadlms.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_manual_seed
+from megadlms.parallel.sharding import gather_full, local_from_full, mark_sharded, shard_full, shard_spec
 
 __all__ = [
     "MODEL_PARALLEL_RNG",
@@ -21,11 +22,17 @@ __all__ = [
     "ParallelGroups",
     "RNGStatesTracker",
     "RowParallelLinear",
+    "TensorParallelContext",
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
     "check_sizes",
+    "gather_full",
+    "local_from_full",
+    "mark_sharded",
     "model_parallel_manual_seed",
     "normal_init",
+    "shard_full",
+    "shard_spec",
     "rank_grid",
     "vocab_parallel_cross_entropy",
 ]

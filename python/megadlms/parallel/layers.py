@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from megadlms.parallel import mappings
 from megadlms.parallel.mappings import Group, group_rank, group_size
+from megadlms.parallel.sharding import mark_sharded, shard_full
 
 InitMethod = Callable[[torch.Tensor, Optional[torch.Generator]], None]
 
@@ -57,16 +58,21 @@ def _divide(total: int, size: int, what: str) -> int:
 
 
 def _sharded_parameter(
-    full_shape, partition_dim: int, group: Group, init_method: InitMethod, generator, dtype, device
+    full_shape,
+    partition_dim: int,
+    group: Group,
+    init_method: InitMethod,
+    generator,
+    dtype,
+    device,
+    partition_blocks: int = 1,
 ) -> nn.Parameter:
-    """Initialise the full tensor (same draws on every rank), keep this rank's chunk."""
+    """Initialise the full tensor (same draws on every rank), keep this rank's shard
+    (``sharding.shard_full``: chunk ``rank`` of each of ``partition_blocks`` blocks)."""
     full = torch.empty(full_shape, dtype=dtype, device=device)
     init_method(full, generator)
-    shard = full.chunk(group_size(group), dim=partition_dim)[group_rank(group)].clone()
-    param = nn.Parameter(shard)
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    return param
+    shard = shard_full(full, group_rank(group), group_size(group), partition_dim, partition_blocks)
+    return mark_sharded(nn.Parameter(shard), partition_dim, partition_blocks)
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
@@ -85,6 +91,8 @@ class ColumnParallelLinear(nn.Module):
     Input: full ``[..., in]`` (or, with ``sequence_parallel``, this rank's sequence chunk,
     all-gathered here). Output: this rank's ``[..., out/tp]`` slice, or the full ``[..., out]``
     with ``gather_output`` (not allowed with ``sequence_parallel``, as in Megatron).
+    ``partition_blocks`` > 1: the output features are that many equal blocks, each split
+    across the group (SwiGLU's ``[gate | up]``; see ``sharding.py``).
     """
 
     def __init__(
@@ -101,8 +109,11 @@ class ColumnParallelLinear(nn.Module):
         generator: Optional[torch.Generator] = None,
         dtype: Optional[torch.dtype] = None,
         device=None,
+        partition_blocks: int = 1,
     ) -> None:
         super().__init__()
+        if gather_output and partition_blocks != 1:
+            raise ValueError("ColumnParallelLinear: gather_output=True needs partition_blocks=1")
         if gather_output and sequence_parallel:
             raise ValueError(
                 "ColumnParallelLinear: gather_output=True cannot be combined with sequence_parallel=True; "
@@ -111,14 +122,15 @@ class ColumnParallelLinear(nn.Module):
         self.tp_group, self.gather_output = tp_group, gather_output
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = _divide(output_size, group_size(tp_group), "output_size")
+        _divide(output_size, partition_blocks * group_size(tp_group), "output_size / partition_blocks")
+        self.output_size_per_partition = output_size // group_size(tp_group)
         self.weight = _sharded_parameter(
-            (output_size, input_size), 0, tp_group, init_method, generator, dtype, device
+            (output_size, input_size), 0, tp_group, init_method, generator, dtype, device, partition_blocks
         )
         self.bias = None
         if bias:
-            self.bias = nn.Parameter(torch.zeros(self.output_size_per_partition, dtype=dtype, device=device))
-            self.bias.tensor_model_parallel, self.bias.partition_dim = True, 0
+            bias_ = torch.zeros(self.output_size_per_partition, dtype=dtype, device=device)
+            self.bias = mark_sharded(nn.Parameter(bias_), 0, partition_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
