@@ -29,6 +29,7 @@ sys.path[:0] = [os.path.join(ROOT, "python"), ROOT]
 
 def _install(fault: dict) -> None:
     from megadlms.training import checkpointing, train
+    from megadlms.training import step as step_mod
 
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -44,13 +45,13 @@ def _install(fault: dict) -> None:
                     os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}.get(kind, signal.SIGTERM)
                 )
             if kind == "raise":
-                real_loss = train.compute_loss
+                real_loss = step_mod.compute_loss
 
                 def failing(*a, **k):
-                    train.compute_loss = real_loss
+                    step_mod.compute_loss = real_loss
                     raise RuntimeError("injected failure inside the forward")
 
-                train.compute_loss = failing
+                step_mod.compute_loss = failing
         return real_step(model, optimizer, micro, cfg, iteration, **kw)
 
     def save(root, iteration, **kw):

@@ -117,19 +117,13 @@ def test_seed_fsdp2_command_passes_as_written():
     assert parse_args(seed_fsdp2() + ["--no-gradient-accumulation-fusion"], world_size=2).use_torch_fsdp2
 
 
-def test_seed_ddp_tp2_command_fails_with_not_supported_yet():
-    with pytest.raises(ValueError) as exc:
-        parse_args(seed_ddp_tp2(), world_size=4)
-    msg = str(exc.value)
-    assert "--tensor-model-parallel-size 2 is not supported yet" in msg
-    assert "1 problem" in msg  # nothing else in the MegaDLMs script is rejected
-    # the same script at TP=1 is a valid DDP + distributed-optimizer run
-    argv = [
-        a if a != "2" or prev != "--tensor-model-parallel-size" else "1"
-        for prev, a in zip([""] + seed_ddp_tp2(), seed_ddp_tp2())
-    ]
-    cfg = parse_config(argv, world_size=4)
-    assert cfg.optimizer.use_distributed_optimizer and cfg.parallel.data_parallel_size == 4
+def test_seed_ddp_tp2_command_parses():
+    """The MegaDLMs 1.7b script at MODEL_PARALLEL_SIZE=2 (tp 2 on 4 ranks: dp 2) is accepted as written."""
+    cfg = parse_config(seed_ddp_tp2(), world_size=4)
+    assert cfg.parallel.tensor_model_parallel_size == 2 and cfg.parallel.data_parallel_size == 2
+    assert cfg.optimizer.use_distributed_optimizer and cfg.parallel.gradient_accumulation_fusion
+    with pytest.raises(ValueError, match="world size 3 is not divisible by --tensor-model-parallel-size 2"):
+        parse_config(seed_ddp_tp2(), world_size=3)
 
 
 # A valid small command; each row below breaks exactly one rule and names its fix.
@@ -240,18 +234,11 @@ RULES = [
         [],
     ),
     (
-        "tp_not_supported",
+        "tp_heads",
+        ["--tensor-model-parallel-size", "8"],
+        8,
+        ["--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 8"],
         ["--tensor-model-parallel-size", "2"],
-        4,
-        ["--tensor-model-parallel-size 2 is not supported yet"],
-        ["--tensor-model-parallel-size", "1"],
-    ),
-    (
-        "sp_tp",
-        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
-        4,
-        ["--tensor-model-parallel-size 2 is not supported yet"],
-        ["--sequence-parallel"],
     ),
     (
         "recompute",
@@ -369,15 +356,42 @@ def test_rule_rejects_case_and_accepts_neighbour(name, bad, world, needles, good
         parse_args(BASE + good, world_size=world)
 
 
-def test_gradient_accumulation_fusion_rule():
-    """Only reachable programmatically (we have no fusion kernel, so the CLI can't turn it on)."""
-    from megadlms.training.arguments import validate_args
-
-    args = build_parser().parse_args(BASE + FSDP)
-    validate_args(args, 2)
-    args.gradient_accumulation_fusion = True
+def test_gradient_accumulation_fusion_flags():
+    """On by default under DDP (Megatron); off with a note under FSDP2, where passing it
+    explicitly is the error naming both flags."""
+    assert parse_config(BASE, world_size=2).parallel.gradient_accumulation_fusion
+    assert not parse_config(
+        BASE + ["--no-gradient-accumulation-fusion"], world_size=2
+    ).parallel.gradient_accumulation_fusion
+    cfg = parse_config(BASE + FSDP, world_size=2)
+    assert not cfg.parallel.gradient_accumulation_fusion
+    assert any("gradient accumulation fusion is off under --use-torch-fsdp2" in n for n in cfg.logging.notes)
     with pytest.raises(ValueError, match="add --no-gradient-accumulation-fusion"):
-        validate_args(args, 2)
+        parse_config(BASE + FSDP + ["--gradient-accumulation-fusion"], world_size=2)
+
+
+def test_sequence_parallel_needs_tp_and_divisible_seq_length():
+    cfg = parse_config(BASE + ["--sequence-parallel"], world_size=2)
+    assert not cfg.parallel.sequence_parallel
+    assert any("--sequence-parallel: off with --tensor-model-parallel-size 1" in n for n in cfg.logging.notes)
+    seq = BASE[BASE.index("--seq-length") + 1]
+    tp = 3 if int(seq) % 3 else 5
+    with pytest.raises(
+        ValueError, match=f"--seq-length {seq} is not divisible by --tensor-model-parallel-size {tp}"
+    ):
+        parse_config(
+            BASE
+            + [
+                "--tensor-model-parallel-size",
+                str(tp),
+                "--sequence-parallel",
+                "--num-attention-heads",
+                str(tp),
+                "--hidden-size",
+                str(16 * tp),
+            ],
+            world_size=tp,
+        )
 
 
 def test_missing_required_flags_are_all_listed():

@@ -21,22 +21,22 @@ TINY = (
 
 def _failure_world(rank, world):
     from megadlms.pretrain import run
-    from megadlms.training import train
+    from megadlms.training import step as step_mod
 
-    real = train.compute_loss
+    real = step_mod.compute_loss
 
     def failing(model, batch, cfg, iteration, *a, **k):
         if rank == world - 1 and iteration == 2:
             raise KeyError("injected data error on the last rank")
         return real(model, batch, cfg, iteration, *a, **k)
 
-    train.compute_loss = failing
+    step_mod.compute_loss = failing
     try:
         run(TINY + ["--overlap-grad-reduce", "--ddp-bucket-size", "500", "--global-batch-size", "12"])
     except (RuntimeError, KeyError) as exc:
         return type(exc).__name__, str(exc)
     finally:
-        train.compute_loss = real
+        step_mod.compute_loss = real
     return None
 
 

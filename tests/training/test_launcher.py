@@ -180,3 +180,31 @@ def test_example_1p7b_script_flags_parse(fsdp2):
     assert args.num_layers == 28 and args.hidden_size == 2048 and args.lr_decay_style == "WSD"
     assert args.micro_batch_size == 4 and args.global_batch_size == 256
     assert args.use_torch_fsdp2 == (fsdp2 == "1") and args.use_distributed_optimizer == (fsdp2 == "0")
+
+
+# The seed's DDP command, word for word; only tiny model flags and mock data are added.
+SEED_DDP_TP2 = (
+    "--model-type=gpt --micro-batch-size=4 --global-batch-size=32 --tensor-model-parallel-size=2 "
+    "--pipeline-model-parallel-size=1 --data-parallel-size=4"
+).split()
+_TINY_MODEL_AND_DATA = (
+    "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+    "--train-iters 2 --lr 1e-3 --mock-data --tokenizer-type ByteTokenizer --num-workers 0 --log-interval 1"
+).split()
+
+
+def test_torchrun_seed_ddp_tp2_command_on_8_ranks(tmp_path):
+    """``torchrun --nnodes=1 --nproc_per_node=8 pretrain_difflm.py ... --tensor-model-parallel-size=2
+    ... --data-parallel-size=4`` trains with DistributedDataParallel at tp2 x dp4."""
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT, os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc_per_node=8"]
+    cmd += [os.path.join(ROOT, "pretrain_difflm.py")] + SEED_DDP_TP2 + _TINY_MODEL_AND_DATA
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = proc.stdout
+    assert "DistributedDataParallel | 8 rank(s) = tp2 x dp4, gloo" in out
+    assert "iter 2/2 (100%)" in out and "tp2 x dp4," in out and "params/rank" in out

@@ -118,12 +118,13 @@ def _fsdp_world(rank, world, tmp, ddp_torch_ckpt):
 def _ddp3_world(rank, world, tmp):
     """DDP at dp=3 resumes the FSDP2 dp=2 checkpoint; then NaN injection and SIGTERM."""
     from megadlms.distributed import unwrap_model
+    from megadlms.training import step as step_mod
     from megadlms.training import train
 
     out = {"from_fsdp": _run(UNTIED + ["--load", os.path.join(tmp, "fsdp")])}
 
     # NaN in rank 2's loss at iteration 3 only: the step is skipped on every rank.
-    real_loss, real_step = train.compute_loss, train.train_step
+    real_loss, real_step = step_mod.compute_loss, train.train_step
     sums = []
 
     def nan_loss(model, batch, cfg, iteration, *a, **k):
@@ -137,7 +138,7 @@ def _ddp3_world(rank, world, tmp):
         sums.append(sum(p.detach().double().sum().item() for p in unwrap_model(model).parameters()))
         return res
 
-    train.compute_loss, train.train_step = nan_loss, spy_step
+    step_mod.compute_loss, train.train_step = nan_loss, spy_step
     try:
         inject = {2}  # 0-based: the third iteration
         out["nan"] = _run(UNTIED + ["--train-iters", "5"])
@@ -149,7 +150,7 @@ def _ddp3_world(rank, world, tmp):
         except RuntimeError as exc:
             out["limit_error"] = str(exc)
     finally:
-        train.compute_loss = real_loss
+        step_mod.compute_loss = real_loss
 
     # SIGTERM on rank 0 during iteration 4: every rank saves and exits after it.
     def sigterm_step(model, optimizer, micro, cfg, iteration, **k):
@@ -236,11 +237,11 @@ def test_fsdp2_resume_and_cross_wrapper_resharding(tmp_path, ddp_runs):
 
 
 def test_reference_commands_behave_as_documented(tmp_path, capsys):
-    """The seed's DDP + TP=2 command stops with the not-supported-yet error naming the flag
-    (exit status 2, before any process group exists)."""
+    """The seed's DDP + TP=2 command launched on one process stops with the layout error
+    naming the flags (exit status 2, before any process group exists)."""
     from megadlms.pretrain import main
     from tests.training.test_arguments import seed_ddp_tp2
 
     assert main(seed_ddp_tp2()) == 2
     err = capsys.readouterr().err
-    assert "--tensor-model-parallel-size 2 is not supported yet" in err
+    assert "world size 1 is not divisible by --tensor-model-parallel-size 2" in err

@@ -32,6 +32,7 @@ from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.distributed.fsdp2 import fsdp2_config_problems, mixed_precision_policy, torch_supports_fsdp2
 from megadlms.models import TransformerConfig
 from megadlms.optimizer import OptimizerConfig
+from megadlms.parallel.rules import tensor_parallel_problems
 
 from .config import (
     CheckpointConfig,
@@ -311,11 +312,25 @@ def _megadlms_notes(args) -> List[str]:
         notes.append(
             "--tokenizer-type not given: HuggingFaceTokenizer (MegaDLMs' default) reads --tokenizer-model"
         )
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        notes.append("--sequence-parallel: off with --tensor-model-parallel-size 1 (as Megatron)")
+    if args.use_torch_fsdp2 and args.gradient_accumulation_fusion is None:
+        notes.append(
+            "gradient accumulation fusion is off under --use-torch-fsdp2 (FSDP2 has no main_grad buffer)"
+        )
     if args.cut_off_varlen_to_seqlen and not args.reset_attention_mask:
         notes.append(
             "--cut-off-varlen-to-seqlen: no effect without --reset-position-ids --reset-attention-mask"
         )
     return notes
+
+
+def _layout_problems(model: Optional[TransformerConfig], parallel: Optional[ParallelConfig]) -> List[str]:
+    """The model shapes the tensor-parallel size must divide (megadlms.parallel.rules)."""
+    if model is None or parallel is None:
+        return []
+    tp = parallel.tensor_model_parallel_size
+    return [flag_message(p) for p in tensor_parallel_problems(model, tp, parallel.sequence_parallel)]
 
 
 def _collect(problems: List[str], build: Callable):
@@ -344,6 +359,7 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
     }
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None
     parts["training"] = _collect(problems, lambda: _training_config(args, dp))
+    problems += _layout_problems(parts["model"], parts["parallel"])
     problems = cross_flag_problems(args, parts["ddp"]) + problems
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)

@@ -22,6 +22,7 @@ from megadlms.distributed import (
 from megadlms.models import GPTModel, TransformerConfig
 from megadlms.optimizer import OptimizerConfig
 from megadlms.optimizer.lr_scheduler import OptimizerParamScheduler
+from megadlms.parallel import ParallelGroups, TensorParallelContext, model_parallel_manual_seed
 
 from .config import DataConfig, LRScheduleConfig, RunConfig, padded_vocab_size
 
@@ -29,6 +30,7 @@ __all__ = [
     "build_datasets",
     "build_loader",
     "build_model",
+    "build_parallel",
     "build_scheduler",
     "device_for_rank",
     "init_from_hf",
@@ -43,16 +45,46 @@ def device_for_rank() -> torch.device:
     return torch.device("cpu")
 
 
+def build_parallel(config: RunConfig, device: torch.device, seed: int):
+    """The run's process groups (built once, Megatron's rank order) and the model's
+    tensor-parallel context; seeds the default generator (the same on every rank) and the
+    model-parallel RNG stream (different per TP rank). Collective: every rank calls it."""
+    par = config.parallel
+    groups = ParallelGroups.build(
+        tp=par.tensor_model_parallel_size,
+        pp=par.pipeline_model_parallel_size,
+        dp=par.data_parallel_size,
+        device_type=device.type,
+        **_instances(config),
+    )
+    tracker = model_parallel_manual_seed(seed, groups.tp.rank, device_type=device.type)
+    tp = TensorParallelContext(
+        group=groups.tp.group if groups.tp.size > 1 else None,
+        sequence_parallel=par.sequence_parallel,
+        gradient_accumulation_fusion=bool(par.gradient_accumulation_fusion),
+        rng_tracker=tracker,
+    )
+    return groups, tp
+
+
+def _instances(config: RunConfig) -> dict:
+    n = getattr(config.ddp, "num_distributed_optimizer_instances", 1)
+    return {"num_distributed_optimizer_instances": n} if n > 1 else {}
+
+
 def build_model(
     config: TransformerConfig,
     *,
     seed: int,
     device: torch.device,
     core_attn_implementation: str = "TEDotProductAttention",
+    tp: Optional[TensorParallelContext] = None,
 ) -> torch.nn.Module:
-    """The plain GPTModel, initialised from ``seed`` identically on every rank."""
+    """The plain GPTModel (this rank's tensor-parallel shard with ``tp``), initialised from
+    ``seed``: the full logical weights are the same at every tensor-parallel size."""
     torch.manual_seed(seed)
-    return GPTModel(config, core_attn_implementation=core_attn_implementation).to(device)
+    tp = tp if tp is not None else TensorParallelContext()
+    return GPTModel(config, core_attn_implementation=core_attn_implementation, tp=tp).to(device)
 
 
 def init_from_hf(model: torch.nn.Module, hf_dir: str) -> dict:
@@ -68,8 +100,9 @@ def init_from_hf(model: torch.nn.Module, hf_dir: str) -> dict:
         raise ValueError(flag_message(str(exc))) from exc
 
 
-def wrap_model(model: torch.nn.Module, config: RunConfig):
-    """Apply precision and the data-parallel wrapper chosen by ``parallel.use_torch_fsdp2``."""
+def wrap_model(model: torch.nn.Module, config: RunConfig, groups: Optional[ParallelGroups] = None):
+    """Apply precision and the data-parallel wrapper chosen by ``parallel.use_torch_fsdp2``;
+    DDP reduces over ``groups``' data-parallel group (the world without ``groups``)."""
     opt: OptimizerConfig = config.optimizer
     ddp: DistributedDataParallelConfig = config.ddp
     if config.parallel.use_torch_fsdp2:
@@ -77,7 +110,7 @@ def wrap_model(model: torch.nn.Module, config: RunConfig):
         return TorchFullyShardedDataParallel(model, ddp, mixed_precision=policy)
     if opt.bf16 or opt.fp16:
         model = Float16Module(model, dtype=torch.bfloat16 if opt.bf16 else torch.float16)
-    return DistributedDataParallel(model, ddp)
+    return DistributedDataParallel(model, ddp, parallel=groups)
 
 
 def build_scheduler(

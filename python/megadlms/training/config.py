@@ -52,9 +52,18 @@ class ParallelConfig:
     distributed_backend: Optional[str] = None
     """torch.distributed backend; None: nccl when CUDA is available, else gloo."""
     distributed_timeout_minutes: int = 10
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism; switched off (with a note) when tp is 1, as Megatron does."""
+    gradient_accumulation_fusion: Optional[bool] = None
+    """Weight-gradient GEMMs accumulate straight into ``main_grad``. None: on under DDP
+    (Megatron's default), off under FSDP2 (which has no ``main_grad``)."""
 
     def __post_init__(self) -> None:
         bad = Problems("ParallelConfig")
+        if self.tensor_model_parallel_size == 1:
+            self.sequence_parallel = False
+        if self.gradient_accumulation_fusion is None:
+            self.gradient_accumulation_fusion = not self.use_torch_fsdp2
         bad.positive(self, "world_size", "distributed_timeout_minutes")
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if tp < 1 or pp < 1 or self.world_size % (tp * pp):

@@ -244,7 +244,7 @@ def parallel_args(p):
         "--tensor-model-parallel-size",
         type=int,
         default=1,
-        help="Tensor parallel size (only 1 supported yet).",
+        help="Tensor parallel size: layers split over this many adjacent ranks (Megatron TP).",
     )
     add_flag(
         g,
@@ -278,7 +278,8 @@ def parallel_args(p):
         g,
         "--sequence-parallel",
         action="store_true",
-        help="Megatron sequence parallelism (off when TP is 1).",
+        help="Megatron sequence parallelism: activations outside the TP region are split on the "
+        "sequence dim (off when TP is 1).",
     )
     add_flag(
         g,
@@ -311,7 +312,8 @@ def parallel_args(p):
         "--num-distributed-optimizer-instances",
         type=int,
         default=1,
-        help="Partial distributed optimizer replicas (only 1 supported yet).",
+        help="Distributed-optimizer instances: state sharded within each of N groups of dp/N ranks, "
+        "gradients all-reduced across them (Megatron; MegaDLMs passes the node count).",
     )
     add_flag(
         g,
@@ -346,11 +348,20 @@ def parallel_args(p):
     )
     add_flag(
         g,
+        "--gradient-accumulation-fusion",
+        action="store_true",
+        dest="gradient_accumulation_fusion",
+        default=None,
+        help="Weight-gradient GEMMs accumulate straight into the fp32 main_grad (default on with DDP, "
+        "off with FSDP2; passing it with --use-torch-fsdp2 is an error).",
+    )
+    add_flag(
+        g,
         "--no-gradient-accumulation-fusion",
         action="store_false",
         dest="gradient_accumulation_fusion",
         default=None,
-        help="Disable fused weight-gradient accumulation (megadlms has no such kernel: always off).",
+        help="Disable fused weight-gradient accumulation (a separate param.grad per weight).",
     )
     add_flag(
         g,

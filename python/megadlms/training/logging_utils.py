@@ -53,8 +53,9 @@ def _hms(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
-def progress_line(m: dict, train_iters: int, *, fp16: bool = False) -> str:
-    """Format one logged interval (keys as in :class:`MetricsLogger.log_train`)."""
+def progress_line(m: dict, train_iters: int, *, fp16: bool = False, layout: str = "") -> str:
+    """Format one logged interval (keys as in :class:`MetricsLogger.log_train`); ``layout``
+    (e.g. ``tp2 x dp2, 1.2M params/rank``) ends the line."""
     it = m["iteration"]
     width = len(str(train_iters))
     parts = [
@@ -73,6 +74,8 @@ def progress_line(m: dict, train_iters: int, *, fp16: bool = False) -> str:
         parts.append(f"scale {m['loss_scale']:.3g}")
     if m["skipped_total"] or m["nan_total"]:
         parts.append(f"skipped {m['skipped_total']} nan {m['nan_total']}")
+    if layout:
+        parts.append(layout)
     return " | ".join(parts)
 
 
@@ -87,9 +90,10 @@ class MetricsLogger:
         metrics_jsonl: Optional[str] = None,
         tensorboard_dir: Optional[str] = None,
         fp16: bool = False,
+        layout: str = "",
     ) -> None:
         self.active = rank == 0
-        self.train_iters, self.fp16 = train_iters, fp16
+        self.train_iters, self.fp16, self.layout = train_iters, fp16, layout
         self._jsonl = None
         self._tb = None
         writer_cls = None
@@ -118,7 +122,7 @@ class MetricsLogger:
         tokens_per_sec, tflops_per_device, ms_per_iter, mem_gb, eta_sec, skipped_total, nan_total."""
         if not self.active:
             return
-        _log.info(progress_line(m, self.train_iters, fp16=self.fp16))
+        _log.info(progress_line(m, self.train_iters, fp16=self.fp16, layout=self.layout))
         self._write({"event": "train", **m})
         if self._tb is not None:
             step = m["iteration"]

@@ -7,12 +7,10 @@ to read and to review.
 
 # (dest, flag, value that means "off") -> rejected with "not supported yet" when changed.
 UNSUPPORTED = (
-    ("tensor_model_parallel_size", "--tensor-model-parallel-size", 1),
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1),
     ("expert_model_parallel_size", "--expert-model-parallel-size", 1),
     ("context_parallel_size", "--context-parallel-size", 1),
     ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage", None),
-    ("num_distributed_optimizer_instances", "--num-distributed-optimizer-instances", 1),
     ("num_experts", "--num-experts", None),
     ("fp8", "--fp8-format", None),
     ("recompute_granularity", "--recompute-granularity", None),
@@ -40,12 +38,6 @@ WITHOUT_EFFECT = (
     ("bias_gelu_fusion", "--no-bias-gelu-fusion", True, "no fused bias-GeLU kernel (speed only)"),
     ("bias_dropout_fusion", "--no-bias-dropout-fusion", True, "no fused bias-dropout kernel (speed only)"),
     ("bias_swiglu_fusion", "--no-bias-swiglu-fusion", True, "no fused bias-SwiGLU kernel (speed only)"),
-    (
-        "sequence_parallel",
-        "--sequence-parallel",
-        False,
-        "Megatron disables it when tensor parallel size is 1",
-    ),
     (
         "rerun_mode",
         "--rerun-mode",

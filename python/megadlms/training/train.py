@@ -1,170 +1,37 @@
-"""The masked-diffusion pretraining loop.
-
-One optimizer step (``train_step``):
-
-1. Draw the step's variable-length crop once, count this rank's loss tokens of its
-   ``num_micro`` micro-batches; ONE all-reduce gives the step's global count N. Each
-   micro-batch's summed loss is divided by N before backward and the wrapper reduces in
-   sum mode (``calculate_per_token_loss``: no 1/dp anywhere), so the gradient is
-   d(sum of all losses)/N: the same for 1, 2 or 3 ranks and any gradient accumulation (up
-   to fp reduction order). This is the one place gradients are normalised.
-2. All but the last micro-batch run under ``model.no_sync()``; ``finish_grad_sync()``.
-3. ONE all-reduce of [loss sum, non-finite flag, exit flags]: if any rank saw a NaN/Inf
-   loss every rank skips the optimizer step (MegaDLMs' nan skipping, --nan-skip-limit).
-4. ``optimizer.step() -> (success, grad_norm)`` (clipping, fp16 loss-scale skips
-   inside); on success the LR schedule advances by one global batch of samples.
+"""The masked-diffusion pretraining loop: :class:`Trainer` builds a run from its
+:class:`RunConfig`, restores a checkpoint, then loops over optimizer steps
+(``step.train_step``: one step, its reductions and the NaN skip), evaluates and saves.
 
 The data-parallel wrapper is whatever ``builders.wrap_model`` chose; this file only uses
-the ``DataParallel`` protocol (docs/architecture.md). A failure on one rank inside the
-forward/backward is carried by the step's reductions, so every rank stops (DDP).
+the ``DataParallel`` protocol (docs/architecture.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import logging
 import time
-from typing import Callable, List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megadlms.data.packing import add_packing_fields
-from megadlms.diffusion import (
-    check_model_for_mode,
-    compute_loss,
-    loss_token_count,
-    micro_batch_crop,
-)
+from megadlms.diffusion import check_model_for_mode
 from megadlms.models import num_floating_point_operations
 from megadlms.optimizer import get_optimizer
 
 from . import builders, checkpoint_async, checkpointing, resume
-from .collectives import is_comm_error, named_collective
 from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
 from .run_state import RunResult, SignalFlag
+from .step import StepOut, train_step
 from .validation import evaluate, params_norm
 from .validation import to_device as _to_device
 
 _log = logging.getLogger("megadlms.training")
-
-
-@dataclasses.dataclass
-class _StepOut:
-    loss: float
-    grad_norm: Optional[float]
-    success: bool
-    nonfinite: bool
-    exit_flags: List[float]
-    seq_length: int
-
-
-def _forward_backward(model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device):
-    """Loss sum of this rank's micro-batches; backward of each, synced on the last."""
-    local_loss = torch.zeros((), dtype=torch.float64, device=device)
-    for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            loss_sum, _, _ = compute_loss(model, batch, diff_cfg, iteration, crops[i], check=False)
-            optimizer.scale_loss(loss_sum * scale).backward()
-        local_loss += loss_sum.detach().to(torch.float64)
-    return local_loss
-
-
-def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, device):
-    """ONE all-reduce of [loss sum, NaN/Inf flag, failure flag, exit flags]; a failure on
-    any rank raises on every rank (the failing one re-raises its own error)."""
-    nonfinite = (~torch.isfinite(local_loss)).to(torch.float64)
-    flags = torch.tensor(exit_flags, dtype=torch.float64, device=device)
-    failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=device)
-    loss = torch.where(nonfinite > 0, 0.0, local_loss).reshape(1)
-    packed = torch.cat([loss, nonfinite.reshape(1), failed, flags])
-    with named_collective("all-reduce of [loss, NaN flag, failure flag, exit flags]", iteration):
-        dist.all_reduce(packed)
-    loss_total, nan_ranks, failed_ranks, *exit_reduced = packed.tolist()
-    if failed_ranks > 0:
-        if error is not None:
-            raise error
-        raise RuntimeError(
-            f"iteration {iteration + 1}: {int(failed_ranks)} other rank(s) failed inside the step "
-            "(see their error); stopping this rank too"
-        )
-    return loss_total, nan_ranks, exit_reduced
-
-
-def train_step(
-    model,
-    optimizer,
-    micro_batches: List[dict],
-    diff_cfg,
-    iteration: int,
-    *,
-    device: torch.device,
-    exit_flags: Callable[[], List[float]] = list,
-    bidirectional: bool = True,
-    data_error: Optional[BaseException] = None,
-) -> _StepOut:
-    """One optimizer step over this rank's micro-batches (see the module docstring).
-
-    ``exit_flags()`` is read just before the step's reduction, so a request (e.g. SIGTERM)
-    that arrived during this step's forward/backward is seen by every rank after it.
-    ``data_error``: this rank could not load its micro-batches; it still takes part in the
-    step's collectives (contributing nothing) so that every rank stops with the error."""
-    crops, local_tokens = [None], torch.zeros((), dtype=torch.float64)
-    if data_error is None:
-        S, n = micro_batches[0]["labels"].shape[1], len(micro_batches)
-        crops = [
-            micro_batch_crop(diff_cfg, iteration, i, n, S, bidirectional=bidirectional) for i in range(n)
-        ]
-        # Device tensors throughout: no host sync until the single reduction after backward.
-        local_tokens = torch.stack(
-            [loss_token_count(b, c, diff_cfg).to(torch.float64) for b, c in zip(micro_batches, crops)]
-        ).sum()
-    global_tokens = local_tokens.to(device=device).reshape(1).clone()
-    with named_collective("all-reduce of the step's loss-token count", iteration):
-        dist.all_reduce(global_tokens)
-    # Sum mode divides by N here, once; an averaging wrapper divides by dp itself.
-    dp = 1 if model.ddp_config.calculate_per_token_loss else model.comm.world_size
-    scale = (dp / global_tokens).to(torch.float32)[0]  # a 0-token step gives inf -> NaN skip
-
-    optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step
-    error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)
-    try:
-        if error is None:
-            local_loss = _forward_backward(
-                model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device
-            )
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank knows
-        if is_comm_error(exc):  # a peer is gone: no collective can complete, stop now
-            with named_collective(
-                "forward/backward (FSDP2 all-gather / gradient bucket reduction)", iteration
-            ):
-                raise
-        error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
-    with named_collective("gradient reduction (finish_grad_sync)", iteration):
-        model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
-
-    loss_total, nan_ranks, exit_reduced = _reduce_step(local_loss, error, exit_flags(), iteration, device)
-    seq_length = S if crops[0] is None else crops[0]  # the throughput line's length
-    n_global = float(global_tokens.item())
-    if nan_ranks > 0 or n_global <= 0:
-        return _StepOut(float("nan"), None, False, True, exit_reduced, seq_length)
-    with named_collective(
-        "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
-    ):
-        success, grad_norm = optimizer.step()
-    return _StepOut(
-        loss_total / n_global,
-        float(grad_norm) if grad_norm is not None else None,
-        bool(success),
-        False,
-        exit_reduced,
-        seq_length,
-    )
 
 
 class Trainer:
@@ -183,14 +50,22 @@ class Trainer:
         for note in config.logging.notes:
             _log.info(f"note: {note}")
 
+        self.groups, self.tp = builders.build_parallel(config, self.device, t.seed)
+        # Only tensor-parallel rank 0 of each replica counts its (shared) loss in the reductions.
+        self.loss_owner = self.groups.tp.rank == 0
         model = builders.build_model(
-            config.model, seed=t.seed, device=self.device, core_attn_implementation=t.core_attn_implementation
+            config.model,
+            seed=t.seed,
+            device=self.device,
+            core_attn_implementation=t.core_attn_implementation,
+            tp=self.tp,
         )
         if config.checkpoint.hf_init:  # before wrapping; a --load checkpoint still wins
             builders.init_from_hf(model, config.checkpoint.hf_init)
         check_model_for_mode(model, config.diffusion)  # once, not per micro-batch
-        self.num_params = sum(p.numel() for p in model.parameters())
-        self.model = builders.wrap_model(model, config)
+        self.params_per_rank = sum(p.numel() for p in model.parameters())
+        self.num_params = _logical_params(model, self.groups.tp.size)
+        self.model = builders.wrap_model(model, config, self.groups)
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
@@ -206,6 +81,7 @@ class Trainer:
             metrics_jsonl=log.metrics_jsonl,
             tensorboard_dir=log.tensorboard_dir,
             fp16=config.optimizer.fp16,
+            layout=f"{self.groups.describe()}, {self.params_per_rank / 1e6:.3g}M params/rank",
         )
         self.result = RunResult(
             self.iteration, self.consumed, type(self.model).__name__, {}, {}, {}, [], self.skipped_total, {},
@@ -239,8 +115,8 @@ class Trainer:
         loader = functools.partial(
             builders.build_loader,
             micro_batch_size=self.mbs,
-            dp_rank=self.rank,
-            dp_size=self.dp_size,
+            dp_rank=self.groups.dp.rank,
+            dp_size=self.groups.dp.size,
             seed=t.seed,
         )
         self.train_loader = loader(
@@ -275,9 +151,10 @@ class Trainer:
     def _log_start(self) -> None:
         c, m = self.config, self.config.model
         _log.info(
-            f"megadlms: {type(self.model).__name__} | {self.world} rank(s), "
+            f"megadlms: {type(self.model).__name__} | {self.world} rank(s) = {self.groups.describe()}, "
             f"{dist.get_backend()}, {self.device.type} | GPTModel {self.num_params / 1e6:.2f}M "
-            f"params, {m.num_layers} layers, hidden {m.hidden_size}, {m.attention} "
+            f"params ({self.params_per_rank / 1e6:.2f}M per rank), {m.num_layers} layers, "
+            f"hidden {m.hidden_size}, {m.attention} "
             f"attention, vocab {m.vocab_size} | {c.diffusion.model_running_mode} | global "
             f"batch {self.gbs} = micro {self.mbs} x dp {self.dp_size} x {self.num_micro} accum | "
             f"seq {m.seq_length} | {c.precision}"
@@ -324,7 +201,7 @@ class Trainer:
             self.result.last_checkpoint = pending.wait()
             _log.info(f"saved checkpoint {self.result.last_checkpoint}")
 
-    def _account(self, out: _StepOut, lr: float) -> None:
+    def _account(self, out: StepOut, lr: float) -> None:
         """Counters after a step: schedule, NaN/skip counts, the result record."""
         it, limit = self.iteration, self.config.training.nan_skip_limit
         if out.nonfinite:
@@ -347,7 +224,7 @@ class Trainer:
         if out.grad_norm is not None:
             self.result.grad_norms[it] = out.grad_norm
 
-    def _log_window(self, w: dict, out: _StepOut, lr: float) -> None:
+    def _log_window(self, w: dict, out: StepOut, lr: float) -> None:
         it, c = self.iteration, self.config
         self.metrics.log_train(
             {
@@ -357,7 +234,9 @@ class Trainer:
                 "lr": lr,
                 "grad_norm": out.grad_norm,
                 "loss_scale": float(self.optimizer.get_loss_scale()),
-                "params_norm": params_norm(self.model, self.device) if c.logging.log_params_norm else None,
+                "params_norm": (
+                    params_norm(self.model, self.device, self.groups) if c.logging.log_params_norm else None
+                ),
                 "skipped": int(not out.success),
                 "tokens_per_sec": w["tokens"] / w["time"],
                 "tflops_per_device": w["flops"] / w["time"] / self.world / 1e12,
@@ -369,7 +248,7 @@ class Trainer:
             }
         )
 
-    def _stop_reason(self, out: _StepOut) -> Optional[str]:
+    def _stop_reason(self, out: StepOut) -> Optional[str]:
         if out.exit_flags[0] > 0:
             return "signal"
         if out.exit_flags[1] > 0:
@@ -401,6 +280,7 @@ class Trainer:
             seed=self.config.training.seed,
             device=self.device,
             packing=self._packing,
+            loss_owner=self.loss_owner,
         )
         self.model.train()
         return ev
@@ -417,7 +297,7 @@ class Trainer:
                 f"per token | PPL bound {ev['ppl_bound']:.3f}"
             )
 
-    def _step(self, data_iter, window: dict, exit_flags) -> _StepOut:
+    def _step(self, data_iter, window: dict, exit_flags) -> StepOut:
         """One optimizer step with its accounting and throughput window."""
         t0 = time.perf_counter()
         micro, data_error = None, None
@@ -432,6 +312,7 @@ class Trainer:
             self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
             device=self.device, exit_flags=exit_flags,
             bidirectional=self.config.model.attention != "causal", data_error=data_error,
+            loss_owner=self.loss_owner,
         )  # fmt: skip
         self.iteration += 1
         self.consumed += self.gbs
@@ -494,6 +375,14 @@ class Trainer:
         self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
         self.result.skipped_iterations = self.skipped_total
         return self.result
+
+
+def _logical_params(model: torch.nn.Module, tp: int) -> int:
+    """Parameters of the full (unsharded) model: TP shards count tp times, replicas once."""
+    total = 0
+    for p in model.parameters():
+        total += p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+    return total
 
 
 def _new_window() -> dict:

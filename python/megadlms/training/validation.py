@@ -29,30 +29,37 @@ def evaluate(
     seed: int,
     device: torch.device,
     packing: Optional[Callable[[dict], dict]] = None,
+    loss_owner: bool = True,
 ) -> dict:
     """Validation NELBO over the first ``num_micro_batches`` of ``loader`` on every rank,
     combined over ranks (the same samples every time, so evaluations are comparable).
-    ``packing``: adds the document-packing fields to each batch."""
+    ``packing``: adds the document-packing fields to each batch. ``loss_owner`` False: a
+    tensor-parallel peer, whose (equal) sums its TP rank 0 contributes."""
     batches = (to_device(b, device) for b in islice(iter(loader), num_micro_batches))
     if packing is not None:
         batches = (packing(b) for b in batches)
     res = validation_nelbo(model, batches, diff_cfg, num_mc_samples=num_mc_samples, seed=seed)
     t = torch.tensor([float(res["loss_sum"]), float(res["num_tokens"])], dtype=torch.float64, device=device)
-    dist.all_reduce(t)
+    dist.all_reduce(t if loss_owner else t.zero_())
     loss_sum, n = t.tolist()
     nelbo = loss_sum / max(n, 1.0)
     return {"nelbo": nelbo, "ppl_bound": math.exp(min(nelbo, 700.0)), "num_tokens": n}
 
 
-def params_norm(model, device: torch.device) -> float:
-    """Global L2 norm of the parameters (collective: sharded DTensor pieces are summed
-    over ranks; replicated parameters count once)."""
-    sharded = torch.zeros((), dtype=torch.float64, device=device)
-    replicated = torch.zeros((), dtype=torch.float64, device=device)
+def params_norm(model, device: torch.device, groups=None) -> float:
+    """Global L2 norm of the full parameters (collective over every rank): FSDP2's DTensor
+    pieces count on every rank, tensor-parallel shards on data-parallel rank 0 of their TP
+    group, replicated parameters on global rank 0 -- so each element counts once."""
+    dp_rank = groups.dp.rank if groups is not None else 0
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for p in unwrap_model(model).parameters():
         if hasattr(p, "to_local"):
-            sharded += p.to_local().detach().double().square().sum().to(device)
+            local, counts = p.to_local(), True
+        elif getattr(p, "tensor_model_parallel", False):
+            local, counts = p, dp_rank == 0
         else:
-            replicated += p.detach().double().square().sum().to(device)
-    dist.all_reduce(sharded)
-    return math.sqrt((sharded + replicated).item())
+            local, counts = p, dist.get_rank() == 0
+        if counts:
+            total += local.detach().double().square().sum().to(device)
+    dist.all_reduce(total)
+    return math.sqrt(total.item())
