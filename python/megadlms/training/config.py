@@ -323,11 +323,19 @@ class RunConfig:
     """Pad the embedding rows to a multiple of this x tensor-parallel size (Megatron's
     --make-vocab-size-divisible-by)."""
 
-    def with_tokenizer(self, tokenizer) -> RunConfig:
+    def with_tokenizer(self, tokenizer, checkpoint_vocab: Optional[int] = None) -> RunConfig:
         """The config with the fields only the tokenizer knows filled in: the padded
-        ``model.vocab_size`` and ``diffusion.mask_token_id`` (called once, at build time)."""
+        ``model.vocab_size`` and ``diffusion.mask_token_id`` (called once, at build time).
+
+        ``checkpoint_vocab``: the padded vocabulary of the checkpoint being resumed. Padding
+        depends on the tensor-parallel size, so a checkpoint from another tp may have more
+        rows than this run would pad to; when this layout can split them (a multiple of tp,
+        covering the tokenizer) they are kept -- the same model -- instead of a mismatch."""
         vocab = self.data.tokenizer.vocab_size or tokenizer.vocab_size
-        padded = padded_vocab_size(vocab, self.vocab_divisible_by, self.parallel.tensor_model_parallel_size)
+        tp = self.parallel.tensor_model_parallel_size
+        padded = padded_vocab_size(vocab, self.vocab_divisible_by, tp)
+        if checkpoint_vocab and checkpoint_vocab != padded and checkpoint_vocab >= vocab:
+            padded = checkpoint_vocab if checkpoint_vocab % tp == 0 else padded
         model = dataclasses.replace(self.model, vocab_size=padded)
         vanilla = self.diffusion.model_running_mode == "vanilla"
         diffusion = dataclasses.replace(

@@ -31,6 +31,16 @@ def resume_path(ck: CheckpointConfig) -> Optional[str]:
     return None
 
 
+def checkpoint_vocab(path: Optional[str]) -> Optional[int]:
+    """The padded vocabulary recorded by checkpoint ``path`` (None without one)."""
+    if path is None:
+        return None
+    try:
+        return checkpointing.read_common(path).get("model_config", {}).get("vocab_size")
+    except (OSError, ValueError):  # unreadable: the verified load below reports it
+        return None
+
+
 def _load(path: str, config: RunConfig, model, optimizer, scheduler) -> checkpointing.TrainState:
     ck = config.checkpoint
     return checkpointing.load_checkpoint(

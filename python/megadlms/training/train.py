@@ -43,7 +43,8 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = builders.device_for_rank()
         tokenizer = config.data.tokenizer.build()
-        self.config = config = config.with_tokenizer(tokenizer)
+        self._resume_from = resume.resume_path(config.checkpoint)
+        self.config = config = config.with_tokenizer(tokenizer, resume.checkpoint_vocab(self._resume_from))
         t = config.training
         self.gbs, self.mbs, self.num_micro = t.global_batch_size, t.micro_batch_size, t.num_micro_batches
         self.dp_size = config.parallel.data_parallel_size
@@ -127,8 +128,7 @@ class Trainer:
 
     def _restore(self) -> Optional[str]:
         """Everything from the checkpoint in one call (weights, optimizer, schedule, RNG, counters)."""
-        ck = self.config.checkpoint
-        path = resume.resume_path(ck)
+        ck, path = self.config.checkpoint, self._resume_from
         if path is None:
             return None
         path, state = resume.load_verified(path, self.config, self.model, self.optimizer, self.scheduler)
