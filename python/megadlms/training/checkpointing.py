@@ -37,12 +37,10 @@ import dataclasses
 import errno
 import json
 import os
-import random
 import shutil
 import warnings
 from typing import Dict, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -60,6 +58,7 @@ from megadlms.distributed.wrappers import unwrap_model
 from .checkpoint_faults import agree, find_enospc
 from .checkpoint_format import SafeFileSystemReader, join_state, split_state, tensor_paths
 from .checkpoint_integrity import CheckpointCorruptError, file_manifest, verify_checkpoint  # noqa: F401
+from .checkpoint_rng import rng_state, same_layout, set_rng_state
 from .checkpoint_tp import (
     check_optimizer_keys,
     full_shape,
@@ -162,40 +161,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     if DTensor and isinstance(t, DTensor):
         t = t.full_tensor()
     return t.detach().cpu()
-
-
-def _rng_state(rng_tracker=None) -> dict:
-    np_state = np.random.get_state()
-    return {
-        "tracker": rng_tracker.get_states() if rng_tracker is not None else None,
-        "python": list(random.getstate()[1]),
-        "python_version": random.getstate()[0],
-        "python_gauss": random.getstate()[2],
-        "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
-        "numpy_pos": int(np_state[2]),
-        "numpy_has_gauss": int(np_state[3]),
-        "numpy_gauss": float(np_state[4]),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-    }
-
-
-def _set_rng_state(s: dict, rng_tracker=None) -> None:
-    if rng_tracker is not None and s.get("tracker") is not None:
-        rng_tracker.set_states(s["tracker"])
-    random.setstate((s["python_version"], tuple(s["python"]), s["python_gauss"]))
-    np.random.set_state(
-        (
-            "MT19937",
-            s["numpy"].numpy().astype(np.uint32),
-            s["numpy_pos"],
-            s["numpy_has_gauss"],
-            s["numpy_gauss"],
-        )
-    )
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(s["cuda"])
 
 
 # ---------------------------------------------------------------------------- save
@@ -335,7 +300,7 @@ def save_checkpoint(
     error = None
     try:
         if save_rng:
-            torch.save(_rng_state(rng_tracker), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+            torch.save(rng_state(rng_tracker), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if async_group is None and ckpt_format == "torch_dist":
             dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
         elif async_group is None:
@@ -524,12 +489,12 @@ def load_rng_state(ckpt: str, *, rng_tracker=None, tp_group=None) -> bool:
     or without RNG states."""
     common = read_common(ckpt)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    saved_tp = common.get("parallel", {}).get("tp", 1)
     path = os.path.join(ckpt, "rng", f"rank_{_rank()}.pt")
-    same_layout = common.get("world_size") == world and saved_tp == tp_size(tp_group)
-    if not common.get("rng_saved") or not same_layout or not os.path.isfile(path):
+    if not common.get("rng_saved") or not same_layout(common, world, tp_size(tp_group)):
         return False
-    _set_rng_state(torch.load(path, map_location="cpu", weights_only=True), rng_tracker)
+    if not os.path.isfile(path):
+        return False
+    set_rng_state(torch.load(path, map_location="cpu", weights_only=True), rng_tracker)
     return True
 
 
