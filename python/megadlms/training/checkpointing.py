@@ -209,10 +209,11 @@ def _collect(model, optimizer, tp_group, owner) -> Tuple[Dict[str, torch.Tensor]
         if isinstance(v, torch.Tensor):  # skip extra_state objects
             tensors[f"model/{k}"] = v
     opt_skel = None
-    params = named_params(module)
+    # (``model`` may be a state_dict holder, e.g. ckpt_convert's: parameters only matter at tp > 1)
+    params = named_params(module) if tp_size(tp_group) > 1 else {}
     if optimizer is not None:
         state = optimizer.state_dict()
-        if tp_size(tp_group) > 1:
+        if params:
             check_optimizer_keys(state.get("state", {}), params)
         opt_skel = split_state(state, "optimizer", tensors)
     gather_for_save(tensors, params, tp_group, owner)
