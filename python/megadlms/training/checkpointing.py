@@ -37,12 +37,10 @@ import dataclasses
 import errno
 import json
 import os
-import random
 import shutil
 import warnings
 from typing import Dict, Optional, Tuple
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -60,6 +58,16 @@ from megadlms.distributed.wrappers import unwrap_model
 from .checkpoint_faults import agree, find_enospc
 from .checkpoint_format import SafeFileSystemReader, join_state, split_state, tensor_paths
 from .checkpoint_integrity import CheckpointCorruptError, file_manifest, verify_checkpoint  # noqa: F401
+from .checkpoint_rng import rng_state, same_layout, set_rng_state
+from .checkpoint_tp import (
+    check_optimizer_keys,
+    full_shape,
+    gather_for_save,
+    layout_record,
+    named_params,
+    read_resharded,
+    tp_size,
+)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMMON_FILE = "common.json"
@@ -155,37 +163,6 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu()
 
 
-def _rng_state() -> dict:
-    np_state = np.random.get_state()
-    return {
-        "python": list(random.getstate()[1]),
-        "python_version": random.getstate()[0],
-        "python_gauss": random.getstate()[2],
-        "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
-        "numpy_pos": int(np_state[2]),
-        "numpy_has_gauss": int(np_state[3]),
-        "numpy_gauss": float(np_state[4]),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-    }
-
-
-def _set_rng_state(s: dict) -> None:
-    random.setstate((s["python_version"], tuple(s["python"]), s["python_gauss"]))
-    np.random.set_state(
-        (
-            "MT19937",
-            s["numpy"].numpy().astype(np.uint32),
-            s["numpy_pos"],
-            s["numpy_has_gauss"],
-            s["numpy_gauss"],
-        )
-    )
-    torch.set_rng_state(s["torch"])
-    if s.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(s["cuda"])
-
-
 # ---------------------------------------------------------------------------- save
 def save_error(exc: BaseException, root: str, iteration: int) -> BaseException:
     """A save failure worded for the user: disk full names the directory and what is intact."""
@@ -223,14 +200,23 @@ def _prepare(root: str, iteration: int) -> str:
     return tmp
 
 
-def _collect(model, optimizer) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
+def _collect(model, optimizer, tp_group, owner) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
+    """Flat tensors to write and the optimizer's JSON skeleton; TP shards gathered to full
+    tensors, each kept only where ``owner(i)`` (checkpoint_tp.py)."""
+    module = unwrap_model(model)
     tensors: Dict[str, torch.Tensor] = {}
-    for k, v in unwrap_model(model).state_dict().items():
+    for k, v in module.state_dict().items():
         if isinstance(v, torch.Tensor):  # skip extra_state objects
             tensors[f"model/{k}"] = v
     opt_skel = None
+    # (``model`` may be a state_dict holder, e.g. ckpt_convert's: parameters only matter at tp > 1)
+    params = named_params(module) if tp_size(tp_group) > 1 else {}
     if optimizer is not None:
-        opt_skel = split_state(optimizer.state_dict(), "optimizer", tensors)
+        state = optimizer.state_dict()
+        if params:
+            check_optimizer_keys(state.get("state", {}), params)
+        opt_skel = split_state(state, "optimizer", tensors)
+    gather_for_save(tensors, params, tp_group, owner)
     return tensors, opt_skel
 
 
@@ -268,6 +254,8 @@ def save_checkpoint(
     extra: Optional[dict] = None,
     save_rng: bool = True,
     async_group=None,
+    tp_group=None,
+    rng_tracker=None,
 ):
     """Write ``root/iter_XXXXXXX`` (collective: every rank calls). Returns its path, or with
     ``async_group`` (a gloo process group of all ranks, torch_dist only) a
@@ -278,20 +266,29 @@ def save_checkpoint(
     ``optimizer``: anything whose ``state_dict()`` has MixedPrecisionOptimizer's format
     (docs/checkpoints.md), or a torch.optim optimizer. ``args`` / ``model_config`` /
     ``tokenizer`` / ``extra``: JSON-able dicts.
+
+    ``tp_group``: the tensor-parallel group (None: no TP). TP shards of the model and of the
+    optimizer state are stored as full logical tensors (gathered over it; torch_dist writes
+    each once, ``torch`` writes them from rank 0). ``rng_tracker``: the model-parallel
+    :class:`~megadlms.parallel.RNGStatesTracker`, whose streams join this rank's RNG file.
     """
     if ckpt_format not in ("torch_dist", "torch"):
         raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
     if async_group is not None and ckpt_format != "torch_dist":
         raise ValueError("--async-save needs --ckpt-format torch_dist")
     rank = _rank()
+    world = dist.get_world_size() if dist.is_initialized() else 1
     tmp = _prepare(root, iteration)
-    tensors, opt_skel = _collect(model, optimizer)
+    # Who keeps each gathered full tensor: rank 0 writes the torch file; DCP spreads them.
+    owner = (lambda i: rank == 0) if ckpt_format == "torch" else (lambda i: i % world == rank)
+    tensors, opt_skel = _collect(model, optimizer, tp_group, owner)
     common = {
         "format_version": FORMAT_VERSION,
         "ckpt_format": ckpt_format,
         "iteration": iteration,
         "consumed_samples": consumed_samples,
-        "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        "world_size": world,
+        "parallel": layout_record(world, tp_group),
         "wrapper": type(model).__name__,
         "model_config": model_config or {},
         "tokenizer": tokenizer,
@@ -304,7 +301,7 @@ def save_checkpoint(
     error = None
     try:
         if save_rng:
-            torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+            torch.save(rng_state(rng_tracker), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
         if async_group is None and ckpt_format == "torch_dist":
             dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
         elif async_group is None:
@@ -363,15 +360,23 @@ def check_model_config(saved: dict, current: dict, ckpt: str) -> None:
             )
 
 
+def _load_torch_file(ckpt: str) -> Dict[str, torch.Tensor]:
+    """The torch-format file, memory-mapped (tensors are read from disk when copied)."""
+    return torch.load(os.path.join(ckpt, TORCH_FILE), map_location="cpu", weights_only=True, mmap=True)
+
+
 def _read_tensors(ckpt: str, common: dict, template: Dict[str, torch.Tensor]) -> None:
-    """Fill ``template`` (plain tensors or DTensors) in place from the checkpoint."""
+    """Fill ``template`` (plain tensors or DTensors) in place from the checkpoint (one DCP
+    read: collective; every rank calls with the same keys)."""
+    if not template:
+        return
     if common["ckpt_format"] == "torch_dist":
         with warnings.catch_warnings():
             # Single-process loads (megadlms-generate) are intended: silence DCP's notice.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(template, storage_reader=SafeFileSystemReader(ckpt), no_dist=not dist.is_initialized())
         return
-    full = torch.load(os.path.join(ckpt, TORCH_FILE), map_location="cpu", weights_only=True)
+    full = _load_torch_file(ckpt)
     for key, dst in template.items():
         if key not in full:
             raise RuntimeError(f"{ckpt}: tensor {key!r} missing from {TORCH_FILE}")
@@ -392,22 +397,29 @@ def _metadata_shapes(ckpt: str, common: dict) -> Dict[str, Tuple[tuple, torch.dt
             for k, v in md.state_dict_metadata.items()
             if isinstance(v, TensorStorageMetadata)
         }
-    full = torch.load(os.path.join(ckpt, TORCH_FILE), map_location="cpu", weights_only=True)
-    return {k: (tuple(v.shape), v.dtype) for k, v in full.items()}
+    return {k: (tuple(v.shape), v.dtype) for k, v in _load_torch_file(ckpt).items()}
 
 
 def load_model_state(
-    ckpt: str, model, *, model_config: Optional[dict] = None, prefer_fp32_params: bool = True
+    ckpt: str,
+    model,
+    *,
+    model_config: Optional[dict] = None,
+    prefer_fp32_params: bool = True,
+    tp_group=None,
 ) -> dict:
     """Load the weights of checkpoint dir ``ckpt`` into ``model`` (wrapper or plain
     module; any sharding). Checks the model config first. Returns common.json's dict.
 
     ``prefer_fp32_params``: an fp32 model parameter is read from the optimizer's
-    ``fp32_param`` (the exact main copy of a bf16/fp16 run) when the checkpoint has one."""
+    ``fp32_param`` (the exact main copy of a bf16/fp16 run) when the checkpoint has one.
+    ``tp_group``: this run's tensor-parallel group (None: no TP); each TP-sharded parameter
+    gets its shard of the stored full tensor, whatever tp the checkpoint was saved at."""
     common = read_common(ckpt)
     if model_config is not None:
         check_model_config(common.get("model_config", {}), model_config, ckpt)
     module = unwrap_model(model)
+    params, tp = named_params(module), tp_size(tp_group)
     sd = module.state_dict()
     template = {f"model/{k}": v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     shapes = _metadata_shapes(ckpt, common)
@@ -421,7 +433,8 @@ def load_model_state(
             "e.g. --untie-embeddings-and-output-weights, --position-embedding-type)"
         )
     for k, v in template.items():
-        shape = tuple(v.shape)  # DTensor.shape is the full logical shape
+        p = params.get(k[6:])
+        shape = full_shape(p, tp) if p is not None else tuple(v.shape)  # DTensor.shape is full
         if shapes[k][0] != shape:
             raise RuntimeError(
                 f"checkpoint {ckpt}: parameter {k[6:]} has shape {shapes[k][0]} but the "
@@ -431,15 +444,16 @@ def load_model_state(
     for k, v in template.items():
         main = f"optimizer/state/{k[6:]}/fp32_param"
         use_main = prefer_fp32_params and v.dtype == torch.float32 and main in shapes
-        reads[main if use_main else k] = v
-    _read_tensors(ckpt, common, reads)
+        reads[main if use_main else k] = (v, params.get(k[6:]))
+    read_resharded(reads, tp_group, lambda batch: _read_tensors(ckpt, common, batch))
     module.load_state_dict({k[6:]: v for k, v in template.items()}, strict=True)
     return common
 
 
-def load_optimizer_state(ckpt: str, optimizer, model) -> None:
+def load_optimizer_state(ckpt: str, optimizer, model, *, tp_group=None) -> None:
     """Load the optimizer state of ``ckpt`` into ``optimizer`` (built for ``model``).
-    Tensors of FSDP2 parameters are read straight into DTensors sharded like them."""
+    Tensors of FSDP2 parameters are read straight into DTensors sharded like them; state of
+    a TP-sharded parameter (``tp_group``: this run's TP group) is cut to this rank's shard."""
     common = read_common(ckpt)
     skel = common.get("optimizer")
     if skel is None:
@@ -448,28 +462,40 @@ def load_optimizer_state(ckpt: str, optimizer, model) -> None:
             "(or --finetune) to load only the weights"
         )
     shapes = _metadata_shapes(ckpt, common)
-    params = dict(unwrap_model(model).named_parameters())
-    template: Dict[str, torch.Tensor] = {}
+    params, tp = named_params(unwrap_model(model)), tp_size(tp_group)
+    reads: Dict[str, tuple] = {}
     for path, key in tensor_paths(skel):
         shape, dtype = shapes[key]
         p = params.get(path[1]) if len(path) >= 3 and path[0] == "state" else None
+        if p is not None and len(shape) > 0 and shape != full_shape(p, tp):
+            raise RuntimeError(
+                f"checkpoint {ckpt}: optimizer state {key[len('optimizer/state/') :]} has shape {shape} "
+                f"but parameter {path[1]}'s full shape is {full_shape(p, tp)}; the model flags differ "
+                "from the checkpoint's"
+            )
         if DTensor and isinstance(p, DTensor) and tuple(p.shape) == shape:
-            template[key] = torch.empty_like(p, dtype=dtype)
+            reads[key] = (torch.empty_like(p, dtype=dtype), None)
+        elif p is not None and len(shape) > 0:
+            reads[key] = (torch.empty(p.shape, dtype=dtype), p)  # p's local shape
         else:
-            template[key] = torch.empty(shape, dtype=dtype)
-    _read_tensors(ckpt, common, template)
-    optimizer.load_state_dict(join_state(skel, template))
+            reads[key] = (torch.empty(shape, dtype=dtype), None)
+    read_resharded(reads, tp_group, lambda batch: _read_tensors(ckpt, common, batch))
+    optimizer.load_state_dict(join_state(skel, {k: dst for k, (dst, _) in reads.items()}))
 
 
-def load_rng_state(ckpt: str) -> bool:
-    """Restore this rank's RNG states; False (nothing changed) when the checkpoint was
-    written by a different world size or without RNG states."""
+def load_rng_state(ckpt: str, *, rng_tracker=None, tp_group=None) -> bool:
+    """Restore this rank's RNG states (and ``rng_tracker``'s streams, when saved); False
+    (nothing changed) when the checkpoint was written by a different layout -- world size,
+    or tensor-parallel size (``tp_group``), whose TP ranks must share their default stream --
+    or without RNG states."""
     common = read_common(ckpt)
     world = dist.get_world_size() if dist.is_initialized() else 1
     path = os.path.join(ckpt, "rng", f"rank_{_rank()}.pt")
-    if not common.get("rng_saved") or common.get("world_size") != world or not os.path.isfile(path):
+    if not common.get("rng_saved") or not same_layout(common, world, tp_size(tp_group)):
         return False
-    _set_rng_state(torch.load(path, map_location="cpu", weights_only=True))
+    if not os.path.isfile(path):
+        return False
+    set_rng_state(torch.load(path, map_location="cpu", weights_only=True), rng_tracker)
     return True
 
 
@@ -495,6 +521,8 @@ def load_checkpoint(
     load_rng: bool = True,
     override_scheduler: bool = False,
     model_config: Optional[dict] = None,
+    tp_group=None,
+    rng_tracker=None,
 ) -> TrainState:
     """Restore everything a run needs from checkpoint dir ``ckpt``, in one place and in
     the only safe order (collective under DTensor / distributed-optimizer layouts):
@@ -503,21 +531,25 @@ def load_checkpoint(
     2. ``optimizer``: its saved state when ``restore_optimizer``, else its main params
        are refreshed from the loaded weights (``--finetune`` / ``--no-load-optim``);
     3. ``scheduler`` (with ``restore_optimizer``; ``override_scheduler`` keeps its flags);
-    4. this rank's RNG states when ``load_rng`` and the world size matches.
+    4. this rank's RNG states (and ``rng_tracker``'s streams) when ``load_rng`` and the
+       layout (world size, tensor-parallel size) matches.
+
+    ``tp_group``: this run's tensor-parallel group (None: no TP); the checkpoint may come
+    from any tp.
 
     Returns the counters to continue from; ``model_config`` (a ``TransformerConfig.to_dict()``)
     is checked against the checkpoint's record first, and every file is verified against the
     sizes and checksums recorded at save time (:class:`CheckpointCorruptError` names the file)."""
     verify_checkpoint(ckpt, read_common(ckpt))
-    common = load_model_state(ckpt, model, model_config=model_config)
+    common = load_model_state(ckpt, model, model_config=model_config, tp_group=tp_group)
     if optimizer is not None:
         if restore_optimizer:
-            load_optimizer_state(ckpt, optimizer, model)
+            load_optimizer_state(ckpt, optimizer, model, tp_group=tp_group)
         else:
             optimizer.reload_model_params()
     if scheduler is not None and restore_optimizer and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"], override=override_scheduler)
-    rng = bool(load_rng) and load_rng_state(ckpt)
+    rng = bool(load_rng) and load_rng_state(ckpt, rng_tracker=rng_tracker, tp_group=tp_group)
     return TrainState(
         iteration=int(common["iteration"]),
         consumed_samples=int(common["consumed_samples"]),

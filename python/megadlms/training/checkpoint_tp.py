@@ -1,0 +1,147 @@
+"""Checkpoints across tensor-parallel sizes: store FULL logical tensors, load any tp.
+
+Under tensor parallelism the model's state dict and the optimizer state hold this rank's
+LOCAL shard of every sharded parameter (``tensor_model_parallel``, ``partition_dim``,
+``partition_blocks``: ``megadlms.parallel.sharding``, the one shard rule). A checkpoint
+stores the full logical tensor instead, so it loads at any tp (and on one process):
+
+* save: every shard of a sharded parameter -- the weight itself and every optimizer state
+  tensor of its local shape (``exp_avg``, ``exp_avg_sq``, ``fp32_param``,
+  ``momentum_buffer``, matched to the parameter by name) -- is gathered over the TP group
+  with :func:`~megadlms.parallel.sharding.gather_full`, one tensor at a time in sorted key
+  order (a collective: every TP rank gathers the same tensors in the same order). Only
+  one rank keeps each gathered tensor (:func:`gather_for_save`'s ``owner``), so the
+  transient cost per rank is one full tensor plus ~1/world of the gathered ones;
+* load: full tensors are read in batches of at most :data:`LOAD_BATCH_BYTES` and cut to
+  this rank's shard with :func:`~megadlms.parallel.sharding.local_from_full` right away,
+  so at most one batch of full tensors exists at a time.
+
+Keys: ``model/<fqn>`` and ``optimizer/state/<fqn>/<name>`` (``/`` never occurs in a name).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, Iterable, Optional, Tuple
+
+import torch
+
+from megadlms.parallel.mappings import Group, group_size
+from megadlms.parallel.sharding import gather_full, local_from_full, shard_spec
+
+LOAD_BATCH_BYTES = 1 << 30
+"""Full tensors read at once while loading at tp > 1 (a batch is one DCP read)."""
+
+_OPT_PREFIX = "optimizer/state/"
+
+
+def tp_size(tp_group: Group) -> int:
+    """The tensor-parallel size of ``tp_group`` (1 for None)."""
+    return group_size(tp_group)
+
+
+def named_params(module: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
+    """Every parameter of ``module`` by state-dict name (tied weights under each name)."""
+    return dict(module.named_parameters(remove_duplicate=False))
+
+
+def full_shape(param: torch.Tensor, tp: int) -> Tuple[int, ...]:
+    """The full logical shape of ``param`` (its local shape when replicated or tp == 1)."""
+    shape = list(param.shape)  # a DTensor's shape is already the full one
+    spec = shard_spec(param)
+    if spec is not None and tp > 1:
+        shape[spec[0]] *= tp
+    return tuple(shape)
+
+
+def param_of(key: str, params: Dict[str, torch.nn.Parameter]) -> Optional[torch.nn.Parameter]:
+    """The parameter a flat checkpoint key belongs to (model weight or its optimizer state)."""
+    if key.startswith("model/"):
+        return params.get(key[len("model/") :])
+    if key.startswith(_OPT_PREFIX):
+        return params.get(key[len(_OPT_PREFIX) :].split("/", 1)[0])
+    return None
+
+
+def check_optimizer_keys(state: dict, params: Dict[str, torch.nn.Parameter]) -> None:
+    """At tp > 1 optimizer state must be keyed by parameter name to be matched to its shard."""
+    foreign = [k for k in state if not isinstance(k, str) or k not in params]
+    if foreign:
+        raise ValueError(
+            f"tensor-parallel checkpoint: optimizer state keys {foreign[:3]} are not parameter names "
+            "of the model, so their shards cannot be gathered; use megadlms.optimizer.get_optimizer "
+            "(state keyed by parameter name), not a torch.optim optimizer"
+        )
+
+
+def _to_gather(tensors: Dict[str, torch.Tensor], params) -> Iterable[Tuple[str, torch.nn.Parameter]]:
+    """(key, param) of every LOCAL shard in ``tensors``, in rank-independent (sorted) order."""
+    for key in sorted(tensors):
+        p = param_of(key, params)
+        if p is None or shard_spec(p) is None or tensors[key].dim() == 0:
+            continue
+        if tuple(tensors[key].shape) != tuple(p.shape):
+            raise ValueError(
+                f"tensor-parallel checkpoint: {key} has shape {tuple(tensors[key].shape)}, not the "
+                f"local shape {tuple(p.shape)} of its sharded parameter; cannot gather it"
+            )
+        yield key, p
+
+
+def gather_for_save(
+    tensors: Dict[str, torch.Tensor], params, tp_group: Group, owner: Callable[[int], bool]
+) -> None:
+    """Replace every local shard in ``tensors`` by its full tensor (in place; collective over
+    ``tp_group``). The i-th gathered tensor is kept only where ``owner(i)``, and dropped
+    elsewhere right after its gather (the other ranks write it)."""
+    if tp_size(tp_group) == 1:
+        return
+    for i, (key, p) in enumerate(list(_to_gather(tensors, params))):
+        if hasattr(tensors[key], "to_local"):
+            raise ValueError(f"tensor-parallel checkpoint: {key} is a DTensor; FSDP2 runs with tp = 1 only")
+        dim, blocks = shard_spec(p)
+        full = gather_full(tensors[key].detach(), tp_group, dim, blocks)
+        if owner(i):
+            tensors[key] = full.cpu()
+        else:
+            del tensors[key]
+
+
+def read_resharded(
+    reads: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]],
+    tp_group: Group,
+    read: Callable[[Dict[str, torch.Tensor]], None],
+    batch_bytes: int = LOAD_BATCH_BYTES,
+) -> None:
+    """Fill every destination of ``reads`` (``key -> (dst, like)``; ``like`` the parameter
+    whose sharding ``dst`` has, or None) through ``read`` (fills a dict of tensors in place).
+
+    Destinations that are not TP shards are read in place in one call. TP shards are read as
+    full tensors in batches of at most ``batch_bytes`` (sorted keys: every rank makes the same
+    calls) and cut to this rank's shard at once."""
+    tp = tp_size(tp_group)
+    direct, sharded = {}, []
+    for key in sorted(reads):
+        dst, like = reads[key]
+        if tp > 1 and like is not None and shard_spec(like) is not None and dst.dim() > 0:
+            sharded.append(key)
+        else:
+            direct[key] = dst
+    read(direct)  # (an empty dict reads nothing; the key sets are the same on every rank)
+    batch: Dict[str, torch.Tensor] = {}
+    size = 0
+    for n, key in enumerate(sharded):
+        dst, like = reads[key]
+        batch[key] = torch.empty(full_shape(like, tp), dtype=dst.dtype)
+        size += batch[key].numel() * batch[key].element_size()
+        if size >= batch_bytes or n == len(sharded) - 1:
+            read(batch)
+            with torch.no_grad():
+                for k, full in batch.items():
+                    reads[k][0].copy_(local_from_full(full, reads[k][1], tp_group))
+            batch, size = {}, 0
+
+
+def layout_record(world: int, tp_group: Group) -> dict:
+    """The ``parallel`` record of common.json (pipeline parallelism does not exist yet: pp = 1)."""
+    tp = tp_size(tp_group)
+    return {"tp": tp, "pp": 1, "dp": world // tp, "world": world}
