@@ -41,7 +41,7 @@ def checkpoint_vocab(path: Optional[str]) -> Optional[int]:
         return None
 
 
-def _load(path: str, config: RunConfig, model, optimizer, scheduler) -> checkpointing.TrainState:
+def _load(path: str, config: RunConfig, model, optimizer, scheduler, tp) -> checkpointing.TrainState:
     ck = config.checkpoint
     return checkpointing.load_checkpoint(
         path,
@@ -52,16 +52,19 @@ def _load(path: str, config: RunConfig, model, optimizer, scheduler) -> checkpoi
         load_rng=not (ck.finetune or ck.no_load_rng),
         override_scheduler=config.schedule.override_opt_param_scheduler,
         model_config=config.model.to_dict(),
+        tp_group=None if tp is None else tp.group,
+        rng_tracker=None if tp is None else tp.rng_tracker,
     )
 
 
 def load_verified(
-    path: str, config: RunConfig, model, optimizer, scheduler
+    path: str, config: RunConfig, model, optimizer, scheduler, *, tp=None
 ) -> Tuple[str, checkpointing.TrainState]:
     """Load ``path``; with --ckpt-fallback a checkpoint that fails verification gives way to
-    the newest older one that passes (every rank takes the same decision: the verdict is shared)."""
+    the newest older one that passes (every rank takes the same decision: the verdict is shared).
+    ``tp``: the model's TensorParallelContext (its group and RNG tracker)."""
     try:
-        return path, _load(path, config, model, optimizer, scheduler)
+        return path, _load(path, config, model, optimizer, scheduler, tp)
     except checkpointing.CheckpointCorruptError as exc:
         if not config.checkpoint.ckpt_fallback:
             raise
@@ -69,7 +72,7 @@ def load_verified(
         for older in checkpointing.older_checkpoints(root, it):
             _log.warning(f"{exc}\n--ckpt-fallback: trying {older}")
             try:
-                return older, _load(older, config, model, optimizer, scheduler)
+                return older, _load(older, config, model, optimizer, scheduler, tp)
             except checkpointing.CheckpointCorruptError as again:
                 exc = again
         raise checkpointing.CheckpointCorruptError(

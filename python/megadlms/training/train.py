@@ -131,7 +131,9 @@ class Trainer:
         ck, path = self.config.checkpoint, self._resume_from
         if path is None:
             return None
-        path, state = resume.load_verified(path, self.config, self.model, self.optimizer, self.scheduler)
+        path, state = resume.load_verified(
+            path, self.config, self.model, self.optimizer, self.scheduler, tp=self.tp
+        )
         common = state.common
         if not ck.finetune:
             if not ck.no_load_rng and not state.rng_restored:
@@ -185,6 +187,8 @@ class Trainer:
             extra={"nan_iterations": self.nan_total, "skipped_iterations": self.skipped_total},
             save_rng=not ck.no_save_rng,
             async_group=self._ckpt_group,
+            tp_group=self.tp.group,
+            rng_tracker=self.tp.rng_tracker,
         )
         self.result.save_stalls.append(time.perf_counter() - t0)
         if isinstance(written, str):
