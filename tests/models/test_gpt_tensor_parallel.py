@@ -164,6 +164,25 @@ def _dropout_case(rank, group, name, sp, steps=3, lr=0.1):
     }
 
 
+def _meta_case(rank, group):
+    # FSDP2-style materialisation: build on meta, to_empty, reset_parameters from a seed.
+    def build(tp):
+        with torch.device("meta"):
+            model = GPTModel(_config("gqa_swiglu_rope"), tp=tp)
+        model.to_empty(device="cpu")
+        torch.manual_seed(SEED + 1)
+        model.reset_parameters()
+        return model
+
+    ref = dict(build(TensorParallelContext()).named_parameters())
+    model = build(TensorParallelContext(group=group, sequence_parallel=True))
+    params = dict(model.named_parameters())
+    return {
+        "init_bitwise": all(torch.equal(_full(p, p, group), ref[n]) for n, p in params.items()),
+        "partial_grad_params": sorted(n for n, p in params.items() if getattr(p, "sequence_parallel", False)),
+    }
+
+
 def _error_cases(rank, group):
     errors = {}
     try:
@@ -183,6 +202,7 @@ def _all_cases(rank, world):
     out = {f"{name}_sp{sp}": _compare_case(rank, group, name, sp) for name, sp in CASES}
     out["vanilla"] = _vanilla_case(rank, group)
     out.update({f"dropout_{name}_sp{sp}": _dropout_case(rank, group, name, sp) for name, sp in CASES})
+    out["meta"] = _meta_case(rank, group)
     out["errors"] = _error_cases(rank, group)
     return out
 
@@ -249,6 +269,13 @@ def test_dropout_keeps_tp_replicas_identical(results, name, sp):
     assert torch.equal(r0["losses"], r1["losses"])
     drifted = [n for n in r0["replicated"] if not torch.equal(r0["replicated"][n], r1["replicated"][n])]
     assert not drifted, f"TP-replicated params differ across TP ranks after 3 steps: {drifted}"
+
+
+def test_reset_parameters_after_to_empty_from_meta(results):
+    # the shard attributes survive to_empty, so the re-init is layout independent too
+    for rank, res in enumerate(results):
+        assert res["meta"]["init_bitwise"], f"rank {rank}: meta -> to_empty -> reset differs from tp=1"
+        assert res["meta"]["partial_grad_params"] == _expected_partial("gqa_swiglu_rope", True)
 
 
 def test_tp2_errors_name_the_fields(results):

@@ -43,6 +43,9 @@ from .transformer import (
     init_transformer_weights,
 )
 
+# Parameter attributes of tensor parallelism (megadlms.parallel.sharding, layers).
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_blocks", "sequence_parallel")
+
 
 class LanguageModelEmbedding(nn.Module):
     """Token embedding (+ learned absolute positions) followed by embedding dropout.
@@ -185,6 +188,19 @@ class GPTModel(nn.Module):
             if self.output_layer.weight is not None:
                 init_normal_(self.output_layer.weight, std, self.tp)
         init_transformer_weights(self.decoder, self.config, self.tp)
+
+    def _apply(self, fn, recurse=True):
+        # ``to_empty`` (meta -> device) and some conversions replace the Parameter objects,
+        # which would drop the tensor-parallel attributes the layers set (the shard rule that
+        # reset_parameters and checkpoints read, the partial-grad marks DDP reads): carry them.
+        marks = {
+            n: {a: getattr(p, a) for a in _TP_ATTRS if hasattr(p, a)} for n, p in self.named_parameters()
+        }
+        out = super()._apply(fn, recurse)
+        for name, param in self.named_parameters():
+            for attr, value in marks.get(name, {}).items():
+                setattr(param, attr, value)
+        return out
 
     def token_cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Per-token cross-entropy (fp32, shape of ``targets``) of this model's ``logits``
