@@ -9,7 +9,7 @@ from typing import Dict, Iterable, Optional
 import torch
 
 from .config import DiffusionConfig
-from .loss import ar_loss, check_model_for_mode, diffusion_loss, objective_inputs
+from .loss import ar_loss, check_model_for_mode, diffusion_loss, objective_inputs, token_cross_entropy_of
 from .noise import TAG_VALID_TIME, counter_uniform, forward_process
 
 
@@ -64,7 +64,9 @@ def validation_nelbo(
             position_ids = batch.get("position_ids")
             if config.model_running_mode == "vanilla":
                 logits = model(batch["tokens"], position_ids)
-                loss_sum, num_tokens = ar_loss(logits, batch["labels"], loss_mask)
+                loss_sum, num_tokens = ar_loss(
+                    logits, batch["labels"], loss_mask, token_cross_entropy_of(model)
+                )
                 total += loss_sum.double().item()
                 count += num_tokens.double().item()
                 continue
@@ -79,7 +81,12 @@ def validation_nelbo(
                     clean, sample_idx, config, loss_mask, t=t, draw=k + 1, p_mask_mode="sampled"
                 )
                 loss_sum, num_tokens = diffusion_loss(
-                    model(noisy, position_ids, **extra), clean, masked, p_mask, loss_mask
+                    model(noisy, position_ids, **extra),
+                    clean,
+                    masked,
+                    p_mask,
+                    loss_mask,
+                    token_cross_entropy_of(model),
                 )
                 total += loss_sum.double().item() / num_mc_samples
             count += num_tokens.double().item()

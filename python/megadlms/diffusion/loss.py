@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from megadlms.distributed.wrappers import unwrap_model
+
 from .config import DiffusionConfig
 from .noise import forward_process, micro_batch_crop
+
+TokenCrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+"""``(logits [..., V'], targets [...]) -> per-token fp32 losses [...]``."""
+
+
+def plain_token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-token cross-entropy over the full vocab, in fp32 (the default scorer)."""
+    flat = logits.reshape(-1, logits.shape[-1]).float()
+    return F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape)
+
+
+def token_cross_entropy_of(model: torch.nn.Module) -> TokenCrossEntropy:
+    """The scorer of ``model``'s logits: the unwrapped model's ``token_cross_entropy`` when it
+    has one (GPTModel: vocab-parallel under tensor parallelism, where the logits are a vocab
+    slice), else :func:`plain_token_cross_entropy`."""
+    return getattr(unwrap_model(model), "token_cross_entropy", plain_token_cross_entropy)
 
 
 def _num_tokens(reference: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -23,6 +41,7 @@ def diffusion_loss(
     masked: torch.Tensor,
     p_mask: torch.Tensor,
     loss_mask: Optional[torch.Tensor] = None,
+    cross_entropy: TokenCrossEntropy = plain_token_cross_entropy,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Masked-diffusion loss: (sum over masked loss tokens of CE / p_mask, number of loss tokens).
 
@@ -30,6 +49,8 @@ def diffusion_loss(
     sequence), masked bool [b,S], p_mask float [b,S], loss_mask float [b,S] or None.
     Only masked positions are gathered before the softmax (a host sync point: boolean
     indexing), so the fp32 copy is ~p of the logits. Returns two 0-d fp32 tensors.
+    ``cross_entropy``: the per-token scorer (:func:`token_cross_entropy_of` the model; under
+    tensor parallelism the logits are a vocab slice and only the model's scorer is right).
     """
     if logits.shape[:2] != tokens.shape or masked.shape != tokens.shape:
         raise ValueError(
@@ -40,7 +61,7 @@ def diffusion_loss(
     if loss_mask is not None:
         weight = weight * loss_mask.to(torch.float32)
     sel = weight != 0
-    ce = F.cross_entropy(logits[sel].float(), tokens[sel], reduction="none")
+    ce = cross_entropy(logits[sel], tokens[sel])
     return (ce * weight[sel]).sum(), _num_tokens(tokens, loss_mask)
 
 
@@ -48,11 +69,13 @@ def ar_loss(
     logits: torch.Tensor,
     labels: torch.Tensor,
     loss_mask: Optional[torch.Tensor] = None,
+    cross_entropy: TokenCrossEntropy = plain_token_cross_entropy,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Autoregressive loss on already-shifted labels: (sum of CE * loss_mask, loss tokens)."""
+    """Autoregressive loss on already-shifted labels: (sum of CE * loss_mask, loss tokens).
+    ``cross_entropy``: as for :func:`diffusion_loss`."""
     if logits.shape[:2] != labels.shape:
         raise ValueError(f"shape mismatch: logits {tuple(logits.shape)}, labels {tuple(labels.shape)}")
-    ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+    ce = cross_entropy(logits.flatten(0, 1), labels.flatten())
     if loss_mask is not None:
         ce = ce * loss_mask.flatten().to(torch.float32)
     return ce.sum(), _num_tokens(labels, loss_mask)
@@ -150,7 +173,9 @@ def compute_loss(
     :func:`objective_inputs` (per ``config.objective``) after a crop to ``crop`` positions
     (default: drawn here with :func:`micro_batch_crop` for micro-batch 0 of 1; the trainer
     draws it per micro-batch and passes it), masked by ``forward_process`` and scored with
-    ``diffusion_loss``. vanilla: model(tokens) scored against labels.
+    ``diffusion_loss``. vanilla: model(tokens) scored against labels. Both score with
+    :func:`token_cross_entropy_of` the model (vocab-parallel under tensor parallelism: the
+    loss is then the same on every TP rank).
     The caller divides by the global number of loss tokens of the step.
     ``check``: run :func:`check_model_for_mode` on ``model`` first (the trainer has already).
     stats: "seq_length" (int, the model's input length) and, in difflm mode, "num_masked"
@@ -161,7 +186,7 @@ def compute_loss(
     if config.model_running_mode == "vanilla":
         tokens, labels = batch["tokens"], batch["labels"]
         logits = _model_forward(model, tokens, batch.get("position_ids"), batch.get("document_ids"))
-        loss_sum, num_tokens = ar_loss(logits, labels, batch.get("loss_mask"))
+        loss_sum, num_tokens = ar_loss(logits, labels, batch.get("loss_mask"), token_cross_entropy_of(model))
         return loss_sum, num_tokens, {"seq_length": tokens.shape[1]}
     if "sample_idx" not in batch:
         raise ValueError(
@@ -177,6 +202,8 @@ def compute_loss(
     clean, loss_mask = inputs["clean"], inputs["loss_mask"]
     noisy, masked, p_mask = forward_process(clean, batch["sample_idx"], config, loss_mask)
     logits = _model_forward(model, noisy, inputs["position_ids"], inputs["document_ids"])
-    loss_sum, num_tokens = diffusion_loss(logits, clean, masked, p_mask, loss_mask)
+    loss_sum, num_tokens = diffusion_loss(
+        logits, clean, masked, p_mask, loss_mask, token_cross_entropy_of(model)
+    )
     stats = {"seq_length": clean.shape[1], "num_masked": masked.sum()}
     return loss_sum, num_tokens, stats

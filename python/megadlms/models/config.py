@@ -147,3 +147,22 @@ class TransformerConfig:
         if isinstance(kw.get("params_dtype"), str):
             kw["params_dtype"] = getattr(torch, kw["params_dtype"])
         return cls(**kw)
+
+
+def check_tensor_parallel(config: TransformerConfig, tensor_model_parallel_size: int) -> None:
+    """Raise ``ConfigError`` (a ValueError) naming the fields when ``config`` cannot be split
+    over ``tensor_model_parallel_size`` ranks: attention by heads and query groups, the MLP by
+    ``ffn_hidden_size``, the embedding and output layer by ``vocab_size`` (already padded by
+    the caller). Pure arithmetic: callers may check a layout before building anything."""
+    tp = tensor_model_parallel_size
+    if tp == 1:
+        return
+    bad = Problems("TransformerConfig")
+    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+        value = getattr(config, name)
+        bad.check(
+            value % tp == 0,
+            f"{name} {value} is not divisible by tensor_model_parallel_size {tp}: "
+            f"choose a multiple of {tp}" + (" (pad the vocabulary)" if name == "vocab_size" else ""),
+        )
+    bad.raise_if_any()

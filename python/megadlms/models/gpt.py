@@ -5,6 +5,12 @@ unit selection read the same: ``embedding.word_embeddings``, ``embedding.positio
 (learned_absolute only), ``rotary_pos_emb`` (rope only, no parameters),
 ``decoder.layers[i]``, ``decoder.final_layernorm``, ``output_layer`` (weight is None when tied
 to ``embedding.word_embeddings.weight``).
+
+Tensor parallelism (``tp``, docs/parallel.md): the word embedding and the output layer are split
+over the vocab (rank r holds rows [r*V/tp, (r+1)*V/tp)), the logits are this rank's vocab slice
+[B, S, V/tp] (never gathered: :meth:`GPTModel.token_cross_entropy` scores them), learned
+position embeddings are replicated. With sequence parallelism the activations between the TP
+regions are [B, S/tp, H].
 """
 
 from __future__ import annotations
@@ -16,24 +22,54 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import TransformerConfig
+from megadlms.parallel import (
+    TensorParallelContext,
+    VocabParallelEmbedding,
+    mappings,
+    normal_init,
+    vocab_parallel_cross_entropy,
+)
+from megadlms.parallel.sharding import mark_sharded
+
+from .config import TransformerConfig, check_tensor_parallel
 from .transformer import (
     CORE_ATTN_IMPLEMENTATIONS,
+    NO_TENSOR_PARALLEL,
     RotaryEmbedding,
     TransformerBlock,
     document_attention_mask,
+    dropout_rng,
+    init_normal_,
     init_transformer_weights,
 )
 
+# Parameter attributes of tensor parallelism (megadlms.parallel.sharding, layers).
+_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_blocks", "sequence_parallel")
+
 
 class LanguageModelEmbedding(nn.Module):
-    """Token embedding (+ learned absolute positions) followed by embedding dropout."""
+    """Token embedding (+ learned absolute positions) followed by embedding dropout.
 
-    def __init__(self, config: TransformerConfig) -> None:
+    The word embedding is vocab-parallel; position embeddings are replicated. Under sequence
+    parallelism the output is this rank's sequence chunk: reduce-scattered straight from the
+    word embedding, or (learned positions, as Megatron) all-reduced, summed with the positions
+    and then split, so the position embedding's grad stays full on every rank."""
+
+    def __init__(self, config: TransformerConfig, tp: TensorParallelContext = NO_TENSOR_PARALLEL) -> None:
         super().__init__()
         dt = config.params_dtype
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dt)
-        if config.position_embedding_type == "learned_absolute":
+        self.tp = tp
+        learned = config.position_embedding_type == "learned_absolute"
+        # N(0, 1) at construction, the draws nn.Embedding makes (reset_parameters redraws).
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size,
+            config.hidden_size,
+            tp_group=tp.group,
+            sequence_parallel=tp.sequence_parallel and not learned,
+            init_method=normal_init(1.0),
+            dtype=dt,
+        )
+        if learned:
             self.position_embeddings = nn.Embedding(
                 config.max_position_embeddings, config.hidden_size, dtype=dt
             )
@@ -42,32 +78,47 @@ class LanguageModelEmbedding(nn.Module):
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        """input_ids, position_ids int64 [B, S] -> [B, S, H]."""
+        """input_ids, position_ids int64 [B, S] -> [B, S, H] ([B, S/tp, H] sequence-parallel)."""
         x_BSH = self.word_embeddings(input_ids)
         if self.position_embeddings is not None:
             x_BSH = x_BSH + self.position_embeddings(position_ids)
-        return self.embedding_dropout(x_BSH)
+            if self.tp.sequence_parallel:
+                x_BSH = mappings.scatter_to_sequence_parallel(x_BSH, self.tp.group)
+        if not self.training or self.embedding_dropout.p == 0:
+            return x_BSH
+        # Sequence-parallel: each rank holds different positions, so it draws its own mask.
+        with dropout_rng(self.tp, split=self.tp.sequence_parallel):
+            return self.embedding_dropout(x_BSH)
 
 
 class OutputLayer(nn.Module):
-    """Vocabulary projection without bias (Megatron's output_layer).
+    """Vocabulary projection without bias (Megatron's output_layer), column-parallel over the
+    vocab with no gather: the output is this rank's logits slice [B, S, V/tp].
 
-    Tied: ``weight`` is None and the caller passes the embedding matrix to forward.
+    Tied: ``weight`` is None and the caller passes the embedding matrix (its local vocab
+    shard, the same vocab range) to forward. The input is replicated (its grad all-reduced
+    over TP) or, sequence-parallel, this rank's chunk, all-gathered here.
     """
 
-    def __init__(self, config: TransformerConfig, tied: bool) -> None:
+    def __init__(
+        self, config: TransformerConfig, tied: bool, tp: TensorParallelContext = NO_TENSOR_PARALLEL
+    ) -> None:
         super().__init__()
+        self.tp = tp
         if tied:
             self.register_parameter("weight", None)
         else:
-            self.weight = nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=config.params_dtype)
-            )
+            local = torch.empty(config.vocab_size // tp.size, config.hidden_size, dtype=config.params_dtype)
+            self.weight = mark_sharded(nn.Parameter(local), partition_dim=0)
 
     def forward(self, x_BSH: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = self.weight if self.weight is not None else weight
         if w is None:
             raise RuntimeError("output_layer is tied to the word embeddings: pass their weight")
+        if self.tp.sequence_parallel:
+            x_BSH = mappings.gather_from_sequence_parallel(x_BSH, self.tp.group, grad_is_partial=True)
+        else:
+            x_BSH = mappings.copy_to_tp(x_BSH, self.tp.group)
         return F.linear(x_BSH, w)
 
 
@@ -81,9 +132,13 @@ class GPTModel(nn.Module):
 
         core_attn_implementation: "TEDotProductAttention" (torch SDPA) or "FlexAttention"
             (torch flex_attention); they differ only for packed samples (``document_ids``).
+        tp: the tensor-parallel setting (default: one process, the plain model). The sizes
+            must divide (:func:`check_tensor_parallel`); the weights are initialised layout
+            independently (the full tensors are the tp = 1 model's for the same seed).
 
-    ``forward(input_ids [B,S] int64, position_ids=None, document_ids=None) -> logits [B,S,V]``
-    in the parameters' dtype (no upcast: the loss functions upcast what they use).
+    ``forward(input_ids [B,S] int64, position_ids=None, document_ids=None) -> logits [B,S,V/tp]``
+    in the parameters' dtype (no upcast: the loss functions upcast what they use); score
+    them with :meth:`token_cross_entropy`.
     ``document_ids`` int64 [B,S] (document packing): each position attends only to the
     positions of its own document.
     """
@@ -93,6 +148,7 @@ class GPTModel(nn.Module):
         config: TransformerConfig,
         attention: Optional[str] = None,
         core_attn_implementation: str = "TEDotProductAttention",
+        tp: TensorParallelContext = NO_TENSOR_PARALLEL,
     ) -> None:
         super().__init__()
         if core_attn_implementation not in CORE_ATTN_IMPLEMENTATIONS:
@@ -103,29 +159,58 @@ class GPTModel(nn.Module):
         self.core_attn_implementation = core_attn_implementation
         if attention is not None and attention != config.attention:
             config = dataclasses.replace(config, attention=attention)  # validated again there
+        check_tensor_parallel(config, tp.size)
         self.config = config
+        self.tp = tp
         self.attention = attention = config.attention
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
-        self.embedding = LanguageModelEmbedding(config)
+        self.embedding = LanguageModelEmbedding(config, tp)
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_base)
         else:
             self.rotary_pos_emb = None
-        self.decoder = TransformerBlock(config, attention)
-        self.output_layer = OutputLayer(config, tied=self.share_embeddings_and_output_weights)
+        self.decoder = TransformerBlock(config, attention, tp=tp)
+        self.output_layer = OutputLayer(config, tied=self.share_embeddings_and_output_weights, tp=tp)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """(Re)initialise every weight the Megatron way (normal(0, init_method_std); output
-        projections scaled by 1/sqrt(2*num_layers)). Usable after ``to_empty`` from meta."""
+        projections scaled by 1/sqrt(2*num_layers)). Usable after ``to_empty`` from meta.
+
+        Every FULL tensor is drawn from the default generator in one fixed order (word
+        embeddings, positions, output layer, then the layers) and each rank keeps its shard,
+        so the logical weights are bitwise the same at every tp for the same seed."""
         std = self.config.init_method_std
         with torch.no_grad():
-            nn.init.normal_(self.embedding.word_embeddings.weight, mean=0.0, std=std)
+            init_normal_(self.embedding.word_embeddings.weight, std, self.tp)
             if self.embedding.position_embeddings is not None:
-                nn.init.normal_(self.embedding.position_embeddings.weight, mean=0.0, std=std)
+                init_normal_(self.embedding.position_embeddings.weight, std, self.tp)
             if self.output_layer.weight is not None:
-                nn.init.normal_(self.output_layer.weight, mean=0.0, std=std)
-        init_transformer_weights(self.decoder, self.config)
+                init_normal_(self.output_layer.weight, std, self.tp)
+        init_transformer_weights(self.decoder, self.config, self.tp)
+
+    def _apply(self, fn, recurse=True):
+        # ``to_empty`` (meta -> device) and some conversions replace the Parameter objects,
+        # which would drop the tensor-parallel attributes the layers set (the shard rule that
+        # reset_parameters and checkpoints read, the partial-grad marks DDP reads): carry them.
+        marks = {
+            n: {a: getattr(p, a) for a in _TP_ATTRS if hasattr(p, a)} for n, p in self.named_parameters()
+        }
+        out = super()._apply(fn, recurse)
+        for name, param in self.named_parameters():
+            for attr, value in marks.get(name, {}).items():
+                setattr(param, attr, value)
+        return out
+
+    def token_cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy (fp32, shape of ``targets``) of this model's ``logits``
+        [..., V/tp] against full-vocab ``targets`` [...]: vocab-parallel over the TP group
+        (the full logits are never gathered; the result is the same on every TP rank), or
+        ``F.cross_entropy`` in fp32 at tp = 1."""
+        if self.tp.size > 1:
+            return vocab_parallel_cross_entropy(logits, targets, self.tp.group)
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        return F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape)
 
     def forward(
         self,
@@ -141,6 +226,12 @@ class GPTModel(nn.Module):
         if S > self.config.max_position_embeddings:
             raise ValueError(
                 f"input length {S} exceeds max_position_embeddings ({self.config.max_position_embeddings})"
+            )
+        if self.tp.sequence_parallel and S % self.tp.size != 0:
+            raise ValueError(
+                f"sequence_parallel splits the sequence over tensor_model_parallel_size {self.tp.size} "
+                f"ranks: the input length {S} (seq_length {self.config.seq_length}) must be a "
+                f"multiple of {self.tp.size}"
             )
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)

@@ -6,11 +6,22 @@ and their names are the same as Megatron's local spec, so state-dict keys read
 ``decoder.layers.0.self_attention.linear_qkv.weight`` etc.).
 
 Legend: B batch, S sequence, H hidden, N query heads, G query groups (kv heads),
-D head width (kv_channels), F ffn width.
+D head width (kv_channels), F ffn width; a trailing ``l`` (``Nl``, ``Gl``, ``Fl``) is this
+tensor-parallel rank's share (N/tp ...), ``Sl`` this rank's sequence chunk (S/tp) under
+sequence parallelism.
+
+Tensor parallelism (``TensorParallelContext``, docs/parallel.md): the linears are always
+megadlms.parallel's Column/RowParallelLinear, which are plain linears when the TP group is
+None, so a tp=1 model has exactly the parameters, names and shapes of the plain model.
+Attention is split by heads (linear_qkv column-parallel, linear_proj row-parallel), the MLP by
+its width (linear_fc1 column-parallel, SwiGLU's [gate | up] as two blocks, linear_fc2
+row-parallel). Replicated parameters whose gradient is only partial on each TP rank carry
+``sequence_parallel = True`` (the data-parallel wrapper all-reduces them over the TP group).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional, Tuple
 
@@ -18,9 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megadlms.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelContext
+from megadlms.parallel.sharding import local_from_full, shard_spec
+
 from .config import ATTENTION_KINDS, TransformerConfig
 
 CORE_ATTN_IMPLEMENTATIONS = ("TEDotProductAttention", "FlexAttention")
+
+NO_TENSOR_PARALLEL = TensorParallelContext()
+"""The default ``tp`` of every module here: one process, no TP group (the plain model)."""
 """MegaDLMs' --core-attn-implementation names: torch SDPA, or torch flex_attention."""
 
 
@@ -45,11 +62,50 @@ def document_attention_mask(document_ids: torch.Tensor, causal: bool, implementa
     return mask
 
 
-def build_norm(config: TransformerConfig, size: int) -> nn.Module:
-    """LayerNorm or RMSNorm over the last dim, created in ``config.params_dtype``."""
+def build_norm(config: TransformerConfig, size: int, grad_is_partial: bool = False) -> nn.Module:
+    """LayerNorm or RMSNorm over the last dim, created in ``config.params_dtype``.
+
+    ``grad_is_partial``: each TP rank sees only part of the norm's input (its sequence chunk,
+    or its heads), so its parameters are marked ``sequence_parallel`` (all-reduce over TP)."""
     if config.normalization == "RMSNorm":
-        return nn.RMSNorm(size, eps=config.norm_epsilon, dtype=config.params_dtype)
-    return nn.LayerNorm(size, eps=config.norm_epsilon, dtype=config.params_dtype)
+        norm = nn.RMSNorm(size, eps=config.norm_epsilon, dtype=config.params_dtype)
+    else:
+        norm = nn.LayerNorm(size, eps=config.norm_epsilon, dtype=config.params_dtype)
+    if grad_is_partial:
+        for param in norm.parameters():
+            param.sequence_parallel = True
+    return norm
+
+
+def _linear_kwargs(tp: TensorParallelContext) -> dict:
+    """The keyword arguments every TP linear of the model shares (the one place they are built)."""
+    return {"tp_group": tp.group, "sequence_parallel": tp.sequence_parallel}
+
+
+def _torch_default_linear_init(bias: bool):
+    """Construction-time init of a full [out, in] weight with exactly the draws nn.Linear makes
+    (kaiming-uniform weight, then a uniform bias), so the default RNG stream reaches
+    ``reset_parameters`` in the state it did when the model was built of nn.Linear: the tp=1
+    initialisation is unchanged by the switch to the parallel layers. The bias draw is made
+    and dropped (the parallel layers start their biases at zero; reset_parameters zeroes them)."""
+
+    def init(weight: torch.Tensor, generator: Optional[torch.Generator]) -> None:
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(weight, a=math.sqrt(5), generator=generator)
+            if bias:
+                bound = 1.0 / math.sqrt(weight.shape[1]) if weight.shape[1] > 0 else 0.0
+                drop = torch.empty(weight.shape[0], dtype=weight.dtype, device=weight.device)
+                drop.uniform_(-bound, bound, generator=generator)
+
+    return init
+
+
+def dropout_rng(tp: TensorParallelContext, split: bool):
+    """The RNG context of a dropout: the model-parallel stream when the activation is ``split``
+    across TP ranks (different per rank) and a tracker is given, else the default generator."""
+    if split and tp.rng_tracker is not None:
+        return tp.rng_tracker.fork()
+    return contextlib.nullcontext()
 
 
 class RotaryEmbedding(nn.Module):
@@ -89,28 +145,52 @@ class SelfAttention(nn.Module):
 
     ``linear_qkv`` uses Megatron's grouped layout: its output is G blocks, each holding the
     N/G query heads of the group followed by that group's key head and value head, so a
-    Megatron checkpoint's weight drops in unchanged.
+    Megatron checkpoint's weight drops in unchanged. Under tensor parallelism a contiguous
+    split of that output gives each rank G/tp whole groups (N/tp query heads): linear_qkv is
+    column-parallel, linear_proj row-parallel, and attention runs on this rank's heads.
     """
 
-    def __init__(self, config: TransformerConfig, attention: str) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        attention: str,
+        *,
+        tp: TensorParallelContext = NO_TENSOR_PARALLEL,
+    ) -> None:
         super().__init__()
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         self.attention = attention
-        self.num_heads = config.num_attention_heads
-        self.num_groups = config.num_query_groups
+        self.tp = tp
+        self.num_heads = config.num_attention_heads // tp.size  # this rank's heads
+        self.num_groups = config.num_query_groups // tp.size
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
         dt = config.params_dtype
-        qkv_out = self.num_groups * (self.num_heads // self.num_groups + 2) * self.head_dim
+        N, G, D = config.num_attention_heads, config.num_query_groups, self.head_dim
+        qkv_out = G * (N // G + 2) * D
         qkv_bias = config.add_bias_linear or config.add_qkv_bias
-        self.linear_qkv = nn.Linear(config.hidden_size, qkv_out, bias=qkv_bias, dtype=dt)
-        self.linear_proj = nn.Linear(
-            self.num_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear, dtype=dt
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            qkv_out,
+            bias=qkv_bias,
+            init_method=_torch_default_linear_init(qkv_bias),
+            dtype=dt,
+            **_linear_kwargs(tp),
+        )
+        self.linear_proj = RowParallelLinear(
+            N * D,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            input_is_parallel=True,
+            init_method=_torch_default_linear_init(config.add_bias_linear),
+            dtype=dt,
+            **_linear_kwargs(tp),
         )
         if config.qk_layernorm:
-            self.q_layernorm = build_norm(config, self.head_dim)
-            self.k_layernorm = build_norm(config, self.head_dim)
+            # Replicated weights applied to this rank's heads only: partial grads under TP.
+            self.q_layernorm = build_norm(config, self.head_dim, grad_is_partial=tp.size > 1)
+            self.k_layernorm = build_norm(config, self.head_dim, grad_is_partial=tp.size > 1)
         else:
             self.q_layernorm = None
             self.k_layernorm = None
@@ -121,11 +201,14 @@ class SelfAttention(nn.Module):
         rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
         doc_mask=None,
     ) -> torch.Tensor:
-        """``doc_mask``: None, or :func:`document_attention_mask`'s mask (document packing)."""
-        B, S, _ = x_BSH.shape
+        """``x_BSH``: [B, S, H], or [B, Sl, H] under sequence parallelism (linear_qkv gathers
+        the sequence, so attention always sees all S positions). ``doc_mask``: None, or
+        :func:`document_attention_mask`'s mask (document packing)."""
         G, D = self.num_groups, self.head_dim
         per_group = self.num_heads // G
-        qkv_BSGX = self.linear_qkv(x_BSH).view(B, S, G, (per_group + 2) * D)
+        qkv_BSX = self.linear_qkv(x_BSH)
+        B, S, _ = qkv_BSX.shape
+        qkv_BSGX = qkv_BSX.view(B, S, G, (per_group + 2) * D)
         q, k, v = torch.split(qkv_BSGX, [per_group * D, D, D], dim=-1)
         q_BSND = q.reshape(B, S, self.num_heads, D)
         k_BSGD, v_BSGD = k, v
@@ -148,35 +231,55 @@ class SelfAttention(nn.Module):
             out_BNSD = flex_attention(q, k, v, block_mask=doc_mask, enable_gqa=G != self.num_heads)
         else:
             # bidirectional: no mask at all (every position attends to every position); packed:
-            # the document mask (which already holds the causal part).
-            out_BNSD = F.scaled_dot_product_attention(
-                q,
-                k,
-                v,
-                attn_mask=doc_mask,
-                dropout_p=dropout_p,
-                is_causal=self.attention == "causal" and doc_mask is None,
-                enable_gqa=G != self.num_heads,
-            )
+            # the document mask (which already holds the causal part). The dropout acts on
+            # this rank's heads: it draws from the model-parallel stream (differs per rank).
+            with dropout_rng(self.tp, split=dropout_p > 0):
+                out_BNSD = F.scaled_dot_product_attention(
+                    q,
+                    k,
+                    v,
+                    attn_mask=doc_mask,
+                    dropout_p=dropout_p,
+                    is_causal=self.attention == "causal" and doc_mask is None,
+                    enable_gqa=G != self.num_heads,
+                )
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * D)
         return self.linear_proj(out_BSX)
 
 
 class MLP(nn.Module):
-    """h -> F -> h feed-forward; with swiglu linear_fc1 emits [gate | up] (Megatron order)."""
+    """h -> F -> h feed-forward; with swiglu linear_fc1 emits [gate | up] (Megatron order).
 
-    def __init__(self, config: TransformerConfig) -> None:
+    Under TP linear_fc1 is column-parallel (with swiglu as two blocks, so each rank holds the
+    matching F/tp gate and up rows) and linear_fc2 row-parallel."""
+
+    def __init__(self, config: TransformerConfig, *, tp: TensorParallelContext = NO_TENSOR_PARALLEL) -> None:
         super().__init__()
         self.swiglu = config.swiglu
         fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
         dt = config.params_dtype
-        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_out, bias=config.add_bias_linear, dtype=dt)
-        self.linear_fc2 = nn.Linear(
-            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear, dtype=dt
+        bias = config.add_bias_linear
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            fc1_out,
+            bias=bias,
+            init_method=_torch_default_linear_init(bias),
+            dtype=dt,
+            partition_blocks=2 if config.swiglu else 1,
+            **_linear_kwargs(tp),
+        )
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size,
+            config.hidden_size,
+            bias=bias,
+            input_is_parallel=True,
+            init_method=_torch_default_linear_init(bias),
+            dtype=dt,
+            **_linear_kwargs(tp),
         )
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
-        h_BSF = self.linear_fc1(x_BSH)
+        h_BSF = self.linear_fc1(x_BSH)  # [B, S, Fl] (x2 with swiglu)
         if self.swiglu:
             gate, up = h_BSF.chunk(2, dim=-1)
             h_BSF = F.silu(gate) * up
@@ -188,37 +291,57 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
 
-    One FSDP2 sharding unit; parameter names match Megatron's local layer spec.
+    One FSDP2 sharding unit; parameter names match Megatron's local layer spec. Under sequence
+    parallelism ``x`` is this rank's sequence chunk: the norms see only it (partial grads) and
+    the hidden dropout draws from the model-parallel stream (Megatron does the same).
     """
 
     def __init__(
-        self, config: TransformerConfig, attention: str = "bidirectional", layer_number: int = 1
+        self,
+        config: TransformerConfig,
+        attention: str = "bidirectional",
+        layer_number: int = 1,
+        *,
+        tp: TensorParallelContext = NO_TENSOR_PARALLEL,
     ) -> None:
         super().__init__()
         self.layer_number = layer_number
-        self.input_layernorm = build_norm(config, config.hidden_size)
-        self.self_attention = SelfAttention(config, attention)
-        self.pre_mlp_layernorm = build_norm(config, config.hidden_size)
-        self.mlp = MLP(config)
+        self.tp = tp
+        self.input_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
+        self.self_attention = SelfAttention(config, attention, tp=tp)
+        self.pre_mlp_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
+        self.mlp = MLP(config, tp=tp)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
         self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, doc_mask=None
     ) -> torch.Tensor:
         attn = self.self_attention(self.input_layernorm(x_BSH), rotary, doc_mask)
-        x_BSH = x_BSH + self.hidden_dropout(attn)
-        return x_BSH + self.hidden_dropout(self.mlp(self.pre_mlp_layernorm(x_BSH)))
+        x_BSH = x_BSH + self._dropout(attn)
+        return x_BSH + self._dropout(self.mlp(self.pre_mlp_layernorm(x_BSH)))
+
+    def _dropout(self, x_BSH: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.hidden_dropout.p == 0:
+            return x_BSH
+        with dropout_rng(self.tp, split=self.tp.sequence_parallel):
+            return self.hidden_dropout(x_BSH)
 
 
 class TransformerBlock(nn.Module):
     """``layers`` (ModuleList of TransformerLayer) followed by ``final_layernorm``."""
 
-    def __init__(self, config: TransformerConfig, attention: str) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        attention: str,
+        *,
+        tp: TensorParallelContext = NO_TENSOR_PARALLEL,
+    ) -> None:
         super().__init__()
         self.layers = nn.ModuleList(
-            TransformerLayer(config, attention, layer_number=i + 1) for i in range(config.num_layers)
+            TransformerLayer(config, attention, layer_number=i + 1, tp=tp) for i in range(config.num_layers)
         )
-        self.final_layernorm = build_norm(config, config.hidden_size)
+        self.final_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
 
     def forward(
         self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, doc_mask=None
@@ -228,9 +351,28 @@ class TransformerBlock(nn.Module):
         return self.final_layernorm(x_BSH)
 
 
-def init_transformer_weights(block: TransformerBlock, config: TransformerConfig) -> None:
+def init_normal_(param: torch.Tensor, std: float, tp: TensorParallelContext) -> None:
+    """normal(0, std) init of ``param`` from the default generator, layout independent: a
+    tensor-parallel shard draws its FULL logical tensor (the same draws at every tp and on one
+    process) and keeps its own part (``sharding.local_from_full``). A replicated parameter,
+    or any parameter at tp = 1, is drawn in place, exactly as ``nn.init.normal_``."""
+    spec = shard_spec(param)
+    if spec is None or tp.size == 1:
+        nn.init.normal_(param, mean=0.0, std=std)
+        return
+    full_shape = list(param.shape)
+    full_shape[spec[0]] *= tp.size
+    full = torch.empty(full_shape, dtype=param.dtype, device=param.device)
+    nn.init.normal_(full, mean=0.0, std=std)
+    param.copy_(local_from_full(full, param, tp.group))
+
+
+def init_transformer_weights(
+    block: TransformerBlock, config: TransformerConfig, tp: TensorParallelContext = NO_TENSOR_PARALLEL
+) -> None:
     """Megatron init: normal(0, std) for input projections, std/sqrt(2L) for the output
-    projections (linear_proj, linear_fc2), zero biases, norms at (1, 0)."""
+    projections (linear_proj, linear_fc2), zero biases, norms at (1, 0). The draws are made in
+    one fixed order of FULL tensors (:func:`init_normal_`), the same at every tp."""
     std = config.init_method_std
     scaled_std = std / math.sqrt(2.0 * config.num_layers)
     with torch.no_grad():
@@ -242,7 +384,7 @@ def init_transformer_weights(block: TransformerBlock, config: TransformerConfig)
                 (mlp.linear_fc1, std),
                 (mlp.linear_fc2, scaled_std),
             ):
-                nn.init.normal_(linear.weight, mean=0.0, std=s)
+                init_normal_(linear.weight, s, tp)
                 if linear.bias is not None:
                     nn.init.zeros_(linear.bias)
         for module in block.modules():
