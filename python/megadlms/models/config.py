@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -149,20 +149,39 @@ class TransformerConfig:
         return cls(**kw)
 
 
-def check_tensor_parallel(config: TransformerConfig, tensor_model_parallel_size: int) -> None:
-    """Raise ``ConfigError`` (a ValueError) naming the fields when ``config`` cannot be split
-    over ``tensor_model_parallel_size`` ranks: attention by heads and query groups, the MLP by
-    ``ffn_hidden_size``, the embedding and output layer by ``vocab_size`` (already padded by
-    the caller). Pure arithmetic: callers may check a layout before building anything."""
-    tp = tensor_model_parallel_size
+def tensor_parallel_problems(
+    config: TransformerConfig, tp: int, sequence_parallel: bool = False, *, check_vocab: bool = True
+) -> List[str]:
+    """The field-named reasons ``config`` cannot be split over ``tp`` ranks (the one list of
+    these rules): attention by heads and query groups, the MLP by ``ffn_hidden_size``, the
+    embedding and output layer by ``vocab_size`` (already padded by the caller; the CLI,
+    which pads it later, passes ``check_vocab=False``), and with ``sequence_parallel`` the
+    sequence by ``seq_length``. Pure arithmetic: a layout can be checked before building."""
     if tp == 1:
-        return
-    bad = Problems("TransformerConfig")
-    for name in ("num_attention_heads", "num_query_groups", "ffn_hidden_size", "vocab_size"):
+        return []
+    names = ("num_attention_heads", "num_query_groups", "ffn_hidden_size") + ("vocab_size",) * check_vocab
+    out = []
+    for name in names:
         value = getattr(config, name)
-        bad.check(
-            value % tp == 0,
-            f"{name} {value} is not divisible by tensor_model_parallel_size {tp}: "
-            f"choose a multiple of {tp}" + (" (pad the vocabulary)" if name == "vocab_size" else ""),
+        if value % tp:
+            hint = " (pad the vocabulary)" if name == "vocab_size" else ""
+            out.append(
+                f"{name} {value} is not divisible by tensor_model_parallel_size {tp}: each tensor-parallel "
+                f"rank holds {name} / tp of them; choose a multiple of {tp}{hint}"
+            )
+    if sequence_parallel and config.seq_length % tp:
+        out.append(
+            f"seq_length {config.seq_length} is not divisible by tensor_model_parallel_size {tp}, which "
+            "sequence_parallel splits it by; choose seq_length a multiple of it or drop sequence_parallel"
         )
+    return out
+
+
+def check_tensor_parallel(
+    config: TransformerConfig, tensor_model_parallel_size: int, sequence_parallel: bool = False
+) -> None:
+    """Raise ``ConfigError`` (a ValueError) with every :func:`tensor_parallel_problems`."""
+    bad = Problems("TransformerConfig")
+    for problem in tensor_parallel_problems(config, tensor_model_parallel_size, sequence_parallel):
+        bad.add(problem)
     bad.raise_if_any()

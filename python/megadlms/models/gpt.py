@@ -159,7 +159,7 @@ class GPTModel(nn.Module):
         self.core_attn_implementation = core_attn_implementation
         if attention is not None and attention != config.attention:
             config = dataclasses.replace(config, attention=attention)  # validated again there
-        check_tensor_parallel(config, tp.size)
+        check_tensor_parallel(config, tp.size, tp.sequence_parallel)
         self.config = config
         self.tp = tp
         self.attention = attention = config.attention

@@ -31,8 +31,8 @@ from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.distributed.fsdp2 import fsdp2_config_problems, mixed_precision_policy, torch_supports_fsdp2
 from megadlms.models import TransformerConfig
+from megadlms.models.config import tensor_parallel_problems
 from megadlms.optimizer import OptimizerConfig
-from megadlms.parallel.rules import tensor_parallel_problems
 
 from .config import (
     CheckpointConfig,
@@ -326,11 +326,11 @@ def _megadlms_notes(args) -> List[str]:
 
 
 def _layout_problems(model: Optional[TransformerConfig], parallel: Optional[ParallelConfig]) -> List[str]:
-    """The model shapes the tensor-parallel size must divide (megadlms.parallel.rules)."""
+    """The model shapes the tensor-parallel size must divide (the vocabulary is padded later)."""
     if model is None or parallel is None:
         return []
-    tp = parallel.tensor_model_parallel_size
-    return [flag_message(p) for p in tensor_parallel_problems(model, tp, parallel.sequence_parallel)]
+    tp, sp = parallel.tensor_model_parallel_size, parallel.sequence_parallel
+    return [flag_message(p) for p in tensor_parallel_problems(model, tp, sp, check_vocab=False)]
 
 
 def _collect(problems: List[str], build: Callable):
