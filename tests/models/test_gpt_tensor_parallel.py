@@ -2,7 +2,8 @@
 one process built from the same seed: the full initial weights (bitwise), the logits gathered
 over the vocab, the loss through ``compute_loss`` and every gradient (gathered), for MHA +
 GELU + learned positions (tied) and GQA + SwiGLU + rope + QK-layernorm (untied), each with and
-without sequence parallelism. With dropout 0.1 and the model-parallel RNG tracker the
+without sequence parallelism (also on an input length tp does not divide: padded and masked
+inside the model, exactly the unpadded result). With dropout 0.1 and the model-parallel RNG tracker the
 TP-replicated parameters stay bitwise identical across the TP ranks over 3 SGD steps.
 
 One 2-rank job computes every comparison (spawning is the slow part); each test asserts its own.
@@ -189,12 +190,30 @@ def _error_cases(rank, group):
         GPTModel(_config("mha_gelu_abs", vocab_size=V - 1), tp=TensorParallelContext(group=group))
     except ConfigError as e:
         errors["vocab"] = str(e)
-    model = GPTModel(_config("mha_gelu_abs"), tp=TensorParallelContext(group=group, sequence_parallel=True))
-    try:
-        model(torch.zeros(B, S - 1, dtype=torch.long))
-    except ValueError as e:
-        errors["seq"] = str(e)
     return errors
+
+
+def _odd_length_case(rank, group, name, packed):
+    """Sequence parallelism on an input length tp does not divide (S - 1, as MegaDLMs'
+    objective feeds): padded and masked inside the model, exactly the unpadded result."""
+    cfg = _config(name)
+    torch.manual_seed(SEED)
+    ref = GPTModel(cfg)
+    torch.manual_seed(SEED)
+    model = GPTModel(cfg, tp=TensorParallelContext(group=group, sequence_parallel=True))
+    tokens = _batch()["tokens"][:, : S - 1]
+    docs = (torch.arange(S - 1) >= 6).long().expand(B, S - 1) if packed else None
+    logits = model(tokens, document_ids=docs)
+    logits_ref = ref(tokens, document_ids=docs)
+    out = {"shape": tuple(logits.shape), "logits": _rel(gather_full(logits.detach(), group, -1), logits_ref)}
+    model.token_cross_entropy(logits, tokens).sum().backward()
+    ref.token_cross_entropy(logits_ref, tokens).sum().backward()
+    allreduce_sequence_parallel_grads(model, group)
+    ref_params = dict(ref.named_parameters())
+    out["grads"] = max(
+        (_full(p.grad, p, group) - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters()
+    )
+    return out
 
 
 def _all_cases(rank, world):
@@ -204,6 +223,9 @@ def _all_cases(rank, world):
     out.update({f"dropout_{name}_sp{sp}": _dropout_case(rank, group, name, sp) for name, sp in CASES})
     out["meta"] = _meta_case(rank, group)
     out["errors"] = _error_cases(rank, group)
+    for name in CONFIGS:
+        for packed in (False, True):
+            out[f"odd_{name}_{packed}"] = _odd_length_case(rank, group, name, packed)
     return out
 
 
@@ -282,8 +304,15 @@ def test_tp2_errors_name_the_fields(results):
     for res in results:
         err = res["errors"]
         assert "vocab_size 63" in err["vocab"] and "tensor_model_parallel_size 2" in err["vocab"]
-        assert "input length 15" in err["seq"] and "seq_length" in err["seq"]
-        assert "tensor_model_parallel_size 2" in err["seq"]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("packed", [False, True])
+def test_sequence_parallel_pads_odd_lengths_exactly(results, name, packed):
+    for res in results:
+        got = res[f"odd_{name}_{packed}"]
+        assert got["shape"][1] == S - 1
+        assert got["logits"] < LOGITS_TOL and got["grads"] < GRAD_TOL, got
 
 
 @pytest.mark.parametrize(

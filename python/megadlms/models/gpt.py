@@ -227,27 +227,45 @@ class GPTModel(nn.Module):
             raise ValueError(
                 f"input length {S} exceeds max_position_embeddings ({self.config.max_position_embeddings})"
             )
-        if self.tp.sequence_parallel and S % self.tp.size != 0:
-            raise ValueError(
-                f"sequence_parallel splits the sequence over tensor_model_parallel_size {self.tp.size} "
-                f"ranks: the input length {S} (seq_length {self.config.seq_length}) must be a "
-                f"multiple of {self.tp.size}"
-            )
         if position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         elif position_ids.shape != input_ids.shape:
             position_ids = position_ids.expand(B, S)
+        if document_ids is not None and document_ids.shape != input_ids.shape:
+            raise ValueError(
+                f"document_ids {tuple(document_ids.shape)} must match input_ids {tuple(input_ids.shape)}"
+            )
+        pad = -S % self.tp.size if self.tp.sequence_parallel else 0
+        if pad:  # the sequence is split over the TP ranks: pad it to a multiple, masked out exactly
+            input_ids, position_ids, document_ids = _pad_sequence(input_ids, position_ids, document_ids, pad)
+        logits = self._forward(input_ids, position_ids, document_ids)
+        return logits[:, :S] if pad else logits
+
+    def _forward(self, input_ids, position_ids, document_ids) -> torch.Tensor:
         x_BSH = self.embedding(input_ids, position_ids)
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         doc_mask = None
         if document_ids is not None:
-            if document_ids.shape != input_ids.shape:
-                raise ValueError(
-                    f"document_ids {tuple(document_ids.shape)} must match input_ids {tuple(input_ids.shape)}"
-                )
             doc_mask = document_attention_mask(
                 document_ids, self.attention == "causal", self.core_attn_implementation
             )
         x_BSH = self.decoder(x_BSH, rotary, doc_mask)
         weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
         return self.output_layer(x_BSH, weight)
+
+
+def _pad_sequence(input_ids, position_ids, document_ids, pad: int):
+    """Append ``pad`` positions that no real position can see: they form their own document
+    (id -1), so the document mask keeps every real query's attention exactly as unpadded;
+    their outputs are dropped by the caller. Used when sequence parallelism needs the length
+    to be a multiple of tp (MegaDLMs' objective feeds L-1 tokens; variable-length crops)."""
+    B, S = input_ids.shape
+    device = input_ids.device
+    if document_ids is None:
+        document_ids = torch.zeros(B, S, dtype=torch.int64, device=device)
+    filler = torch.zeros(B, pad, dtype=torch.int64, device=device)
+    return (
+        torch.cat([input_ids, filler], dim=1),
+        torch.cat([position_ids, filler], dim=1),  # position 0: inside any position table
+        torch.cat([document_ids, filler - 1], dim=1),
+    )
