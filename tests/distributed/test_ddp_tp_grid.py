@@ -159,6 +159,9 @@ def _train(parallel, sp, ddp_cfg):
     ddp.finish_param_sync()
     out["params"] = {n: _full(p.detach(), p, parallel) for p, n in ddp.param_names.items()}
     out["state_bytes"] = opt.state_bytes()
+    if parallel.tp.size == 1:  # the checkpoint format: full logical shapes (collective)
+        state = opt.state_dict()["state"]
+        out["opt_state"] = {f"{n}.{k}": v.clone() for n, st in state.items() for k, v in st.items()}
     out["sp_params"] = sorted(ddp.param_names[p] for p in ddp._sp_params)
     out["layout"] = (
         [(ddp.param_names[p], rng) for buf in ddp.buffers_ for p, rng in buf.param_index_map.items()],
@@ -338,6 +341,7 @@ def test_instances_match_one_instance_and_shard_state_within_it(runs):
     n_params = sum(p.numel() for p in ref["params"].values())
     for res in results:
         _close(res["n2"]["params"], res["n1"]["params"], 1e-6)
+        _close(res["n2"]["opt_state"], res["n1"]["opt_state"], 1e-6)  # gathered within an instance
         _close(res["n2"]["params"], ref["params"], 1e-5)
         _close(res["n2_tp2"]["params"], ref["params"], 1e-5)
     # fp32 params: AdamW's exp_avg + exp_avg_sq = 8 bytes per owned element. N=1: the 4 dp
