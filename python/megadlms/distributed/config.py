@@ -37,6 +37,13 @@ class DistributedDataParallelConfig:
     gradient division). The caller normalises once, e.g. by dividing the loss by the
     step's global number of loss tokens before backward, as the megadlms trainer does.
     False (the default, for library users): gradients are averaged over the ranks."""
+    num_distributed_optimizer_instances: int = 1
+    """Distributed optimizer: split the data-parallel group into this many instances of
+    dp / N consecutive ranks (Megatron's name; e.g. one per node). Gradients are
+    reduce-scattered within an instance and the shard all-reduced across instances; the
+    optimizer state is sharded within an instance (dp / N shards instead of dp), the
+    parameters are all-gathered within it. Must divide the data-parallel size (checked by
+    the wrapper / ParallelGroups.build) and needs use_distributed_optimizer when > 1."""
 
     def __post_init__(self) -> None:
         bad = Problems("DistributedDataParallelConfig")
@@ -58,4 +65,14 @@ class DistributedDataParallelConfig:
             "average_in_collective and calculate_per_token_loss are exclusive (one averages, "
             "the other sums): pick one",
         )
+        n = self.num_distributed_optimizer_instances
+        if bad.check(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 1,
+            f"num_distributed_optimizer_instances must be a positive integer, got {n!r}",
+        ):
+            bad.check(
+                n == 1 or self.use_distributed_optimizer,
+                f"num_distributed_optimizer_instances {n} > 1 needs use_distributed_optimizer "
+                "(instances shard the distributed optimizer's state): enable it or use 1",
+            )
         bad.raise_if_any()

@@ -28,6 +28,16 @@ Flow of one step (docs/architecture.md, "The way a gradient travels"):
 
 Inside ``no_sync()`` buckets are folded but never communicated; the next synced
 backward adds to the same buffer, so accumulation over micro-batches is exact.
+
+Over a tensor-parallel grid (``parallel=ParallelGroups``) the wrapper reduces over
+``parallel.dp`` only: each TP rank's buffers hold its local shards, and TP peers build
+identical buffer layouts (same local shapes, same dp coordinate, so the same shard ranges).
+``finish_grad_sync`` then sums over ``parallel.tp`` the gradients of parameters marked
+``sequence_parallel`` (replicated, but each TP rank saw only its sequence chunk), and the
+NaN agreement spans the whole world. With ``num_distributed_optimizer_instances`` N > 1 a
+bucket is reduce-scattered within ``parallel.dp_intra`` (dp/N consecutive dp ranks) and this
+rank's shard all-reduced across ``parallel.dp_inter``; the updated shards are all-gathered
+within the instance.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,6 +56,9 @@ from .comm import build_communicator, resolve_group
 from .config import DistributedDataParallelConfig
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from .wrappers import unwrap_model
+
+if TYPE_CHECKING:  # the bottom layer; imported for the annotation only
+    from megadlms.parallel import ParallelGroups
 
 
 def _gather_pre_hook(module, args, buckets):
@@ -63,6 +76,10 @@ class DistributedDataParallel(torch.nn.Module):
         module: the model (any ``nn.Module``; a ``Float16Module`` for bf16/fp16 training).
         ddp_config: bucketing/overlap/precision knobs; defaults to ``DistributedDataParallelConfig()``.
         process_group: data-parallel group; WORLD when None (one process if none is initialised).
+        parallel: the run's ``ParallelGroups`` (tensor-parallel grid): the data-parallel group
+            is ``parallel.dp.group``; ``sequence_parallel`` grads are summed over
+            ``parallel.tp``; distributed-optimizer instances use ``parallel.dp_intra`` /
+            ``dp_inter``. None: plain data parallelism over ``process_group``.
     """
 
     def __init__(
@@ -71,19 +88,24 @@ class DistributedDataParallel(torch.nn.Module):
         ddp_config: Optional[DistributedDataParallelConfig] = None,
         *,
         process_group=None,
+        parallel: Optional[ParallelGroups] = None,
     ) -> None:
         super().__init__()
         self.module = module
         cfg = dataclasses.replace(ddp_config) if ddp_config is not None else DistributedDataParallelConfig()
-        self.process_group = resolve_group(process_group)
+        self.parallel = parallel
+        self.process_group = _data_parallel_group(process_group, parallel)
         self.comm = build_communicator(cfg.comm_backend, self.process_group)
         self.dp_size, self.dp_rank = self.comm.world_size, self.comm.rank
+        # shard_comm: the ranks one bucket is sharded over; inter_comm: across instances.
+        self.shard_comm, self.inter_comm = _instance_communicators(cfg, parallel, self.comm)
         if cfg.bucket_size is None and cfg.overlap_grad_reduce:
             cfg.bucket_size = max(40_000_000, 1_000_000 * self.dp_size)
         self.ddp_config = cfg
         # Sum mode (calculate_per_token_loss): plain SUM, the caller normalises. Averaging:
         # ReduceOp.AVG when asked for and available, else pre-divide by dp (same average).
-        self._avg_in_collective = cfg.average_in_collective and self.comm.supports_avg
+        comms = [self.comm, self.shard_comm] + ([self.inter_comm] if self.inter_comm is not None else [])
+        self._avg_in_collective = cfg.average_in_collective and all(c.supports_avg for c in comms)
         sums = cfg.calculate_per_token_loss or self._avg_in_collective
         self._fold_scale = 1.0 if sums else 1.0 / self.dp_size
         self._nan_found: Optional[str] = None  # this rank's first NaN/Inf finding of the step
@@ -105,13 +127,14 @@ class DistributedDataParallel(torch.nn.Module):
                 [names[p] for p in params],
                 grad_dtype=gdtype,
                 bucket_size=cfg.bucket_size,
-                dp_size=self.dp_size,
+                dp_size=self.shard_comm.world_size,  # buckets split into this many shards
                 use_distributed_optimizer=cfg.use_distributed_optimizer,
                 first_bucket_index=len(self.buckets),
             )
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         self.param_names = names
+        self._grid_comms(cfg, parallel)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync_enabled = True
         self._next_launch = 0
@@ -198,14 +221,47 @@ class DistributedDataParallel(torch.nn.Module):
             ext.scale_([bucket.grad_data], self._fold_scale)  # 1/dp before a SUM collective
         op = "avg" if self._avg_in_collective else "sum"
         if self.ddp_config.use_distributed_optimizer:
-            lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
-            bucket.handle = self.comm.reduce_scatter(
+            lo, hi = self._shard_range(bucket)
+            bucket.handle = self.shard_comm.reduce_scatter(
                 bucket.grad_data[lo:hi], bucket.grad_data, op, async_op=True
             )
         else:
             bucket.handle = self.comm.all_reduce(bucket.grad_data, op, async_op=True)
         bucket.launched = True
         self._next_launch = bucket.index + 1
+
+    def _shard_range(self, bucket: Bucket):
+        """This rank's shard of ``bucket`` (distributed optimizer; within its instance)."""
+        return bucket.shard_range(self.shard_comm.rank, self.shard_comm.world_size)
+
+    def _grid_comms(self, cfg: DistributedDataParallelConfig, parallel) -> None:
+        """The grid's extra communicators: the TP group for ``sequence_parallel`` grads (only
+        when some exist) and the world for the NaN agreement."""
+        tp_size = parallel.tp.size if parallel is not None else 1
+        self._sp_params = [p for p in self.param_names if getattr(p, "sequence_parallel", False)]
+        self._tp_comm = None
+        if tp_size > 1 and self._sp_params:
+            self._tp_comm = build_communicator("torch", parallel.tp.group)
+        self._world_comm = None
+        if parallel is not None and cfg.check_for_nan_in_grad:
+            self._world_comm = build_communicator("torch", resolve_group(None))
+
+    def _allreduce_sequence_parallel_grads(self) -> None:
+        """Sum over TP the main_grad of every ``sequence_parallel`` parameter (one all-reduce
+        per grad dtype). With the distributed optimizer only this rank's shard of a grad is
+        valid; TP peers own the same shard ranges, so the valid parts are summed together."""
+        if self._tp_comm is None:
+            return
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for p in self._sp_params:
+            by_dtype.setdefault(p.main_grad.dtype, []).append(p.main_grad)
+        for grads in by_dtype.values():
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self._tp_comm.all_reduce(flat, "sum")
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view(g.shape))
+                offset += g.numel()
 
     def _check_nan(self, bucket: Bucket) -> None:
         """Record (do not raise yet) this rank's first NaN/Inf before the collective: raising
@@ -224,16 +280,20 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _agree_on_nan(self) -> None:
         """One flag all-reduce after the step's collectives: a NaN/Inf on any rank raises on
-        every rank, so no rank is left blocked in a collective the others never join."""
-        flags = torch.zeros(self.dp_size, dtype=torch.float32, device=self.buckets[0].grad_data.device)
-        flags[self.dp_rank] = float(self._nan_found is not None)
-        self.comm.all_reduce(flags, "sum")
+        every rank, so no rank is left blocked in a collective the others never join. Over a
+        grid (``parallel``) the flags span the world: a NaN on one TP rank stops its TP
+        peers, whose data-parallel groups never saw it."""
+        comm = self._world_comm if self._world_comm is not None else self.comm
+        flags = torch.zeros(comm.world_size, dtype=torch.float32, device=self.buckets[0].grad_data.device)
+        flags[comm.rank] = float(self._nan_found is not None)
+        comm.all_reduce(flags, "sum")
         found, self._nan_found = self._nan_found, None
         ranks = [r for r, f in enumerate(flags.tolist()) if f > 0]
         if ranks:
             detail = found or "this rank's gradients are finite; see the named rank's error"
+            where = "rank(s)" if self._world_comm is not None else "data-parallel rank(s)"
             raise RuntimeError(
-                f"check_for_nan_in_grad: NaN/Inf gradients on data-parallel rank(s) {ranks}; every "
+                f"check_for_nan_in_grad: NaN/Inf gradients on {where} {ranks}; every "
                 f"rank stops. Here: {detail}"
             )
 
@@ -245,15 +305,25 @@ class DistributedDataParallel(torch.nn.Module):
             self._launch(bucket)
 
     def finish_grad_sync(self) -> None:
-        """Wait for every bucket's collective (launching the rest first); publish param.grad."""
+        """Wait for every bucket's collective (launching the rest first); with instances,
+        all-reduce each reduced shard across them; sum ``sequence_parallel`` grads over TP;
+        publish param.grad."""
         self.start_grad_sync()
+        inter = []
+        op = "avg" if self._avg_in_collective else "sum"
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
+            if self.inter_comm is not None:  # this shard is reduced within the instance now
+                lo, hi = self._shard_range(bucket)
+                inter.append(self.inter_comm.all_reduce(bucket.grad_data[lo:hi], op, async_op=True))
             bucket.launched = False
             bucket.folded = False
+        for handle in inter:
+            handle.wait()
         self._next_launch = 0
+        self._allreduce_sequence_parallel_grads()
         if self.ddp_config.check_for_nan_in_grad and self.buckets:
             self._agree_on_nan()
         if self.ddp_config.use_distributed_optimizer:
@@ -312,8 +382,8 @@ class DistributedDataParallel(torch.nn.Module):
         self.finish_param_sync()
         overlap = self.ddp_config.overlap_param_gather and not force_sync
         for bucket in reversed(self.buckets):  # forward uses the last bucket first
-            lo, hi = bucket.shard_range(self.dp_rank, self.dp_size)
-            h = self.comm.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
+            lo, hi = self._shard_range(bucket)
+            h = self.shard_comm.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
             bucket.gather_handle = h if overlap else None
 
     def finish_param_sync(self) -> None:
@@ -352,3 +422,48 @@ class DistributedDataParallel(torch.nn.Module):
         """Load into the wrapped module (copies in place, so buffer views stay valid)."""
         self.finish_param_sync()
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+
+def _data_parallel_group(process_group, parallel):
+    """The data-parallel group: ``parallel.dp.group`` over a grid (``process_group``, if also
+    given, must have the same ranks), else ``process_group`` / WORLD."""
+    if parallel is None:
+        return resolve_group(process_group)
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if parallel.world_size != world:
+        raise ValueError(
+            f"parallel was built for world size {parallel.world_size}, but this process group has "
+            f"{world} ranks: build it with ParallelGroups.build(...) after init_process_group "
+            "(ParallelGroups.single() is for one process)"
+        )
+    if process_group is not None:
+        ranks = dist.get_process_group_ranks(process_group)
+        if ranks != list(parallel.dp.ranks):
+            raise ValueError(
+                f"process_group (ranks {ranks}) differs from parallel.dp (ranks {list(parallel.dp.ranks)}): "
+                "pass only parallel (its dp group is the data-parallel group)"
+            )
+    return parallel.dp.group
+
+
+def _instance_communicators(cfg: DistributedDataParallelConfig, parallel, comm):
+    """(shard communicator, inter-instance communicator or None) for
+    ``cfg.num_distributed_optimizer_instances``; the instance groups come from ``parallel``."""
+    n = cfg.num_distributed_optimizer_instances
+    built = parallel.num_distributed_optimizer_instances if parallel is not None else 1
+    if n > 1 and parallel is None:
+        raise ValueError(
+            f"num_distributed_optimizer_instances {n} needs parallel=ParallelGroups.build(..., "
+            f"num_distributed_optimizer_instances={n}): the instance groups are built there, once"
+        )
+    if parallel is not None and n != built:
+        raise ValueError(
+            f"num_distributed_optimizer_instances {n} in DistributedDataParallelConfig, but parallel "
+            f"was built with {built} instance(s): pass the same value to ParallelGroups.build"
+        )
+    if n == 1:
+        return comm, None
+    return (
+        build_communicator(cfg.comm_backend, parallel.dp_intra.group),
+        build_communicator(cfg.comm_backend, parallel.dp_inter.group),
+    )

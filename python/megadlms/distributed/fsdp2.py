@@ -271,6 +271,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
 
         self._shard(module, fsdp_unit_modules, reshard_after_forward)
         self.comm = build_communicator("torch", self.process_group)
+        self.shard_comm = self.comm  # parameters and optimizer state are sharded over all of dp
         self._grad_post_scale = 1.0
         self.avg_corrected = False
         if cfg.calculate_per_token_loss:  # sum mode: plain SUM reduce-scatter, no division
@@ -340,6 +341,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ DataParallel protocol
     optimizer_layout = "dtensor"
     grad_buckets: list = []
+    parallel = None  # plain data parallelism: FSDP2 with tensor parallelism is rejected upstream
 
     def named_trainable_parameters(self) -> Dict[torch.nn.Parameter, str]:
         names: Dict[torch.nn.Parameter, str] = {}

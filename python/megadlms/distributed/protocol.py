@@ -15,8 +15,13 @@ How a gradient is reduced is the wrapper's business; what the optimizer needs to
 * ``"dtensor"``: FSDP2. Parameters and gradients are DTensors sharded on dim 0; they are
   the optimizer's main params and grads.
 
-``comm`` (see ``comm.py``) is the data-parallel communicator the optimizer reduces norms
-and overflow flags with.
+``comm`` (see ``comm.py``) is the data-parallel communicator; ``shard_comm`` the one over
+the ranks among which the optimizer state is sharded (``"bucket_shards"``: the data-parallel
+group, or one distributed-optimizer instance of it; ``"dtensor"``: the data-parallel group).
+``parallel`` is the ``megadlms.parallel.ParallelGroups`` of a tensor-/pipeline-parallel run
+(None for plain data parallelism): the optimizer reads the model-parallel group and the
+tensor-parallel rank from it, to count every gradient element once in the norm and to make
+every skip decision on all ranks of the grid.
 """
 
 from __future__ import annotations
@@ -42,6 +47,13 @@ class DataParallel(Protocol):
     comm: object
     """Communicator over the data-parallel group: ``world_size``, ``rank``, ``all_reduce``,
     ``all_gather`` (``comm.py``)."""
+    shard_comm: object
+    """Communicator over the ranks sharing one sharded copy of the optimizer state: rank r of
+    it owns ``bucket.shard_range(r, shard_comm.world_size)`` (``"bucket_shards"``); ``comm``
+    unless distributed-optimizer instances split the data-parallel group."""
+    parallel: object
+    """The run's ``ParallelGroups`` (tp, dp, mp, ... axes) when the wrapper was built over a
+    tensor-/pipeline-parallel grid, else None (plain data parallelism)."""
 
     def forward(self, *args, **kwargs): ...
 

@@ -14,6 +14,7 @@ from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
 from .distrib_optimizer import ShardedBufferLayout
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .grid import GridReductions
 from .lr_scheduler import OptimizerParamScheduler
 from .optimizer import DTensorLayout, MixedPrecisionOptimizer, ReplicaLayout, no_weight_decay
 
@@ -28,6 +29,10 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
     distributed optimizer: main params and state only for this rank's bucket shards) or
     "dtensor" (FSDP2: the sharded fp32 DTensor params are the main params). A plain module
     is optimized as "replicated" with its own ``param.grad``.
+
+    Over a tensor-parallel grid (the wrapper's ``parallel``, protocol.py) the grad norm counts
+    every TP shard once and replicated parameters once, and skip decisions span every rank
+    (``grid.py``).
     """
     layout_kind = getattr(model, "optimizer_layout", None)
     wrapper = model if layout_kind is not None else None
@@ -37,6 +42,7 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
         names = {p: n for n, p in model.named_parameters() if p.requires_grad}
     if not names:
         raise ValueError("get_optimizer: the model has no trainable parameters (requires_grad=True)")
+    grid = GridReductions(getattr(wrapper, "parallel", None))  # None: plain data parallelism
     sharded = layout_kind == "bucket_shards"
     if config.use_distributed_optimizer != sharded:
         raise ValueError(
@@ -52,14 +58,15 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
             )
         return MixedPrecisionOptimizer(config, DTensorLayout(names, wrapper.comm))
     if sharded:
-        return MixedPrecisionOptimizer(config, ShardedBufferLayout(wrapper, names), wrapper=wrapper)
-    layout = ReplicaLayout(names, wrapper, fp32_copies=config.bf16 or config.fp16)
+        return MixedPrecisionOptimizer(config, ShardedBufferLayout(wrapper, names, grid), wrapper=wrapper)
+    layout = ReplicaLayout(names, wrapper, fp32_copies=config.bf16 or config.fp16, grid=grid)
     return MixedPrecisionOptimizer(config, layout, wrapper=wrapper)
 
 
 __all__ = [
     "ConstantGradScaler",
     "DynamicGradScaler",
+    "GridReductions",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
     "OptimizerParamScheduler",

@@ -11,11 +11,16 @@ import megadlm_ext as ext
 
 
 def get_grad_norm_fp32(
-    grads: List[torch.Tensor], all_reduce_sum: Optional[Callable[[torch.Tensor], None]] = None
+    grads: List[torch.Tensor],
+    all_reduce_sum: Optional[Callable[[torch.Tensor], None]] = None,
+    *,
+    device=None,
 ) -> float:
     """L2 norm of ``grads``; ``all_reduce_sum`` sums the squared norm across ranks when the
-    gradients are sharded (distributed optimizer, FSDP2). One host sync (.item())."""
-    local = ext.l2_norm(grads) if grads else torch.zeros((), dtype=torch.float32)
+    gradients are sharded (distributed optimizer, FSDP2, tensor-parallel shards). ``device``:
+    where the zero of a rank with no gradients lives (the collective's device). One host
+    sync (.item())."""
+    local = ext.l2_norm(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
     if all_reduce_sum is None:
         return float(local)
     sq = (local * local).reshape(1)

@@ -32,17 +32,28 @@ one bucket of fp32 per state key plus the full-shape copies (12 bytes/param with
 fp32_param). ``load_state_dict`` slices this rank's pieces out of full tensors, so any dp
 size (and DDP/FSDP2 checkpoints) can be loaded.
 
+Instances (``num_distributed_optimizer_instances`` N): the shards are taken within the
+wrapper's ``shard_comm`` (dp/N consecutive dp ranks), so each instance holds one full copy of
+the state, ~1/(dp/N) of the replicated one per rank; the instances stay identical because
+their shards' gradients were all-reduced across them. Norm sums run over ``shard_comm`` (not
+across instances: they hold the same numbers).
+
+Over a TP grid (the wrapper's ``parallel``) the norm counts every TP shard once and every
+replicated parameter on TP rank 0 only, summed over the model-parallel group too, and the
+fp16 overflow vote spans the world (``grid.py``).
+
 One rank: the shard is the whole bucket and every collective is a local copy.
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
 import megadlm_ext as ext
 
+from .grid import GridReductions
 from .optimizer import Entry, _plain
 
 
@@ -51,10 +62,14 @@ class ShardedBufferLayout:
 
     sharded = True
 
-    def __init__(self, wrapper, names: Dict[torch.nn.Parameter, str]) -> None:
+    def __init__(
+        self, wrapper, names: Dict[torch.nn.Parameter, str], grid: Optional[GridReductions] = None
+    ) -> None:
         self.wrapper = wrapper  # a DataParallel with optimizer_layout "bucket_shards"
-        self.comm = wrapper.comm
+        self.comm = getattr(wrapper, "shard_comm", wrapper.comm)  # the ranks sharing one copy
+        self.grid = grid if grid is not None else GridReductions(None)
         self.buckets = wrapper.grad_buckets
+        self.device = self.buckets[0].grad_data.device if self.buckets else torch.device("cpu")
         rank, dp = self.comm.rank, self.comm.world_size
         self.entries: List[Entry] = []
         self.pieces = []  # per entry: (bucket, start in bucket, start in param, numel)
@@ -83,14 +98,23 @@ class ShardedBufferLayout:
         return grads
 
     def norm_and_clip_tensors(self, grads):
-        return grads, grads
+        """Norm: each TP shard and each replicated parameter once (grid.py); clip: all."""
+        return [g for g, e in zip(grads, self.entries) if self.grid.counts_in_norm(e.param)], grads
 
     def all_reduce_sum(self):
-        if self.comm.world_size == 1:
+        if self.comm.world_size == 1 and self.grid.mp_group is None:
             return None
-        return lambda t: self.comm.all_reduce(t, "sum")
+
+        def reduce(t):
+            if self.comm.world_size > 1:  # the shards of the dp group (of this instance)
+                self.comm.all_reduce(t, "sum")
+            self.grid.sum_over_model_parallel(t)
+
+        return reduce
 
     def any_rank(self, flag: bool) -> bool:
+        if self.grid.spans_world:
+            return self.grid.any_rank(flag, self.device)
         if self.comm.world_size == 1:
             return flag
         t = torch.tensor([1.0 if flag else 0.0], device=self.buckets[0].grad_data.device)

@@ -12,7 +12,8 @@ live is delegated to a layout object (composition, not an inheritance chain):
 
 Step: grads -> main grads; fp16: unscale, check overflow (skip step, update the loss
 scale); global grad norm (``megadlm_ext.l2_norm``, plus one all-reduce of squares when
-sharded); a non-finite norm skips the step; clip; inner torch AdamW/SGD step on the main
+sharded, and one over the model-parallel group over a TP grid: ``grid.py``); a
+non-finite norm skips the step; clip; inner torch AdamW/SGD step on the main
 params; copy main -> model params (cast; all-gather for the distributed optimizer).
 ``step()`` returns ``(success, grad_norm)``; on a skipped step ``grad_norm`` is inf or NaN.
 """
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -30,6 +31,7 @@ import megadlm_ext as ext
 from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .grid import GridReductions
 
 _HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum")
 
@@ -54,12 +56,22 @@ class ReplicaLayout:
 
     sharded = False
 
-    def __init__(self, named_params: Dict[torch.nn.Parameter, str], wrapper, *, fp32_copies: bool) -> None:
+    def __init__(
+        self,
+        named_params: Dict[torch.nn.Parameter, str],
+        wrapper,
+        *,
+        fp32_copies: bool,
+        grid: Optional[GridReductions] = None,
+    ) -> None:
         self.wrapper = wrapper
+        self.grid = grid if grid is not None else GridReductions(None)
         self.entries: List[Entry] = []
         for p, fqn in named_params.items():
             main = p.detach().clone().float() if fp32_copies and p.dtype != torch.float32 else p
             self.entries.append(Entry(fqn, p, main, owns_main=main is not p))
+        self.device = next(iter(named_params)).device if named_params else torch.device("cpu")
+        self._in_norm: List[bool] = []  # per collected grad: counts in the norm (grid.py)
 
     def all_fqns(self):
         return [(e.fqn, e.param) for e in self.entries]
@@ -67,11 +79,13 @@ class ReplicaLayout:
     def collect_grads(self) -> List[torch.Tensor]:
         """Point every main param's .grad at the reduced gradient (fp32 view or copy)."""
         grads = []
+        self._in_norm = []
         for e in self.entries:
             g = self.wrapper.main_grad(e.param) if self.wrapper is not None else e.param.grad
             if g is None:
                 e.main.grad = None
                 continue
+            self._in_norm.append(self.grid.counts_in_norm(e.param))
             if e.main is e.param:
                 if e.param.grad is None or e.param.grad.data_ptr() != g.data_ptr():
                     e.param.grad = g if g.dtype == e.param.dtype else g.to(e.param.dtype)
@@ -82,13 +96,15 @@ class ReplicaLayout:
         return grads
 
     def norm_and_clip_tensors(self, grads):
-        return grads, grads
+        """Norm: each TP shard and each replicated parameter once (grid.py); clip: all."""
+        return [g for g, keep in zip(grads, self._in_norm) if keep], grads
 
     def all_reduce_sum(self):
-        return None  # gradients are already identical on every rank
+        # Gradients are already identical on every dp rank; over a grid, sum the TP shards.
+        return None if self.grid.mp_group is None else self.grid.sum_over_model_parallel
 
     def any_rank(self, flag: bool) -> bool:
-        return flag
+        return self.grid.any_rank(flag, self.device) if self.grid.spans_world else flag
 
     def copy_main_to_model(self) -> None:
         with torch.no_grad():
@@ -266,7 +282,9 @@ class MixedPrecisionOptimizer:
             if found_inf:
                 return False, float("inf")
         norm_tensors, clip_tensors = self.layout.norm_and_clip_tensors(grads)
-        grad_norm = get_grad_norm_fp32(norm_tensors, self.layout.all_reduce_sum())
+        grad_norm = get_grad_norm_fp32(
+            norm_tensors, self.layout.all_reduce_sum(), device=getattr(self.layout, "device", None)
+        )
         if not math.isfinite(grad_norm):
             return False, grad_norm
         if self.config.clip_grad > 0:

@@ -4,7 +4,14 @@ vocab-parallel cross-entropy, the model-parallel RNG tracker and the shard rule
 
 from megadlms.parallel.context import TensorParallelContext
 from megadlms.parallel.cross_entropy import vocab_parallel_cross_entropy
-from megadlms.parallel.groups import Axis, ParallelGroups, check_sizes, rank_grid
+from megadlms.parallel.groups import (
+    Axis,
+    ParallelGroups,
+    check_instances,
+    check_sizes,
+    derived_rank_grid,
+    rank_grid,
+)
 from megadlms.parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -25,7 +32,9 @@ __all__ = [
     "TensorParallelContext",
     "VocabParallelEmbedding",
     "allreduce_sequence_parallel_grads",
+    "check_instances",
     "check_sizes",
+    "derived_rank_grid",
     "gather_full",
     "local_from_full",
     "mark_sharded",

@@ -8,9 +8,22 @@ ranks are adjacent (fastest), then data-parallel, then pipeline (slowest), so gl
 (slow), exactly as Megatron's second ``RankGenerator`` (expert tp = tp, cp = 1,
 ``expert_dp = world / (tp * ep * pp)``).
 
-Both grids are torch ``DeviceMesh`` objects (one process group per mesh dimension); the
-:class:`ParallelGroups` object is passed explicitly to whoever needs a group — nothing here
-is global. :func:`rank_grid` computes the same tables without any process, for checks.
+Both grids are torch ``DeviceMesh`` objects (one process group per mesh dimension). Three
+more axes are cut out of the dense grid with plain ``new_group`` calls, once, in
+:meth:`ParallelGroups.build`:
+
+* ``mp`` (model parallel): the ranks sharing this rank's dp coordinate, i.e. the tp x pp
+  block, tp fastest (Megatron's ``get_model_parallel_group``). The optimizer sums the squared
+  grad norm over it.
+* ``dp_intra`` / ``dp_inter`` (distributed-optimizer instances, Megatron's
+  ``num_distributed_optimizer_instances`` N): the dp group split into N instances of dp/N
+  CONSECUTIVE dp ranks (e.g. one node each); ``dp_inter`` joins the ranks with the same
+  position inside their instance. With N = 1, ``dp_intra`` is ``dp`` and ``dp_inter`` has
+  size 1 and no group.
+
+The :class:`ParallelGroups` object is passed explicitly to whoever needs a group — nothing
+here is global. :func:`rank_grid` and :func:`derived_rank_grid` compute the same tables
+without any process, for checks.
 """
 
 from __future__ import annotations
@@ -62,6 +75,20 @@ def check_sizes(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, dp: Opti
     return expected_dp
 
 
+def check_instances(dp: int, num_distributed_optimizer_instances: int) -> int:
+    """Validate the number of distributed-optimizer instances against the data-parallel size;
+    return the size of one instance (dp / N). Raises ``ValueError`` naming both."""
+    n = num_distributed_optimizer_instances
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"num_distributed_optimizer_instances must be a positive integer, got {n!r}")
+    if dp % n != 0:
+        raise ValueError(
+            f"num_distributed_optimizer_instances {n} does not divide the data-parallel size {dp}: "
+            f"each instance holds dp / N consecutive data-parallel ranks; choose a divisor of {dp}"
+        )
+    return dp // n
+
+
 def _groups_along(grid: torch.Tensor, dim: int) -> List[List[int]]:
     """Every 1-D slice of ``grid`` along ``dim``, in row-major order of the other dims."""
     moved = grid.movedim(dim, -1)
@@ -85,11 +112,40 @@ def rank_grid(
     return out
 
 
+def derived_rank_grid(
+    world_size: int,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    dp: Optional[int] = None,
+    *,
+    num_distributed_optimizer_instances: int = 1,
+) -> Dict[str, List[List[int]]]:
+    """The groups of the axes cut out of the dense grid: ``mp`` (tp x pp ranks sharing a dp
+    coordinate, tp fastest), ``dp_intra`` and ``dp_inter`` (distributed-optimizer instances).
+
+    Pure, like :func:`rank_grid`. With one instance ``dp_intra`` equals ``dp`` and every
+    ``dp_inter`` group is a single rank.
+    """
+    dp = check_sizes(world_size, tp, pp, ep, dp)
+    intra = check_instances(dp, num_distributed_optimizer_instances)
+    dense = torch.arange(world_size).reshape(pp, dp, tp)
+    # [dp, pp * tp]: row d lists the model-parallel block of dp coordinate d (tp fastest).
+    mp = dense.permute(1, 0, 2).reshape(dp, pp * tp).tolist()
+    dp_groups = _groups_along(dense, 1)
+    return {
+        "mp": mp,
+        "dp_intra": [g[i : i + intra] for g in dp_groups for i in range(0, dp, intra)],
+        "dp_inter": [g[j::intra] for g in dp_groups for j in range(intra)],
+    }
+
+
 @dataclass(frozen=True)
 class Axis:
     """One parallel axis as this rank sees it.
 
-    ``group`` is None only in :meth:`ParallelGroups.single` (one process, nothing to talk to);
+    ``group`` is None in :meth:`ParallelGroups.single` (one process, nothing to talk to) and
+    for ``dp_inter`` with one distributed-optimizer instance (size 1, no group built);
     ``ranks`` are the global ranks of this rank's group, in axis order.
     """
 
@@ -119,12 +175,29 @@ class ParallelGroups:
     expert_dp: Axis
     mesh: Optional[object] = None  # DeviceMesh [pp, dp, tp]
     expert_mesh: Optional[object] = None  # DeviceMesh [pp, expert_dp, ep, tp]
+    mp: Optional[Axis] = None  # tp x pp ranks sharing the dp coordinate (None: tp, if pp == 1)
+    dp_intra: Optional[Axis] = None  # this rank's distributed-optimizer instance (None: dp)
+    dp_inter: Optional[Axis] = None  # same intra rank across instances (None: size 1)
+
+    def __post_init__(self) -> None:
+        # Fill the derived axes of a hand-built object (build() and single() pass them).
+        if self.mp is None and self.pp.size == 1:
+            object.__setattr__(self, "mp", self.tp)
+        if self.dp_intra is None:
+            object.__setattr__(self, "dp_intra", self.dp)
+        if self.dp_inter is None:
+            object.__setattr__(self, "dp_inter", Axis(size=1, rank=0, ranks=(self.rank,), group=None))
+
+    @property
+    def num_distributed_optimizer_instances(self) -> int:
+        """N: the dp group is split into N instances of ``dp_intra.size`` ranks."""
+        return self.dp.size // self.dp_intra.size
 
     @classmethod
     def single(cls) -> ParallelGroups:
         """One process: every size 1, no groups (the plain model)."""
         a = _SINGLE_AXIS
-        return cls(world_size=1, rank=0, tp=a, dp=a, pp=a, ep=a, expert_dp=a)
+        return cls(world_size=1, rank=0, tp=a, dp=a, pp=a, ep=a, expert_dp=a, mp=a, dp_intra=a, dp_inter=a)
 
     @classmethod
     def build(
@@ -135,9 +208,11 @@ class ParallelGroups:
         ep: int = 1,
         dp: Optional[int] = None,
         device_type: str = "cpu",
+        num_distributed_optimizer_instances: int = 1,
     ) -> ParallelGroups:
         """Create the meshes over the initialised default process group (a collective call:
-        every rank must call it with the same sizes)."""
+        every rank must call it with the same sizes), then the ``mp`` groups and, with
+        ``num_distributed_optimizer_instances`` > 1, the ``dp_intra`` / ``dp_inter`` groups."""
         if not dist.is_initialized():
             raise RuntimeError(
                 "ParallelGroups.build needs torch.distributed initialised (init_process_group); "
@@ -147,6 +222,7 @@ class ParallelGroups:
 
         world, rank = dist.get_world_size(), dist.get_rank()
         dp = check_sizes(world, tp, pp, ep, dp)
+        check_instances(dp, num_distributed_optimizer_instances)  # before any collective
         dense = torch.arange(world).reshape(pp, dp, tp)
         expert = torch.arange(world).reshape(pp, dp // ep, ep, tp)
         mesh = DeviceMesh(device_type, dense, mesh_dim_names=_DENSE_DIMS)
@@ -155,6 +231,13 @@ class ParallelGroups:
         for i, n in enumerate(_EXPERT_DIMS):
             if n in ("ep", "expert_dp"):
                 axes[n] = _axis(expert_mesh, expert, n, i, rank)
+        derived = derived_rank_grid(
+            world, tp, pp, ep, dp, num_distributed_optimizer_instances=num_distributed_optimizer_instances
+        )
+        axes["mp"] = _new_groups_axis(derived["mp"], rank)
+        if num_distributed_optimizer_instances > 1:
+            axes["dp_intra"] = _new_groups_axis(derived["dp_intra"], rank)
+            axes["dp_inter"] = _new_groups_axis(derived["dp_inter"], rank)
         return cls(world_size=world, rank=rank, mesh=mesh, expert_mesh=expert_mesh, **axes)
 
     def describe(self) -> str:
@@ -165,6 +248,18 @@ class ParallelGroups:
         if self.ep.size > 1:
             parts.append(f"ep{self.ep.size}")
         return " x ".join(parts)
+
+
+def _new_groups_axis(groups: List[List[int]], rank: int) -> Axis:
+    """Create every group of ``groups`` (each rank must create all of them, in the same
+    order: ``new_group`` is collective over the world) and return this rank's as an Axis."""
+    mine = None
+    for ranks in groups:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = Axis(size=len(ranks), rank=ranks.index(rank), ranks=tuple(ranks), group=group)
+    assert mine is not None, f"rank {rank} is in none of the groups {groups}"
+    return mine
 
 
 def _axis(mesh, grid: torch.Tensor, name: str, dim: int, rank: int) -> Axis:
