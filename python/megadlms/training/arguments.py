@@ -33,6 +33,7 @@ from megadlms.distributed.fsdp2 import fsdp2_config_problems, mixed_precision_po
 from megadlms.models import TransformerConfig
 from megadlms.models.config import tensor_parallel_problems
 from megadlms.optimizer import OptimizerConfig
+from megadlms.parallel.groups import check_instances
 
 from .config import (
     CheckpointConfig,
@@ -272,6 +273,7 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         comm_backend=args.comm_backend,
         # the trainer divides the loss by the step's global loss-token count: sum-mode reduction
         calculate_per_token_loss=not args.ddp_average_in_collective,
+        num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
     )
 
 
@@ -325,12 +327,21 @@ def _megadlms_notes(args) -> List[str]:
     return notes
 
 
-def _layout_problems(model: Optional[TransformerConfig], parallel: Optional[ParallelConfig]) -> List[str]:
-    """The model shapes the tensor-parallel size must divide (the vocabulary is padded later)."""
-    if model is None or parallel is None:
+def _layout_problems(model, parallel: Optional[ParallelConfig], ddp) -> List[str]:
+    """The model shapes the tensor-parallel size must divide (the vocabulary is padded
+    later) and the data-parallel size the distributed-optimizer instances must divide."""
+    if parallel is None:
         return []
-    tp, sp = parallel.tensor_model_parallel_size, parallel.sequence_parallel
-    return [flag_message(p) for p in tensor_parallel_problems(model, tp, sp, check_vocab=False)]
+    out = []
+    if model is not None:
+        tp, sp = parallel.tensor_model_parallel_size, parallel.sequence_parallel
+        out += tensor_parallel_problems(model, tp, sp, check_vocab=False)
+    if ddp is not None and parallel.data_parallel_size:
+        try:
+            check_instances(parallel.data_parallel_size, ddp.num_distributed_optimizer_instances)
+        except ValueError as exc:
+            out.append(str(exc).replace("the data-parallel size", "data_parallel_size"))
+    return [flag_message(p) for p in out]
 
 
 def _collect(problems: List[str], build: Callable):
@@ -359,7 +370,7 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
     }
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None
     parts["training"] = _collect(problems, lambda: _training_config(args, dp))
-    problems += _layout_problems(parts["model"], parts["parallel"])
+    problems += _layout_problems(parts["model"], parts["parallel"], parts["ddp"])
     problems = cross_flag_problems(args, parts["ddp"]) + problems
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
