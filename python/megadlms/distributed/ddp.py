@@ -26,6 +26,12 @@ Flow of one step (docs/architecture.md, "The way a gradient travels"):
    ``param.main_grad`` holds the reduced gradient; so does ``param.grad`` (the same
    view) in plain DDP when the dtypes match, so any torch.optim works.
 
+Gradient-accumulation fusion (``ColumnParallelLinear``/``RowParallelLinear`` with
+``gradient_accumulation_fusion=True``): the layer adds its weight gradient into
+``main_grad`` itself (times ``param.main_grad_scale``, the fold's scale) and sets
+``param.grad_added_to_main_grad``; the hook then marks the parameter ready without folding
+it (Megatron's scheme; parallel/linear_impl.py).
+
 Inside ``no_sync()`` buckets are folded but never communicated; the next synced
 backward adds to the same buffer, so accumulation over micro-batches is exact.
 """
@@ -141,10 +147,15 @@ class DistributedDataParallel(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def _attach_grad_views(self) -> None:
-        """param.grad = main_grad view where the dtypes match (autograd accumulates in place)."""
+        """param.grad = main_grad view where the dtypes match (autograd accumulates in place).
+
+        ``param.main_grad_scale`` is the factor a fold applies to that parameter's gradient;
+        layers with gradient-accumulation fusion (parallel/linear_impl.py) add their weight
+        gradient into ``main_grad`` times it themselves."""
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = p.main_grad if bucket.grad_view else None
+                p.main_grad_scale = 1.0 if bucket.grad_view else self._fold_scale
 
     # ------------------------------------------------------------------ grad sync
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -155,6 +166,11 @@ class DistributedDataParallel(torch.nn.Module):
                 "collective was launched: run one backward per step outside no_sync(), and call "
                 "zero_grad_buffer() (or optimizer.zero_grad()) before the next step"
             )
+        if getattr(param, "grad_added_to_main_grad", False):
+            # Fused weight gradient (linear_impl.py): already in main_grad; param.grad holds
+            # only the placeholder that made this hook run. Never fold it.
+            param.grad_added_to_main_grad = False
+            param.grad = param.main_grad if bucket.grad_view else None
         bucket.ready.add(param)
         if len(bucket.ready) == len(bucket.params):
             self._fold(bucket)
