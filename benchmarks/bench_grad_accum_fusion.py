@@ -114,9 +114,9 @@ def gemm_table(args):
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=4, help="sequences per micro-batch")
+    ap.add_argument("--batch", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--micro-batches", type=int, default=2)
     ap.add_argument("--warmup", type=int, default=1)

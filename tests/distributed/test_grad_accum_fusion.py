@@ -164,6 +164,40 @@ def test_no_weight_sized_tensor_in_backward(grad_fp32, set_to_none):
     assert counts[True] == 0, counts
 
 
+class TiedNet(torch.nn.Module):
+    """A fused output layer whose weight is also an embedding table (Megatron's tied head)."""
+
+    def __init__(self, fusion, dtype=None):
+        super().__init__()
+        g = torch.Generator().manual_seed(99)
+        self.head = ColumnParallelLinear(
+            H, FF, tp_group=None, bias=False, generator=g, dtype=dtype, gradient_accumulation_fusion=fusion
+        )
+        self.head.weight.zero_out_wgrad = True  # what a model with tied weights sets
+
+    def forward(self, ids):
+        return self.head(F.embedding(ids, self.head.weight)[..., :H] * 1.5)
+
+
+@pytest.mark.parametrize("grad_fp32", [False, True], ids=["grad-view", "fp32-grads"])
+def test_tied_weight_keeps_its_ordinary_gradient(grad_fp32):
+    dtype = torch.bfloat16 if grad_fp32 else None
+    ids = torch.randint(0, FF, (B, S), generator=torch.Generator().manual_seed(3))
+    cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=grad_fp32)
+    grads = []
+    for fusion in (False, True):
+        model = DistributedDataParallel(TiedNet(fusion, dtype), cfg)
+        for _ in range(2):  # a second step: the flag and param.grad were reset
+            model.zero_grad_buffer()
+            with model.no_sync():
+                model(ids).float().pow(2).mean().backward()
+            model(ids).float().pow(2).mean().backward()
+            model.finish_grad_sync()
+        grads.append(model.module.head.weight.main_grad.clone())
+    tol = dict(rtol=1e-6, atol=1e-7) if not grad_fp32 else dict(rtol=0, atol=3 * 2**-8 * grads[0].abs().max())
+    torch.testing.assert_close(grads[1], grads[0], **tol)
+
+
 def test_missing_main_grad_is_a_clear_error():
     net = Net(True)
     with pytest.raises(RuntimeError, match="ColumnParallelLinear.*--no-gradient-accumulation-fusion"):
@@ -213,3 +247,12 @@ def test_tp2_and_dp2_on_gloo():
         for key, rel in res.items():
             bound = 1e-6 if "fp32True" in key or key.startswith("tp2") else 3 * 2**-8
             assert rel < bound, (key, rel)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_fused_close_to_unfused():
+    cfg = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True, bucket_size=700)
+    off, on = [DistributedDataParallel(Net(f, dtype=torch.bfloat16).cuda(), cfg) for f in (False, True)]
+    xs = [x.cuda() for x in _inputs(3, seed=8, dtype=torch.bfloat16)]
+    g_off, g_on = _step(off, xs), _step(on, xs)
+    assert _max_rel(g_on, g_off) < 3 * 2**-8

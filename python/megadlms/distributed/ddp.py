@@ -168,9 +168,12 @@ class DistributedDataParallel(torch.nn.Module):
             )
         if getattr(param, "grad_added_to_main_grad", False):
             # Fused weight gradient (linear_impl.py): already in main_grad; param.grad holds
-            # only the placeholder that made this hook run. Never fold it.
+            # only the placeholder that made this hook run: drop it unfolded. With
+            # zero_out_wgrad the placeholder is a zero summed with an ordinary gradient
+            # (tied weights): fold that as usual.
             param.grad_added_to_main_grad = False
-            param.grad = param.main_grad if bucket.grad_view else None
+            if not getattr(param, "zero_out_wgrad", False):
+                param.grad = param.main_grad if bucket.grad_view else None
         bucket.ready.add(param)
         if len(bucket.ready) == len(bucket.params):
             self._fold(bucket)

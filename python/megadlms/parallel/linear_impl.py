@@ -17,6 +17,12 @@ restores ``param.grad``. The placeholder costs no memory: when ``weight.grad`` i
 weight's own storage, which autograd adopts as ``param.grad`` without copying; when
 ``weight.grad`` is the ``main_grad`` view (same dtypes) it is a broadcast zero, added in
 place (x + 0 = x, exactly).
+
+A weight that also gets an ordinary gradient in the same backward (an embedding tied to a
+fused output layer) must carry ``weight.zero_out_wgrad = True`` (Megatron's attribute): the
+placeholder is then a zero, autograd sums it with the ordinary gradient, and DDP folds
+``param.grad`` as usual (an alias placeholder would corrupt that sum, and dropping it would
+lose the ordinary gradient).
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ MISSING_MAIN_GRAD = (
 
 def _placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
     """A weight 'gradient' that costs nothing; its values are never used (module docstring)."""
-    if weight.grad is None:
+    if weight.grad is None and not getattr(weight, "zero_out_wgrad", False):
         return weight.detach()  # a new alias: autograd steals it as param.grad, no copy
     return torch.zeros((), dtype=weight.dtype, device=weight.device).expand(weight.shape)
 
