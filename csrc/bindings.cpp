@@ -259,10 +259,13 @@ void check_wgrad(const at::Tensor& mg, const at::Tensor& go, const at::Tensor& x
 }
 
 // CPU: fp32 inputs go straight to ATen's addmm_ (beta = 1). bf16/fp16 inputs are upcast
-// in row chunks of about kWgradChunkElems fp32 values and each chunk is added with an fp32
-// addmm_, so no fp32 copy of the whole activation is made; on CPUs without native bf16
-// GEMM this is also ~4x faster than torch's bf16 matmul (README_issue10_fusion.md).
+// in row chunks and each chunk is added with an fp32 addmm_, so no fp32 copy of the whole
+// activation is made: a chunk pair holds at most kWgradChunkElems fp32 values (16 MiB) and
+// no more than the 16-bit weight gradient it replaces (out * in / 2 fp32 values), but at
+// least kWgradMinRows rows (GEMM efficiency). On CPUs without native bf16 GEMM this is also
+// ~4x faster than torch's bf16 matmul (README_issue10_fusion.md).
 constexpr int64_t kWgradChunkElems = int64_t(1) << 22;
+constexpr int64_t kWgradMinRows = 64;
 
 void cpu_wgrad(at::Tensor& mg, const at::Tensor& go, const at::Tensor& x, double alpha) {
   if (go.scalar_type() == at::kFloat) {
@@ -270,7 +273,8 @@ void cpu_wgrad(at::Tensor& mg, const at::Tensor& go, const at::Tensor& x, double
     return;
   }
   const int64_t rows = go.size(0);
-  const int64_t chunk = std::max<int64_t>(64, kWgradChunkElems / (mg.size(0) + mg.size(1)));
+  const int64_t budget = std::min(kWgradChunkElems, mg.numel() / 2);
+  const int64_t chunk = std::max(kWgradMinRows, budget / (mg.size(0) + mg.size(1)));
   for (int64_t r = 0; r < rows; r += chunk) {
     const int64_t n = std::min(chunk, rows - r);
     mg.addmm_(go.narrow(0, r, n).to(at::kFloat).t(), x.narrow(0, r, n).to(at::kFloat),

@@ -198,6 +198,15 @@ def test_tied_weight_keeps_its_ordinary_gradient(grad_fp32):
     torch.testing.assert_close(grads[1], grads[0], **tol)
 
 
+def test_tied_weight_without_zero_out_wgrad_is_an_error():
+    net = TiedNet(True, torch.bfloat16)
+    del net.head.weight.zero_out_wgrad
+    model = DistributedDataParallel(net, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
+    ids = torch.randint(0, FF, (B, S), generator=torch.Generator().manual_seed(3))
+    with pytest.raises(RuntimeError, match=r"head.weight got an ordinary gradient.*zero_out_wgrad"):
+        model(ids).float().pow(2).mean().backward()
+
+
 def test_missing_main_grad_is_a_clear_error():
     net = Net(True)
     with pytest.raises(RuntimeError, match="ColumnParallelLinear.*--no-gradient-accumulation-fusion"):

@@ -46,7 +46,8 @@ def test_matches_torch(route_name, dtype, lead, out, inp):
 
 @pytest.mark.parametrize("route_name", ROUTES)
 def test_accumulates_alpha_and_several_chunks(route_name):
-    # rows > the CPU route's upcast chunk (2^22 / (out + in) = 1997 rows here): several chunks.
+    # rows > the CPU route's upcast chunk (2^22 / (out + in) = 1997 rows here): several chunks;
+    # the other shapes above cover chunks capped by out * in / 2 and the 64-row minimum.
     mg, go, x = _inputs((3000,), 1000, 1100, torch.bfloat16, seed=1)
     expect = _expect(_expect(mg, go, x, alpha=0.5), go, x, alpha=0.5)
     with route(route_name):

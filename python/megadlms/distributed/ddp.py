@@ -173,12 +173,25 @@ class DistributedDataParallel(torch.nn.Module):
             # (tied weights): fold that as usual.
             param.grad_added_to_main_grad = False
             if not getattr(param, "zero_out_wgrad", False):
+                self._check_placeholder(param)
                 param.grad = param.main_grad if bucket.grad_view else None
         bucket.ready.add(param)
         if len(bucket.ready) == len(bucket.params):
             self._fold(bucket)
             if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
                 self._launch_ready_in_order()
+
+    def _check_placeholder(self, p) -> None:
+        """A fused weight's param.grad is its own alias or the main_grad view; anything else is
+        the placeholder summed with an ordinary gradient, which dropping would lose."""
+        g = p.grad
+        if g is not None and g.data_ptr() not in (p.data_ptr(), p.main_grad.data_ptr()):
+            name = self.param_names[p]
+            raise RuntimeError(
+                f"parameter {name} got an ordinary gradient besides its fused one (gradient-"
+                f"accumulation fusion; a weight tied to another use?): set {name}.zero_out_wgrad "
+                "= True on it, or pass --no-gradient-accumulation-fusion"
+            )
 
     @staticmethod
     def _foreign_grad(p):
