@@ -116,6 +116,7 @@ def _extension():
         _check_cuda_majors()
         nvcc = ["-O3", "-std=c++17", "-lineinfo"] + _gencode(os.environ.get("MEGADLM_CUDA_ARCHS", "80;90"))
         kwargs["define_macros"] = [("MEGADLM_WITH_CUDA", "1")]
+        kwargs["libraries"] = ["cublas"]  # the weight-gradient GEMM (csrc/cuda/wgrad_gemm.cu)
         return CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
     return CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
 

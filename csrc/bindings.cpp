@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "megadlm/kernels.h"
@@ -211,6 +212,101 @@ bool has_nonfinite(py::handle tensors) {
   return cpu::run(kNonFinite, segs.data(), int64_t(segs.size()), total, 1.0f).nonfinite;
 }
 
+// ---- gradient-accumulation fusion ---------------------------------------------------------
+// torch's Python spelling of a dtype, as the reference route's messages print it.
+std::string dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "torch.float32";
+    case at::kBFloat16: return "torch.bfloat16";
+    case at::kHalf: return "torch.float16";
+    default: return c10::toString(t);
+  }
+}
+
+void check_wgrad_input(const at::Tensor& t, const char* name, const at::Tensor& mg) {
+  const std::string what = std::string("wgrad_accumulate: ") + name;
+  dtype_code(t.scalar_type(), what);
+  if (t.dim() < 1) value_error(what + " must have at least one dim");
+  if (!t.is_contiguous())
+    value_error(what + " is not contiguous (strides " + c10::str(t.strides()) + "); pass " + name +
+                ".contiguous()");
+  if (t.device() != mg.device())
+    value_error(what + " is on " + t.device().str() + " but main_grad is on " + mg.device().str());
+}
+
+// Checks of wgrad_accumulate; every message names the argument (as reference.py does).
+void check_wgrad(const at::Tensor& mg, const at::Tensor& go, const at::Tensor& x) {
+  if (mg.scalar_type() != at::kFloat)
+    value_error(std::string("wgrad_accumulate: main_grad must be float32 (the fp32 gradient "
+                            "buffer), got ") +
+                dtype_name(mg.scalar_type()));
+  if (mg.dim() != 2 || !mg.is_contiguous())
+    value_error(
+        "wgrad_accumulate: main_grad must be a contiguous 2-D [out, in] tensor, got shape " +
+        c10::str(mg.sizes()) + (mg.is_contiguous() ? "" : " (not contiguous)"));
+  check_wgrad_input(go, "grad_output", mg);
+  check_wgrad_input(x, "input", mg);
+  if (go.scalar_type() != x.scalar_type())
+    value_error(std::string("wgrad_accumulate: grad_output is ") + dtype_name(go.scalar_type()) +
+                " but input is " + dtype_name(x.scalar_type()) + "; they must have the same dtype");
+  if (go.size(-1) != mg.size(0) || x.size(-1) != mg.size(1))
+    value_error("wgrad_accumulate: main_grad " + c10::str(mg.sizes()) +
+                " must be [grad_output.shape[-1], input.shape[-1]] = [" +
+                std::to_string(go.size(-1)) + ", " + std::to_string(x.size(-1)) + "]");
+  if (!go.sizes().slice(0, go.dim() - 1).equals(x.sizes().slice(0, x.dim() - 1)))
+    value_error("wgrad_accumulate: grad_output " + c10::str(go.sizes()) + " and input " +
+                c10::str(x.sizes()) + " must have the same leading dims");
+}
+
+// CPU: fp32 inputs go straight to ATen's addmm_ (beta = 1). bf16/fp16 inputs are upcast
+// in row chunks and each chunk is added with an fp32 addmm_, so no fp32 copy of the whole
+// activation is made: a chunk pair holds at most kWgradChunkElems fp32 values (16 MiB) and
+// no more than the 16-bit weight gradient it replaces (out * in / 2 fp32 values), but at
+// least kWgradMinRows rows (GEMM efficiency). On CPUs without native bf16 GEMM this is also
+// ~4x faster than torch's bf16 matmul (README_issue10_fusion.md).
+constexpr int64_t kWgradChunkElems = int64_t(1) << 22;
+constexpr int64_t kWgradMinRows = 64;
+
+void cpu_wgrad(at::Tensor& mg, const at::Tensor& go, const at::Tensor& x, double alpha) {
+  if (go.scalar_type() == at::kFloat) {
+    mg.addmm_(go.t(), x, /*beta=*/1.0, alpha);
+    return;
+  }
+  const int64_t rows = go.size(0);
+  const int64_t budget = std::min(kWgradChunkElems, mg.numel() / 2);
+  const int64_t chunk = std::max(kWgradMinRows, budget / (mg.size(0) + mg.size(1)));
+  for (int64_t r = 0; r < rows; r += chunk) {
+    const int64_t n = std::min(chunk, rows - r);
+    mg.addmm_(go.narrow(0, r, n).to(at::kFloat).t(), x.narrow(0, r, n).to(at::kFloat),
+              /*beta=*/1.0, alpha);
+  }
+}
+
+void wgrad_accumulate(py::handle main_grad, py::handle grad_output, py::handle input,
+                      double alpha) {
+  at::Tensor mg = as_tensor(main_grad.ptr(), "main_grad");
+  const at::Tensor& go_in = as_tensor(grad_output.ptr(), "grad_output");
+  const at::Tensor& x_in = as_tensor(input.ptr(), "input");
+  check_wgrad(mg, go_in, x_in);
+  const at::Tensor go = go_in.reshape({-1, go_in.size(-1)});  // views: all are contiguous
+  const at::Tensor x = x_in.reshape({-1, x_in.size(-1)});
+  if (go.size(0) == 0 || mg.numel() == 0) return;
+  py::gil_scoped_release nogil;
+  at::NoGradGuard no_grad;
+  if (mg.device().is_cpu()) return cpu_wgrad(mg, go, x, alpha);
+#ifdef MEGADLM_WITH_CUDA
+  if (mg.device().is_cuda()) return glue::cuda_wgrad_accumulate(mg, go, x, float(alpha));
+#endif
+  throw std::runtime_error("wgrad_accumulate: main_grad is on " + mg.device().str() +
+                           "; this build of megadlm_ext runs cpu tensors" +
+#ifdef MEGADLM_WITH_CUDA
+                           " and cuda tensors"
+#else
+                           " only (rebuild with MEGADLM_EXT_CUDA=1 for cuda)"
+#endif
+  );
+}
+
 py::dict backend_info() {
   py::dict d;
   d["compiled"] = true;
@@ -242,6 +338,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_", &scale_, py::arg("tensors"), py::arg("factor"));
   m.def("l2_norm", &l2_norm, py::arg("tensors"));
   m.def("has_nonfinite", &has_nonfinite, py::arg("tensors"));
+  m.def("wgrad_accumulate", &wgrad_accumulate, py::arg("main_grad"), py::arg("grad_output"),
+        py::arg("input"), py::kw_only(), py::arg("alpha") = 1.0);
   m.def(
       "_set_cpu_isa",
       [](const std::string& name) {

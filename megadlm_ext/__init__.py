@@ -102,3 +102,16 @@ def l2_norm(tensors):
 def has_nonfinite(tensors) -> bool:
     """True if any element of any tensor is NaN or +-Inf."""
     return bool(_impl().has_nonfinite(tensors))
+
+
+def wgrad_accumulate(main_grad, grad_output, input, *, alpha=1.0) -> None:
+    """Gradient-accumulation fusion's weight-gradient GEMM, in place:
+    ``main_grad += alpha * grad_output^T @ input``.
+
+    ``main_grad``: fp32, contiguous ``[out, in]``; ``grad_output`` ``[..., out]`` and
+    ``input`` ``[..., in]`` (same leading dims, flattened), contiguous, one dtype (fp32, bf16
+    or fp16), on main_grad's device. Products are accumulated in fp32 (beta = 1). CPU:
+    ATen fp32 GEMM over upcast row chunks; CUDA: cublasGemmEx (fp32 compute and output)
+    on torch's current stream. Bad arguments raise ValueError naming the tensor.
+    """
+    return _impl().wgrad_accumulate(main_grad, grad_output, input, alpha=alpha)

@@ -190,3 +190,58 @@ def l2_norm(tensors) -> torch.Tensor:
 def has_nonfinite(tensors) -> bool:
     tensors = check_list("tensors", tensors)
     return any(t.numel() and not bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def check_wgrad(main_grad, grad_output, input) -> None:
+    """The checks of ``wgrad_accumulate`` (the compiled route words them the same way)."""
+    for name, t in (("main_grad", main_grad), ("grad_output", grad_output), ("input", input)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if main_grad.dtype != torch.float32:
+        raise ValueError(
+            f"wgrad_accumulate: main_grad must be float32 (the fp32 gradient buffer), got {main_grad.dtype}"
+        )
+    if main_grad.dim() != 2 or not main_grad.is_contiguous():
+        raise ValueError(
+            f"wgrad_accumulate: main_grad must be a contiguous 2-D [out, in] tensor, got shape "
+            f"{list(main_grad.shape)}" + ("" if main_grad.is_contiguous() else " (not contiguous)")
+        )
+    for name, t in (("grad_output", grad_output), ("input", input)):
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(
+                f"wgrad_accumulate: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16"
+            )
+        if t.dim() < 1:
+            raise ValueError(f"wgrad_accumulate: {name} must have at least one dim")
+        if not t.is_contiguous():
+            raise ValueError(
+                f"wgrad_accumulate: {name} is not contiguous (strides {tuple(t.stride())}); "
+                f"pass {name}.contiguous()"
+            )
+        if t.device != main_grad.device:
+            raise ValueError(
+                f"wgrad_accumulate: {name} is on {t.device} but main_grad is on {main_grad.device}"
+            )
+    if grad_output.dtype != input.dtype:
+        raise ValueError(
+            f"wgrad_accumulate: grad_output is {grad_output.dtype} but input is {input.dtype}; "
+            "they must have the same dtype"
+        )
+    if grad_output.shape[-1] != main_grad.shape[0] or input.shape[-1] != main_grad.shape[1]:
+        raise ValueError(
+            f"wgrad_accumulate: main_grad {list(main_grad.shape)} must be [grad_output.shape[-1], "
+            f"input.shape[-1]] = [{grad_output.shape[-1]}, {input.shape[-1]}]"
+        )
+    if grad_output.shape[:-1] != input.shape[:-1]:
+        raise ValueError(
+            f"wgrad_accumulate: grad_output {list(grad_output.shape)} and input {list(input.shape)} "
+            "must have the same leading dims"
+        )
+
+
+def wgrad_accumulate(main_grad, grad_output, input, *, alpha=1.0) -> None:
+    check_wgrad(main_grad, grad_output, input)
+    go = grad_output.reshape(-1, grad_output.shape[-1])
+    x = input.reshape(-1, input.shape[-1])
+    with torch.no_grad():
+        main_grad.addmm_(go.t().float(), x.float(), alpha=alpha)

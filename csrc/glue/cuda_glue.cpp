@@ -1,5 +1,6 @@
 // Torch-facing CUDA glue of the element ops (CUDA builds only): finds or uploads the
 // device segment table and launches on torch's current stream of the tensors' device.
+// Also hands torch's cuBLAS handle to the weight-gradient GEMM (wgrad_gemm.cu).
 //
 // Device tables are cached by content. A DDP bucket passes the same table every step
 // (same pointers, dtypes and layout, whatever the op), so from the second step on
@@ -147,6 +148,18 @@ void clear_table_cache() {
 int grid_for(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total) {
   c10::cuda::CUDAGuard guard(device);
   return cuda::grid_for(op, uniform_pair(segs.data(), int64_t(segs.size())), total);
+}
+
+void cuda_wgrad_accumulate(at::Tensor& main_grad, const at::Tensor& grad_output,
+                           const at::Tensor& input, float alpha) {
+  c10::cuda::CUDAGuard guard(main_grad.device());
+  // torch binds its handle to the current stream (and its workspace) on every fetch.
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  const at::ScalarType st = grad_output.scalar_type();
+  const int32_t dt = st == at::kFloat ? kF32 : st == at::kBFloat16 ? kBF16 : kF16;
+  cuda::wgrad_gemm_accumulate(handle, dt, grad_output.data_ptr(), input.data_ptr(),
+                              main_grad.data_ptr<float>(), grad_output.size(0), main_grad.size(0),
+                              main_grad.size(1), alpha);
 }
 
 }  // namespace glue

@@ -26,6 +26,11 @@ void clear_table_cache();
 // Blocks of the element kernel `cuda_run` would launch for this table.
 int grid_for(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total);
 
+// main_grad (fp32 [out, in]) += alpha * grad_output^T @ input (both [rows, *], same dtype,
+// contiguous, checked by the bindings) with cuBLAS on torch's current stream.
+void cuda_wgrad_accumulate(at::Tensor& main_grad, const at::Tensor& grad_output,
+                           const at::Tensor& input, float alpha);
+
 // Adds class NcclCommunicator(unique_id: bytes, rank, world_size, device) to `m`.
 void register_nccl_communicator(pybind11::module_& m);
 

@@ -50,6 +50,15 @@ void run(OpKind op, int32_t pair, const Segment* d_segs, int64_t nseg, int64_t t
 
 // The grid `run` uses for `op` on the current device (tests, benchmarks).
 int grid_for(OpKind op, int32_t pair, int64_t total);
+
+// Gradient-accumulation fusion (csrc/cuda/wgrad_gemm.cu): main_grad (fp32, row-major
+// [out_features, in_features]) += alpha * grad_output^T @ input, where grad_output is
+// [rows, out_features] and input [rows, in_features], both row-major of `dtype` (DType).
+// cuBLAS GEMM with fp32 compute and beta = 1 on `cublas_handle` (a cublasHandle_t,
+// already bound to the stream to run on). Throws std::runtime_error on a cuBLAS error.
+void wgrad_gemm_accumulate(void* cublas_handle, int32_t dtype, const void* grad_output,
+                           const void* input, float* main_grad, int64_t rows, int64_t out_features,
+                           int64_t in_features, float alpha);
 }  // namespace cuda
 
 }  // namespace megadlm

@@ -26,6 +26,12 @@ Flow of one step (docs/architecture.md, "The way a gradient travels"):
    ``param.main_grad`` holds the reduced gradient; so does ``param.grad`` (the same
    view) in plain DDP when the dtypes match, so any torch.optim works.
 
+Gradient-accumulation fusion (``ColumnParallelLinear``/``RowParallelLinear`` with
+``gradient_accumulation_fusion=True``): the layer adds its weight gradient into
+``main_grad`` itself (times ``param.main_grad_scale``, the fold's scale) and sets
+``param.grad_added_to_main_grad``; the hook then marks the parameter ready without folding
+it (Megatron's scheme; parallel/linear_impl.py).
+
 Inside ``no_sync()`` buckets are folded but never communicated; the next synced
 backward adds to the same buffer, so accumulation over micro-batches is exact.
 
@@ -164,10 +170,15 @@ class DistributedDataParallel(torch.nn.Module):
         return self.module(*args, **kwargs)
 
     def _attach_grad_views(self) -> None:
-        """param.grad = main_grad view where the dtypes match (autograd accumulates in place)."""
+        """param.grad = main_grad view where the dtypes match (autograd accumulates in place).
+
+        ``param.main_grad_scale`` is the factor a fold applies to that parameter's gradient;
+        layers with gradient-accumulation fusion (parallel/linear_impl.py) add their weight
+        gradient into ``main_grad`` times it themselves."""
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = p.main_grad if bucket.grad_view else None
+                p.main_grad_scale = 1.0 if bucket.grad_view else self._fold_scale
 
     # ------------------------------------------------------------------ grad sync
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -178,11 +189,32 @@ class DistributedDataParallel(torch.nn.Module):
                 "collective was launched: run one backward per step outside no_sync(), and call "
                 "zero_grad_buffer() (or optimizer.zero_grad()) before the next step"
             )
+        if getattr(param, "grad_added_to_main_grad", False):
+            # Fused weight gradient (linear_impl.py): already in main_grad; param.grad holds
+            # only the placeholder that made this hook run: drop it unfolded. With
+            # zero_out_wgrad the placeholder is a zero summed with an ordinary gradient
+            # (tied weights): fold that as usual.
+            param.grad_added_to_main_grad = False
+            if not getattr(param, "zero_out_wgrad", False):
+                self._check_placeholder(param)
+                param.grad = param.main_grad if bucket.grad_view else None
         bucket.ready.add(param)
         if len(bucket.ready) == len(bucket.params):
             self._fold(bucket)
             if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
                 self._launch_ready_in_order()
+
+    def _check_placeholder(self, p) -> None:
+        """A fused weight's param.grad is its own alias or the main_grad view; anything else is
+        the placeholder summed with an ordinary gradient, which dropping would lose."""
+        g = p.grad
+        if g is not None and g.data_ptr() not in (p.data_ptr(), p.main_grad.data_ptr()):
+            name = self.param_names[p]
+            raise RuntimeError(
+                f"parameter {name} got an ordinary gradient besides its fused one (gradient-"
+                f"accumulation fusion; a weight tied to another use?): set {name}.zero_out_wgrad "
+                "= True on it, or pass --no-gradient-accumulation-fusion"
+            )
 
     @staticmethod
     def _foreign_grad(p):

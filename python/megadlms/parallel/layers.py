@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megadlms.parallel import mappings
+from megadlms.parallel import linear_impl, mappings
 from megadlms.parallel.mappings import Group, group_rank, group_size
 from megadlms.parallel.sharding import mark_sharded, shard_full
 
@@ -91,6 +91,9 @@ class ColumnParallelLinear(nn.Module):
     Input: full ``[..., in]`` (or, with ``sequence_parallel``, this rank's sequence chunk,
     all-gathered here). Output: this rank's ``[..., out/tp]`` slice, or the full ``[..., out]``
     with ``gather_output`` (not allowed with ``sequence_parallel``, as in Megatron).
+    ``gradient_accumulation_fusion``: the weight gradient is added straight into the fp32
+    ``weight.main_grad`` of :class:`~megadlms.distributed.DistributedDataParallel` (no
+    ``weight.grad``; see ``linear_impl.py``); without that wrapper forward raises.
     ``partition_blocks`` > 1: the output features are that many equal blocks, each split
     across the group (SwiGLU's ``[gate | up]``; see ``sharding.py``).
     """
@@ -110,6 +113,7 @@ class ColumnParallelLinear(nn.Module):
         dtype: Optional[torch.dtype] = None,
         device=None,
         partition_blocks: int = 1,
+        gradient_accumulation_fusion: bool = False,
     ) -> None:
         super().__init__()
         if gather_output and partition_blocks != 1:
@@ -120,6 +124,7 @@ class ColumnParallelLinear(nn.Module):
                 "keep the output split and follow it with a RowParallelLinear"
             )
         self.tp_group, self.gather_output = tp_group, gather_output
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
         self.input_size, self.output_size = input_size, output_size
         _divide(output_size, partition_blocks * group_size(tp_group), "output_size / partition_blocks")
@@ -137,7 +142,13 @@ class ColumnParallelLinear(nn.Module):
             x = mappings.gather_from_sequence_parallel(x, self.tp_group, self.seq_dim, grad_is_partial=True)
         else:
             x = mappings.copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+        y = linear_impl.linear(
+            x,
+            self.weight,
+            self.bias,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            layer_name="ColumnParallelLinear",
+        )
         return mappings.gather_from_tp(y, self.tp_group) if self.gather_output else y
 
 
@@ -147,6 +158,7 @@ class RowParallelLinear(nn.Module):
     Input: this rank's ``[..., in/tp]`` slice when ``input_is_parallel`` (the output of a
     ColumnParallelLinear), else the full input, split here. Output: full ``[..., out]``
     (all-reduced), or with ``sequence_parallel`` this rank's sequence chunk (reduce-scattered).
+    ``gradient_accumulation_fusion``: as in :class:`ColumnParallelLinear`.
     """
 
     def __init__(
@@ -163,6 +175,7 @@ class RowParallelLinear(nn.Module):
         generator: Optional[torch.Generator] = None,
         dtype: Optional[torch.dtype] = None,
         device=None,
+        gradient_accumulation_fusion: bool = False,
     ) -> None:
         super().__init__()
         if sequence_parallel and not input_is_parallel:
@@ -171,6 +184,7 @@ class RowParallelLinear(nn.Module):
                 "(its input is the split output of a ColumnParallelLinear)"
             )
         self.tp_group, self.input_is_parallel = tp_group, input_is_parallel
+        self.gradient_accumulation_fusion = gradient_accumulation_fusion
         self.sequence_parallel, self.seq_dim = sequence_parallel, seq_dim
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(input_size, group_size(tp_group), "input_size")
@@ -186,7 +200,13 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight)
+        y = linear_impl.linear(
+            x,
+            self.weight,
+            None,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            layer_name="RowParallelLinear",
+        )
         if self.sequence_parallel:
             y = mappings.reduce_scatter_to_sequence_parallel(y, self.tp_group, self.seq_dim)
         else:

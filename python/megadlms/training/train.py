@@ -155,7 +155,7 @@ class Trainer:
         _log.info(
             f"megadlms: {type(self.model).__name__} | {self.world} rank(s) = {self.groups.describe()}, "
             f"{dist.get_backend()}, {self.device.type} | GPTModel {self.num_params / 1e6:.2f}M "
-            f"params ({self.params_per_rank / 1e6:.2f}M per rank), {m.num_layers} layers, "
+            f"params ({self.params_per_rank / 1e6:.3g}M per rank), {m.num_layers} layers, "
             f"hidden {m.hidden_size}, {m.attention} "
             f"attention, vocab {m.vocab_size} | {c.diffusion.model_running_mode} | global "
             f"batch {self.gbs} = micro {self.mbs} x dp {self.dp_size} x {self.num_micro} accum | "
