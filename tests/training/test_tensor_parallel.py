@@ -67,16 +67,35 @@ def _replicated_after(argv):
     return res, params
 
 
+def _counting_fused_gemms(argv):
+    """Run, counting the weight-gradient GEMMs that went straight into main_grad."""
+    import megadlm_ext
+
+    real, calls = megadlm_ext.wgrad_accumulate, [0]
+
+    def counting(*a, **k):
+        calls[0] += 1
+        return real(*a, **k)
+
+    megadlm_ext.wgrad_accumulate = counting
+    try:
+        return _run(argv), calls[0]
+    finally:
+        megadlm_ext.wgrad_accumulate = real
+
+
 def _four_rank_world(rank, world, tmp):
     out = {
         "dp4": _run(TP1),
         "dp4_distopt": _run(TP1 + DISTOPT),
-        "tp2": _run(TP2),
         "tp2_sp": _run(TP2 + ["--sequence-parallel"]),
         "tp2_distopt": _run(TP2 + DISTOPT + ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),
-        "tp2_nofusion": _run(TP2 + ["--no-gradient-accumulation-fusion"]),
         "instances2": _run(TP1 + DISTOPT + ["--num-distributed-optimizer-instances", "2"]),
     }
+    out["tp2"], out["fused_gemms"] = _counting_fused_gemms(TP2)
+    out["tp2_nofusion"], out["unfused_gemms"] = _counting_fused_gemms(
+        TP2 + ["--no-gradient-accumulation-fusion"]
+    )
     ckpt = os.path.join(tmp, "tp2ckpt")
     out["tp2_part"] = _run(TP2 + DISTOPT + ["--save", ckpt, "--save-interval", "100", "--exit-interval", "3"])
     out["tp2_to_dp4"] = _run(TP1 + DISTOPT + ["--load", ckpt])
@@ -117,6 +136,13 @@ def test_every_rank_reports_the_same_loss(worlds):
     four, _, _ = worlds
     for r in range(1, 4):
         assert four[r]["tp2"].losses == four[0]["tp2"].losses
+
+
+def test_gradient_accumulation_fusion_is_on_by_default(worlds):
+    four, _, _ = worlds
+    # 5 steps x 2 micro-batches x (2 layers x 4 linears + the untied output layer)
+    assert four[0]["fused_gemms"] == 5 * 2 * (2 * 4 + 1)
+    assert four[0]["unfused_gemms"] == 0
 
 
 def test_distributed_optimizer_instances_match_one_instance(worlds):

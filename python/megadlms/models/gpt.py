@@ -29,6 +29,7 @@ from megadlms.parallel import (
     normal_init,
     vocab_parallel_cross_entropy,
 )
+from megadlms.parallel.linear_impl import linear as fused_linear
 from megadlms.parallel.sharding import mark_sharded
 
 from .config import TransformerConfig, check_tensor_parallel
@@ -44,7 +45,13 @@ from .transformer import (
 )
 
 # Parameter attributes of tensor parallelism (megadlms.parallel.sharding, layers).
-_TP_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_blocks", "sequence_parallel")
+_TP_ATTRS = (
+    "tensor_model_parallel",
+    "partition_dim",
+    "partition_blocks",
+    "sequence_parallel",
+    "zero_out_wgrad",
+)
 
 
 class LanguageModelEmbedding(nn.Module):
@@ -119,7 +126,8 @@ class OutputLayer(nn.Module):
             x_BSH = mappings.gather_from_sequence_parallel(x_BSH, self.tp.group, grad_is_partial=True)
         else:
             x_BSH = mappings.copy_to_tp(x_BSH, self.tp.group)
-        return F.linear(x_BSH, w)
+        fusion = self.tp.gradient_accumulation_fusion
+        return fused_linear(x_BSH, w, None, gradient_accumulation_fusion=fusion, layer_name="output_layer")
 
 
 class GPTModel(nn.Module):
@@ -171,6 +179,9 @@ class GPTModel(nn.Module):
             self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config, attention, tp=tp)
         self.output_layer = OutputLayer(config, tied=self.share_embeddings_and_output_weights, tp=tp)
+        if self.share_embeddings_and_output_weights and tp.gradient_accumulation_fusion:
+            # the tied matrix also gets the lookup's ordinary gradient: DDP must fold that too
+            self.embedding.word_embeddings.weight.zero_out_wgrad = True
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -79,7 +79,11 @@ def build_norm(config: TransformerConfig, size: int, grad_is_partial: bool = Fal
 
 def _linear_kwargs(tp: TensorParallelContext) -> dict:
     """The keyword arguments every TP linear of the model shares (the one place they are built)."""
-    return {"tp_group": tp.group, "sequence_parallel": tp.sequence_parallel}
+    return {
+        "tp_group": tp.group,
+        "sequence_parallel": tp.sequence_parallel,
+        "gradient_accumulation_fusion": tp.gradient_accumulation_fusion,
+    }
 
 
 def _torch_default_linear_init(bias: bool):
