@@ -3,8 +3,8 @@ CPU ranks: the same global batch gives the same loss curve at (tp=2, dp=2), (tp=
 and on one process (fp32, dropout 0, within 1e-5 relative), with DDP and the distributed
 optimizer, sequence parallelism, distributed-optimizer instances and with/without
 gradient-accumulation fusion; with dropout on the TP replicas stay bitwise identical; a
-(tp=2, dp=2) checkpoint resumes at (tp=1, dp=4) and on one process, and megadlms-generate
-loads it.
+(tp=2, dp=2) checkpoint resumes at (tp=1, dp=4) and on one process, tp=1 checkpoints (DDP +
+distributed optimizer, FSDP2) resume at tp=2, and megadlms-generate loads a TP checkpoint.
 
 The independent reference is the one-process run (the plain model, no collectives). The
 vocabulary is padded to the same 384 rows at every tp (--make-vocab-size-divisible-by 128
@@ -99,6 +99,13 @@ def _four_rank_world(rank, world, tmp):
     ckpt = os.path.join(tmp, "tp2ckpt")
     out["tp2_part"] = _run(TP2 + DISTOPT + ["--save", ckpt, "--save-interval", "100", "--exit-interval", "3"])
     out["tp2_to_dp4"] = _run(TP1 + DISTOPT + ["--load", ckpt])
+    # and back: a tp1 checkpoint (DDP + distributed optimizer, or FSDP2) resumes at tp2
+    for name, flags in (("dp4", DISTOPT), ("fsdp", ["--use-torch-fsdp2"])):
+        root = os.path.join(tmp, f"{name}ckpt")
+        out[f"{name}_part"] = _run(
+            TP1 + flags + ["--save", root, "--save-interval", "100", "--exit-interval", "3"]
+        )
+        out[f"{name}_to_tp2"] = _run(TP2 + DISTOPT + ["--load", root])
     out["dropout"] = _replicated_after(TP2 + DROPOUT)
     return out
 
@@ -155,6 +162,13 @@ def test_tp2_checkpoint_resumes_at_dp4_and_on_one_process(worlds):
     assert four[0]["tp2_part"].iteration == 3
     _assert_curve(four[0]["tp2_to_dp4"], four[0]["tp2_distopt"], its=range(4, 6))
     _assert_curve(one["tp2_to_single"], four[0]["tp2_distopt"], its=range(4, 6))
+
+
+@pytest.mark.parametrize("name", ["dp4", "fsdp"])
+def test_tp1_checkpoint_resumes_at_tp2(worlds, name):
+    four, _, _ = worlds
+    assert four[0][f"{name}_part"].iteration == 3
+    _assert_curve(four[0][f"{name}_to_tp2"], four[0]["dp4_distopt"], its=range(4, 6))
 
 
 def test_dropout_keeps_tp_replicas_bitwise_identical(worlds):
