@@ -133,10 +133,10 @@ def test_import_cli_adds_mask_and_trains_as_dlm(tmp_path):
 
     flags = import_hf(str(tmp_path / "hf"), str(tmp_path / "ck2"), seq_length=32)["flags"]
     argv = " ".join(flags).split()
-    result = run(_train_flags(argv, tmp_path, iters=6))
+    result = run(_train_flags(argv, tmp_path, iters=12))
     losses = list(result.losses.values())
-    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
-    assert losses[-1] < losses[0]
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) < sum(losses[:3])  # a batch of 2 is noisy: compare thirds, not two steps
 
 
 def test_hf_init_flag_checks_the_architecture(tmp_path):

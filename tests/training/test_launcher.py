@@ -87,7 +87,7 @@ def test_torchrun_fsdp2_seed_command_then_generate(tmp_path, capsys):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "TorchFullyShardedDataParallel | 2 rank(s), gloo" in out  # the wrapper, logged once
+    assert "TorchFullyShardedDataParallel | 2 rank(s) = tp1 x dp2, gloo" in out  # the wrapper, logged once
     assert "iter 6/6 (100%)" in out and "bf16" in out
     assert "note: --attention-backend" in out  # flags without effect: said
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "6"

@@ -58,6 +58,17 @@ from megadlms.distributed.wrappers import unwrap_model
 from .checkpoint_faults import agree, find_enospc
 from .checkpoint_format import SafeFileSystemReader, join_state, split_state, tensor_paths
 from .checkpoint_integrity import CheckpointCorruptError, file_manifest, verify_checkpoint  # noqa: F401
+from .checkpoint_paths import (  # noqa: F401
+    COMMON_FILE,
+    LATEST_FILE,
+    TORCH_FILE,
+    checkpoint_dir,
+    older_checkpoints,
+    read_common,
+    read_latest_iteration,
+    resolve_checkpoint,
+)
+from .checkpoint_records import MODEL_CONFIG_FLAGS, check_model_config, tokenizer_record  # noqa: F401
 from .checkpoint_rng import rng_state, same_layout, set_rng_state
 from .checkpoint_tp import (
     check_optimizer_keys,
@@ -69,60 +80,9 @@ from .checkpoint_tp import (
     tp_size,
 )
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-COMMON_FILE = "common.json"
-TORCH_FILE = os.path.join("mp_rank_00", "model_optim_rng.pt")
 FORMAT_VERSION = 3
 """3: common.json records every file's size and CRC-32 (``files``, checked on load); 2 added the
 tokenizer record (``tokenizer``); 1 had only the flags (``args``)."""
-
-
-def checkpoint_dir(root: str, iteration: int) -> str:
-    return os.path.join(root, f"iter_{iteration:07d}")
-
-
-def read_latest_iteration(root: str) -> Optional[int]:
-    """Iteration named by ``root/latest_checkpointed_iteration.txt`` or None if absent."""
-    path = os.path.join(root, LATEST_FILE)
-    if not os.path.isfile(path):
-        return None
-    text = open(path).read().strip()
-    if not text.isdigit():
-        raise RuntimeError(f"{path} should hold an iteration number, found {text!r}")
-    return int(text)
-
-
-def resolve_checkpoint(path: str) -> Optional[str]:
-    """``path`` may be a --save root (uses its latest file) or one iter_* directory."""
-    if os.path.isfile(os.path.join(path, COMMON_FILE)):
-        return path
-    it = read_latest_iteration(path)
-    if it is None:
-        return None
-    ckpt = checkpoint_dir(path, it)
-    if not os.path.isfile(os.path.join(ckpt, COMMON_FILE)):
-        raise RuntimeError(
-            f"{os.path.join(path, LATEST_FILE)} names iteration {it} but {ckpt} "
-            f"is missing or incomplete (no {COMMON_FILE})"
-        )
-    return ckpt
-
-
-def older_checkpoints(root: str, before: int) -> list:
-    """Complete ``iter_*`` directories of ``root`` older than iteration ``before``, newest first
-    (the candidates of --ckpt-fallback)."""
-    found = []
-    for name in os.listdir(root) if os.path.isdir(root) else []:
-        it = name[5:]
-        if name.startswith("iter_") and it.isdigit() and int(it) < before:
-            if os.path.isfile(os.path.join(root, name, COMMON_FILE)):
-                found.append((int(it), os.path.join(root, name)))
-    return [path for _, path in sorted(found, reverse=True)]
-
-
-def read_common(ckpt: str) -> dict:
-    with open(os.path.join(ckpt, COMMON_FILE)) as f:
-        return json.load(f)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -327,39 +287,6 @@ def save_checkpoint(
 
 
 # ---------------------------------------------------------------------------- load
-# Architecture fields whose mismatch makes a checkpoint unloadable, with their flags.
-MODEL_CONFIG_FLAGS = {
-    "num_layers": "--num-layers",
-    "hidden_size": "--hidden-size",
-    "ffn_hidden_size": "--ffn-hidden-size",
-    "num_attention_heads": "--num-attention-heads",
-    "num_query_groups": "--num-query-groups",
-    "kv_channels": "--kv-channels",
-    "vocab_size": "--vocab-size / --tokenizer-type / --make-vocab-size-divisible-by",
-    "padded_vocab_size": "--vocab-size / --tokenizer-type / --make-vocab-size-divisible-by",
-    "max_position_embeddings": "--max-position-embeddings",
-    "position_embedding_type": "--position-embedding-type",
-    "normalization": "--normalization",
-    "swiglu": "--swiglu",
-    "gated_linear_unit": "--swiglu",
-    "add_bias_linear": "--disable-bias-linear",
-    "qk_layernorm": "--qk-layernorm",
-    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-    "share_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
-}
-
-
-def check_model_config(saved: dict, current: dict, ckpt: str) -> None:
-    """Raise naming the first architecture field that differs between checkpoint and run."""
-    for field, flag in MODEL_CONFIG_FLAGS.items():
-        if field in saved and field in current and saved[field] != current[field]:
-            raise ValueError(
-                f"checkpoint {ckpt} was trained with {field}={saved[field]!r} but this "
-                f"run has {field}={current[field]!r} ({flag}); use the checkpoint's "
-                "model flags or start without --load"
-            )
-
-
 def _load_torch_file(ckpt: str) -> Dict[str, torch.Tensor]:
     """The torch-format file, memory-mapped (tensors are read from disk when copied)."""
     return torch.load(os.path.join(ckpt, TORCH_FILE), map_location="cpu", weights_only=True, mmap=True)
@@ -557,17 +484,3 @@ def load_checkpoint(
         rng_restored=rng,
         common=common,
     )
-
-
-def tokenizer_record(common: dict) -> dict:
-    """The checkpoint's tokenizer record (``TokenizerConfig`` fields). Format-1 checkpoints
-    stored only the run's flags: their record is read from those, here and only here."""
-    if common.get("tokenizer"):
-        return dict(common["tokenizer"])
-    saved = common.get("args", {})
-    return {
-        "tokenizer_type": saved.get("tokenizer_type") or "ByteTokenizer",
-        "tokenizer_model": saved.get("tokenizer_model"),
-        "mask_token": saved.get("mask_token"),
-        "vocab_size": saved.get("vocab_size"),
-    }

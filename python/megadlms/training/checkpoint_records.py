@@ -1,0 +1,50 @@
+"""What a checkpoint records about the model and tokenizer, and how a run is checked
+against it (the architecture fields and the flags that set them)."""
+
+from __future__ import annotations
+
+# Architecture fields whose mismatch makes a checkpoint unloadable, with their flags.
+MODEL_CONFIG_FLAGS = {
+    "num_layers": "--num-layers",
+    "hidden_size": "--hidden-size",
+    "ffn_hidden_size": "--ffn-hidden-size",
+    "num_attention_heads": "--num-attention-heads",
+    "num_query_groups": "--num-query-groups",
+    "kv_channels": "--kv-channels",
+    "vocab_size": "--vocab-size / --tokenizer-type / --make-vocab-size-divisible-by",
+    "padded_vocab_size": "--vocab-size / --tokenizer-type / --make-vocab-size-divisible-by",
+    "max_position_embeddings": "--max-position-embeddings",
+    "position_embedding_type": "--position-embedding-type",
+    "normalization": "--normalization",
+    "swiglu": "--swiglu",
+    "gated_linear_unit": "--swiglu",
+    "add_bias_linear": "--disable-bias-linear",
+    "qk_layernorm": "--qk-layernorm",
+    "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    "share_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+}
+
+
+def check_model_config(saved: dict, current: dict, ckpt: str) -> None:
+    """Raise naming the first architecture field that differs between checkpoint and run."""
+    for field, flag in MODEL_CONFIG_FLAGS.items():
+        if field in saved and field in current and saved[field] != current[field]:
+            raise ValueError(
+                f"checkpoint {ckpt} was trained with {field}={saved[field]!r} but this "
+                f"run has {field}={current[field]!r} ({flag}); use the checkpoint's "
+                "model flags or start without --load"
+            )
+
+
+def tokenizer_record(common: dict) -> dict:
+    """The checkpoint's tokenizer record (``TokenizerConfig`` fields). Format-1 checkpoints
+    stored only the run's flags: their record is read from those, here and only here."""
+    if common.get("tokenizer"):
+        return dict(common["tokenizer"])
+    saved = common.get("args", {})
+    return {
+        "tokenizer_type": saved.get("tokenizer_type") or "ByteTokenizer",
+        "tokenizer_model": saved.get("tokenizer_model"),
+        "mask_token": saved.get("mask_token"),
+        "vocab_size": saved.get("vocab_size"),
+    }
