@@ -126,7 +126,7 @@ def main() -> None:
         f"{'distributed optimizer' if args.distopt else 'replicated optimizer'}; "
         f"median of {args.rounds * args.steps} steps"
     )
-    print("| layout | step ms (median) | vs tp1 x dp4 | param MB / rank | optimizer MB / rank |")
+    print("| layout | step ms (median) | vs tp1 x dp4 | param MiB / rank | optimizer MiB / rank |")
     print("|---|---|---|---|---|")
     for name in ("tp1 x dp4", "tp2 x dp2"):
         t, (pb, ob) = res[0][name]
