@@ -8,6 +8,8 @@ import logging
 import os
 from typing import Optional, Tuple
 
+import torch.distributed as dist
+
 from . import checkpointing
 from .config import CheckpointConfig, RunConfig
 
@@ -15,7 +17,28 @@ _log = logging.getLogger("megadlms.training")
 
 
 def resume_path(ck: CheckpointConfig) -> Optional[str]:
-    """--load, or (automatic resume) --save when it holds a checkpoint and --load is absent."""
+    """--load, or (automatic resume) --save when it holds a checkpoint and --load is absent.
+
+    Decided on rank 0 and broadcast (a collective when a process group exists): every rank
+    takes the same decision even when the others would see the file system differently (a
+    ``latest`` file rank 0 just replaced, a shared file system's lag). An error (e.g. a
+    ``latest`` file naming a missing iteration) is raised on every rank."""
+    found, error = None, None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            found = _find(ck)
+        except (OSError, RuntimeError) as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        shared = [found, error]
+        dist.broadcast_object_list(shared, src=0)
+        found, error = shared
+    if error is not None:
+        raise RuntimeError(f"finding the checkpoint to resume from (decided on rank 0): {error}")
+    return found
+
+
+def _find(ck: CheckpointConfig) -> Optional[str]:
     if ck.load:
         path = checkpointing.resolve_checkpoint(ck.load)
         if path is None:
