@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadlms.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelContext
-from megadlms.parallel.sharding import local_from_full, shard_spec
+from megadlms.parallel.sharding import full_shape, local_from_full, shard_spec
 
 from .config import ATTENTION_KINDS, TransformerConfig
 
@@ -364,9 +364,7 @@ def init_normal_(param: torch.Tensor, std: float, tp: TensorParallelContext) -> 
     if spec is None or tp.size == 1:
         nn.init.normal_(param, mean=0.0, std=std)
         return
-    full_shape = list(param.shape)
-    full_shape[spec[0]] *= tp.size
-    full = torch.empty(full_shape, dtype=param.dtype, device=param.device)
+    full = torch.empty(full_shape(param, tp.size), dtype=param.dtype, device=param.device)
     nn.init.normal_(full, mean=0.0, std=std)
     param.copy_(local_from_full(full, param, tp.group))
 

@@ -117,7 +117,7 @@ class ShardedBufferLayout:
             return self.grid.any_rank(flag, self.device)
         if self.comm.world_size == 1:
             return flag
-        t = torch.tensor([1.0 if flag else 0.0], device=self.buckets[0].grad_data.device)
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
         self.comm.all_reduce(t, "sum")
         return bool(t.item() > 0)
 

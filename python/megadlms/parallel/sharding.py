@@ -38,6 +38,16 @@ def mark_sharded(param: torch.Tensor, partition_dim: int, partition_blocks: int 
     return param
 
 
+def full_shape(tensor: torch.Tensor, tp: int) -> Tuple[int, ...]:
+    """The full logical shape of a parameter (or a tensor carrying its attributes) whose local
+    shard is ``tensor``: its own shape when replicated or at tp = 1."""
+    shape = list(tensor.shape)  # a DTensor's shape is already the full one
+    spec = shard_spec(tensor)
+    if spec is not None and tp > 1:
+        shape[spec[0]] *= tp
+    return tuple(shape)
+
+
 def _check(full_len: int, dim: int, blocks: int, tp: int, shape) -> None:
     if full_len % (blocks * tp) != 0:
         raise ValueError(

@@ -55,7 +55,7 @@ def build_parallel(config: RunConfig, device: torch.device, seed: int):
         pp=par.pipeline_model_parallel_size,
         dp=par.data_parallel_size,
         device_type=device.type,
-        **_instances(config),
+        num_distributed_optimizer_instances=config.ddp.num_distributed_optimizer_instances,
     )
     tracker = model_parallel_manual_seed(seed, groups.tp.rank, device_type=device.type)
     tp = TensorParallelContext(
@@ -65,11 +65,6 @@ def build_parallel(config: RunConfig, device: torch.device, seed: int):
         rng_tracker=tracker,
     )
     return groups, tp
-
-
-def _instances(config: RunConfig) -> dict:
-    n = getattr(config.ddp, "num_distributed_optimizer_instances", 1)
-    return {"num_distributed_optimizer_instances": n} if n > 1 else {}
 
 
 def build_model(

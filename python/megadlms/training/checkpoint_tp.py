@@ -26,7 +26,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 import torch
 
 from megadlms.parallel.mappings import Group, group_size
-from megadlms.parallel.sharding import gather_full, local_from_full, shard_spec
+from megadlms.parallel.sharding import full_shape, gather_full, local_from_full, shard_spec
 
 LOAD_BATCH_BYTES = 1 << 30
 """Full tensors read at once while loading at tp > 1 (a batch is one DCP read)."""
@@ -42,15 +42,6 @@ def tp_size(tp_group: Group) -> int:
 def named_params(module: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
     """Every parameter of ``module`` by state-dict name (tied weights under each name)."""
     return dict(module.named_parameters(remove_duplicate=False))
-
-
-def full_shape(param: torch.Tensor, tp: int) -> Tuple[int, ...]:
-    """The full logical shape of ``param`` (its local shape when replicated or tp == 1)."""
-    shape = list(param.shape)  # a DTensor's shape is already the full one
-    spec = shard_spec(param)
-    if spec is not None and tp > 1:
-        shape[spec[0]] *= tp
-    return tuple(shape)
 
 
 def param_of(key: str, params: Dict[str, torch.nn.Parameter]) -> Optional[torch.nn.Parameter]:

@@ -64,11 +64,11 @@ def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, dev
     """ONE all-reduce of [loss sum, NaN/Inf flag, failure flag, exit flags]; a failure on
     any rank raises on every rank (the failing one re-raises its own error)."""
     nonfinite = (~torch.isfinite(local_loss)).to(torch.float64)
-    if not loss_owner:  # a TP peer: its (equal) loss is counted by the owner; flags still count
-        local_loss = torch.where(nonfinite > 0, local_loss, torch.zeros_like(local_loss))
     flags = torch.tensor(exit_flags, dtype=torch.float64, device=device)
     failed = torch.tensor([float(error is not None)], dtype=torch.float64, device=device)
-    loss = torch.where(nonfinite > 0, 0.0, local_loss).reshape(1)
+    # a TP peer's (equal) loss is counted by its owner; its NaN flag still counts
+    loss = torch.where(nonfinite > 0, 0.0, local_loss) if loss_owner else torch.zeros_like(local_loss)
+    loss = loss.reshape(1)
     packed = torch.cat([loss, nonfinite.reshape(1), failed, flags])
     with named_collective("all-reduce of [loss, NaN flag, failure flag, exit flags]", iteration):
         dist.all_reduce(packed)
