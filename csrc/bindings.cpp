@@ -307,6 +307,157 @@ void wgrad_accumulate(py::handle main_grad, py::handle grad_output, py::handle i
   );
 }
 
+// ---- grouped GEMM (MoE experts) ------------------------------------------------------------
+// Checks of grouped_gemm; the reference route (reference.py) words them the same way.
+void check_grouped_tensor(const at::Tensor& t, const char* name, int64_t dim) {
+  const std::string what = std::string("grouped_gemm: ") + name;
+  dtype_code(t.scalar_type(), what);
+  if (t.dim() != dim)
+    value_error(what + " must be " + std::to_string(dim) + "-D, got shape " + c10::str(t.sizes()));
+  if (!t.is_contiguous())
+    value_error(what + " is not contiguous (strides " + c10::str(t.strides()) + "); pass " + name +
+                ".contiguous()");
+}
+
+// Returns the group sizes (host int64) after checking them against a's rows.
+const int64_t* check_batch_sizes(const at::Tensor& bs, int64_t rows) {
+  if (bs.scalar_type() != at::kLong || bs.dim() != 1 || !bs.device().is_cpu() ||
+      !bs.is_contiguous())
+    value_error(
+        "grouped_gemm: batch_sizes must be a contiguous 1-D int64 cpu tensor (the rows of "
+        "each group), got " +
+        dtype_name(bs.scalar_type()) + " " + c10::str(bs.sizes()) + " on " + bs.device().str());
+  const int64_t* s = bs.data_ptr<int64_t>();
+  int64_t total = 0;
+  for (int64_t g = 0; g < bs.numel(); ++g) {
+    if (s[g] < 0)
+      value_error("grouped_gemm: batch_sizes[" + std::to_string(g) + "] = " + std::to_string(s[g]) +
+                  " is negative");
+    total += s[g];
+  }
+  if (total != rows)
+    value_error("grouped_gemm: batch_sizes sum to " + std::to_string(total) + " but a has " +
+                std::to_string(rows) + " rows");
+  return s;
+}
+
+// Checks the operands; returns the shape of the result.
+std::vector<int64_t> check_grouped(const at::Tensor& a, const at::Tensor& b, const at::Tensor& bs,
+                                   bool trans_a, bool trans_b) {
+  check_grouped_tensor(a, "a", 2);
+  check_grouped_tensor(b, "b", trans_a ? 2 : 3);
+  if (b.scalar_type() != a.scalar_type())
+    value_error("grouped_gemm: a is " + dtype_name(a.scalar_type()) + " but b is " +
+                dtype_name(b.scalar_type()) + "; they must have the same dtype");
+  if (b.device() != a.device())
+    value_error("grouped_gemm: b is on " + b.device().str() + " but a is on " + a.device().str());
+  check_batch_sizes(bs, a.size(0));
+  const int64_t groups = bs.numel();
+  if (trans_a) {
+    if (trans_b) value_error("grouped_gemm: trans_a and trans_b together are not supported");
+    if (b.size(0) != a.size(0))
+      value_error("grouped_gemm: with trans_a, a " + c10::str(a.sizes()) + " and b " +
+                  c10::str(b.sizes()) + " must have the same rows");
+    return {groups, a.size(1), b.size(1)};
+  }
+  const int64_t inner = trans_b ? b.size(2) : b.size(1);
+  if (b.size(0) != groups || inner != a.size(1))
+    value_error("grouped_gemm: b " + c10::str(b.sizes()) + " must be [" + std::to_string(groups) +
+                (trans_b ? ", n, " + std::to_string(a.size(1)) + "]"
+                         : ", " + std::to_string(a.size(1)) + ", n]") +
+                " for a " + c10::str(a.sizes()) + " and " + std::to_string(groups) +
+                " batch_sizes" + (trans_b ? " (trans_b)" : ""));
+  return {a.size(0), trans_b ? b.size(1) : b.size(2)};
+}
+
+void check_grouped_out(const at::Tensor& out, const at::Tensor& a,
+                       const std::vector<int64_t>& shape) {
+  if (out.scalar_type() != a.scalar_type() && out.scalar_type() != at::kFloat)
+    value_error("grouped_gemm: out is " + dtype_name(out.scalar_type()) + "; it must be " +
+                dtype_name(a.scalar_type()) + " (a's dtype) or torch.float32");
+  if (!out.sizes().equals(shape) || !out.is_contiguous())
+    value_error("grouped_gemm: out must be a contiguous " + c10::str(at::IntArrayRef(shape)) +
+                " tensor, got " + c10::str(out.sizes()) +
+                (out.is_contiguous() ? "" : " (not contiguous)"));
+  if (out.device() != a.device())
+    value_error("grouped_gemm: out is on " + out.device().str() + " but a is on " +
+                a.device().str());
+}
+
+// o (= or +=) alpha * x @ y, products accumulated in fp32 (16-bit operands are upcast).
+void cpu_gemm_into(at::Tensor o, const at::Tensor& x, const at::Tensor& y, bool acc, double alpha) {
+  const at::Tensor xf = x.to(at::kFloat), yf = y.to(at::kFloat);  // no copy for fp32
+  if (o.scalar_type() == at::kFloat) {
+    o.addmm_(xf, yf, acc ? 1.0 : 0.0, alpha);
+    return;
+  }
+  at::Tensor r = at::mm(xf, yf);
+  if (alpha != 1.0) r.mul_(alpha);
+  if (acc) r.add_(o.to(at::kFloat));
+  o.copy_(r);  // one rounding into the 16-bit output
+}
+
+// One call for all groups: a loop over the groups' ATen GEMMs, without the Python and
+// autograd overhead of a per-expert loop (the weights are upcast once, not per group).
+void cpu_grouped(const at::Tensor& a, const at::Tensor& b, const int64_t* sizes, int64_t groups,
+                 at::Tensor& out, bool trans_a, bool trans_b, bool acc, double alpha) {
+  const at::Tensor bw = trans_a ? b : b.to(at::kFloat);
+  int64_t row = 0;
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t rows = sizes[g];
+    const at::Tensor ag = a.narrow(0, row, rows);
+    if (trans_a) {
+      at::Tensor og = out.select(0, g);
+      if (rows == 0) {
+        if (!acc) og.zero_();
+      } else {
+        cpu_gemm_into(og, ag.t(), b.narrow(0, row, rows), acc, alpha);
+      }
+    } else if (rows > 0) {
+      const at::Tensor bg = bw.select(0, g);
+      cpu_gemm_into(out.narrow(0, row, rows), ag, trans_b ? bg.t() : bg, acc, alpha);
+    }
+    row += rows;
+  }
+}
+
+at::Tensor grouped_gemm(py::handle a_obj, py::handle b_obj, py::handle bs_obj, bool trans_a,
+                        bool trans_b, py::handle out_obj, bool accumulate, double alpha) {
+  const at::Tensor& a = as_tensor(a_obj.ptr(), "a");
+  const at::Tensor& b = as_tensor(b_obj.ptr(), "b");
+  const at::Tensor& bs = as_tensor(bs_obj.ptr(), "batch_sizes");
+  const std::vector<int64_t> shape = check_grouped(a, b, bs, trans_a, trans_b);
+  at::Tensor out;
+  if (out_obj.is_none()) {
+    if (accumulate) value_error("grouped_gemm: accumulate=True needs out");
+    out = at::empty(shape, a.options());
+  } else {
+    out = as_tensor(out_obj.ptr(), "out");
+    check_grouped_out(out, a, shape);
+  }
+  if (out.numel() == 0) return out;
+  py::gil_scoped_release nogil;
+  at::NoGradGuard no_grad;
+  if (a.device().is_cpu()) {
+    cpu_grouped(a, b, bs.data_ptr<int64_t>(), bs.numel(), out, trans_a, trans_b, accumulate, alpha);
+    return out;
+  }
+#ifdef MEGADLM_WITH_CUDA
+  if (a.device().is_cuda()) {
+    glue::cuda_grouped_gemm(a, b, bs, out, trans_a, trans_b, accumulate, float(alpha));
+    return out;
+  }
+#endif
+  throw std::runtime_error("grouped_gemm: a is on " + a.device().str() +
+                           "; this build of megadlm_ext runs cpu tensors" +
+#ifdef MEGADLM_WITH_CUDA
+                           " and cuda tensors"
+#else
+                           " only (rebuild with MEGADLM_EXT_CUDA=1 for cuda)"
+#endif
+  );
+}
+
 py::dict backend_info() {
   py::dict d;
   d["compiled"] = true;
@@ -340,6 +491,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_nonfinite", &has_nonfinite, py::arg("tensors"));
   m.def("wgrad_accumulate", &wgrad_accumulate, py::arg("main_grad"), py::arg("grad_output"),
         py::arg("input"), py::kw_only(), py::arg("alpha") = 1.0);
+  m.def("grouped_gemm", &grouped_gemm, py::arg("a"), py::arg("b"), py::arg("batch_sizes"),
+        py::kw_only(), py::arg("trans_a") = false, py::arg("trans_b") = false,
+        py::arg("out") = py::none(), py::arg("accumulate") = false, py::arg("alpha") = 1.0);
   m.def(
       "_set_cpu_isa",
       [](const std::string& name) {

@@ -115,3 +115,24 @@ def wgrad_accumulate(main_grad, grad_output, input, *, alpha=1.0) -> None:
     on torch's current stream. Bad arguments raise ValueError naming the tensor.
     """
     return _impl().wgrad_accumulate(main_grad, grad_output, input, alpha=alpha)
+
+
+def grouped_gemm(a, b, batch_sizes, *, trans_a=False, trans_b=False, out=None, accumulate=False, alpha=1.0):
+    """Grouped GEMM of the MoE experts: one call for all groups (experts), the rows of ``a``
+    grouped in order, ``batch_sizes[g]`` rows for group g (a 1-D int64 cpu tensor, sum = rows
+    of ``a``, zeros allowed). Returns ``out``.
+
+    - ``trans_a=False``: ``a [T, k]``, ``b [G, k, n]`` (or ``[G, n, k]`` with ``trans_b``);
+      ``out [T, n]`` has rows of group g = ``alpha * a_g @ b_g`` (``a_g @ b_g^T``).
+    - ``trans_a=True``: ``a [T, k]``, ``b [T, n]``; ``out [G, k, n]``, ``out_g = alpha * a_g^T @ b_g``
+      (a group without rows gives zeros) -- the weight gradient.
+
+    ``a``/``b`` contiguous, one dtype (fp32, bf16, fp16), one device. ``out`` (optional) is
+    of a's dtype or fp32 (e.g. a DDP ``main_grad``); ``accumulate=True`` adds into it.
+    Products are accumulated in fp32 and rounded once into ``out``. CPU: a loop of ATen
+    GEMMs in C++ (16-bit operands upcast); CUDA: a loop of cublasGemmEx (fp32 compute) on
+    torch's current stream. Bad arguments raise ValueError naming the tensor.
+    """
+    return _impl().grouped_gemm(
+        a, b, batch_sizes, trans_a=trans_a, trans_b=trans_b, out=out, accumulate=accumulate, alpha=alpha
+    )

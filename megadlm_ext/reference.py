@@ -245,3 +245,100 @@ def wgrad_accumulate(main_grad, grad_output, input, *, alpha=1.0) -> None:
     x = input.reshape(-1, input.shape[-1])
     with torch.no_grad():
         main_grad.addmm_(go.t().float(), x.float(), alpha=alpha)
+
+
+def _check_grouped_tensor(t, name: str, dim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"grouped_gemm: {name} has dtype {t.dtype}; supported: float32, bfloat16, float16")
+    if t.dim() != dim:
+        raise ValueError(f"grouped_gemm: {name} must be {dim}-D, got shape {list(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(
+            f"grouped_gemm: {name} is not contiguous (strides {tuple(t.stride())}); pass {name}.contiguous()"
+        )
+
+
+def check_grouped(a, b, batch_sizes, trans_a: bool, trans_b: bool) -> list:
+    """The checks of ``grouped_gemm`` (the compiled route words them the same way); returns
+    the shape of the result."""
+    _check_grouped_tensor(a, "a", 2)
+    _check_grouped_tensor(b, "b", 2 if trans_a else 3)
+    if b.dtype != a.dtype:
+        raise ValueError(f"grouped_gemm: a is {a.dtype} but b is {b.dtype}; they must have the same dtype")
+    if b.device != a.device:
+        raise ValueError(f"grouped_gemm: b is on {b.device} but a is on {a.device}")
+    bs = batch_sizes
+    if (
+        not isinstance(bs, torch.Tensor)
+        or bs.dtype != torch.int64
+        or bs.dim() != 1
+        or bs.device.type != "cpu"
+        or not bs.is_contiguous()
+    ):
+        got = (
+            f"{bs.dtype} {list(bs.shape)} on {bs.device}"
+            if isinstance(bs, torch.Tensor)
+            else type(bs).__name__
+        )
+        raise ValueError(
+            "grouped_gemm: batch_sizes must be a contiguous 1-D int64 cpu tensor (the rows of each group), "
+            f"got {got}"
+        )
+    sizes = bs.tolist()
+    for g, s in enumerate(sizes):
+        if s < 0:
+            raise ValueError(f"grouped_gemm: batch_sizes[{g}] = {s} is negative")
+    if sum(sizes) != a.shape[0]:
+        raise ValueError(f"grouped_gemm: batch_sizes sum to {sum(sizes)} but a has {a.shape[0]} rows")
+    groups = len(sizes)
+    if trans_a:
+        if trans_b:
+            raise ValueError("grouped_gemm: trans_a and trans_b together are not supported")
+        if b.shape[0] != a.shape[0]:
+            raise ValueError(
+                f"grouped_gemm: with trans_a, a {list(a.shape)} and b {list(b.shape)} must have the same rows"
+            )
+        return [groups, a.shape[1], b.shape[1]]
+    inner = b.shape[2] if trans_b else b.shape[1]
+    if b.shape[0] != groups or inner != a.shape[1]:
+        want = f"[{groups}, n, {a.shape[1]}]" if trans_b else f"[{groups}, {a.shape[1]}, n]"
+        raise ValueError(
+            f"grouped_gemm: b {list(b.shape)} must be {want} for a {list(a.shape)} and {groups} batch_sizes"
+            + (" (trans_b)" if trans_b else "")
+        )
+    return [a.shape[0], b.shape[1] if trans_b else b.shape[2]]
+
+
+def grouped_gemm(a, b, batch_sizes, *, trans_a=False, trans_b=False, out=None, accumulate=False, alpha=1.0):
+    shape = check_grouped(a, b, batch_sizes, trans_a, trans_b)
+    if out is None:
+        if accumulate:
+            raise ValueError("grouped_gemm: accumulate=True needs out")
+        out = torch.empty(shape, dtype=a.dtype, device=a.device)
+    else:
+        if out.dtype not in (a.dtype, torch.float32):
+            raise ValueError(
+                f"grouped_gemm: out is {out.dtype}; it must be {a.dtype} (a's dtype) or torch.float32"
+            )
+        if list(out.shape) != shape or not out.is_contiguous():
+            raise ValueError(
+                f"grouped_gemm: out must be a contiguous {shape} tensor, got {list(out.shape)}"
+                + ("" if out.is_contiguous() else " (not contiguous)")
+            )
+        if out.device != a.device:
+            raise ValueError(f"grouped_gemm: out is on {out.device} but a is on {a.device}")
+    row = 0
+    with torch.no_grad():
+        for g, rows in enumerate(batch_sizes.tolist()):
+            ag = a[row : row + rows].float()
+            if trans_a:
+                res, dst = ag.t() @ b[row : row + rows].float(), out[g]
+            else:
+                bg = b[g].float()
+                res, dst = ag @ (bg.t() if trans_b else bg), out[row : row + rows]
+            res = res * alpha
+            dst.copy_(dst.float() + res if accumulate else res)
+            row += rows
+    return out

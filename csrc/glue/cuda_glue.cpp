@@ -162,5 +162,24 @@ void cuda_wgrad_accumulate(at::Tensor& main_grad, const at::Tensor& grad_output,
                               main_grad.size(1), alpha);
 }
 
+void cuda_grouped_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& batch_sizes,
+                       at::Tensor& out, bool trans_a, bool trans_b, bool accumulate, float alpha) {
+  c10::cuda::CUDAGuard guard(out.device());
+  auto code = [](at::ScalarType st) {
+    return st == at::kFloat ? kF32 : st == at::kBFloat16 ? kBF16 : kF16;
+  };
+  const int64_t* sizes = batch_sizes.data_ptr<int64_t>();
+  const int64_t groups = batch_sizes.numel();
+  if (trans_a && !accumulate)  // a group without rows gets no GEMM: its block is zero
+    for (int64_t g = 0; g < groups; ++g)
+      if (sizes[g] == 0) out.select(0, g).zero_();
+  const int64_t k = a.size(1);
+  const int64_t n = trans_a ? b.size(1) : (trans_b ? b.size(1) : b.size(2));
+  cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();
+  cuda::grouped_gemm(handle, code(a.scalar_type()), code(out.scalar_type()), a.data_ptr(),
+                     b.data_ptr(), out.data_ptr(), sizes, groups, k, n, trans_a, trans_b, alpha,
+                     accumulate ? 1.0f : 0.0f);
+}
+
 }  // namespace glue
 }  // namespace megadlm

@@ -31,6 +31,12 @@ int grid_for(OpKind op, c10::Device device, const std::vector<Segment>& segs, in
 void cuda_wgrad_accumulate(at::Tensor& main_grad, const at::Tensor& grad_output,
                            const at::Tensor& input, float alpha);
 
+// Grouped GEMM of the MoE experts (see cuda::grouped_gemm) with cuBLAS on torch's current
+// stream; `batch_sizes` is a host int64 tensor (checked by the bindings). `out` is written
+// (beta = 0; groups without rows zeroed when trans_a) or added to (accumulate).
+void cuda_grouped_gemm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& batch_sizes,
+                       at::Tensor& out, bool trans_a, bool trans_b, bool accumulate, float alpha);
+
 // Adds class NcclCommunicator(unique_id: bytes, rank, world_size, device) to `m`.
 void register_nccl_communicator(pybind11::module_& m);
 

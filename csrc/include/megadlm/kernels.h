@@ -59,6 +59,18 @@ int grid_for(OpKind op, int32_t pair, int64_t total);
 void wgrad_gemm_accumulate(void* cublas_handle, int32_t dtype, const void* grad_output,
                            const void* input, float* main_grad, int64_t rows, int64_t out_features,
                            int64_t in_features, float alpha);
+
+// Grouped GEMM of the MoE experts (csrc/cuda/grouped_gemm.cu): one cublasGemmEx per group
+// with rows (group sizes on the host, `batch_sizes[g]` >= 0), all row-major, inputs of
+// `dtype`, output of `out_dtype` (DType), fp32 compute, out = alpha * op + beta * out.
+//   trans_a false: out[T, n] rows of group g = a[T, k] rows of g @ (trans_b ? b_g^T : b_g),
+//                  b is [groups, n, k] (trans_b) or [groups, k, n];
+//   trans_a true:  out[groups, k, n], out_g = a_g^T @ b_g with a [T, k], b [T, n].
+// Groups with no rows are skipped (the caller zeroes their trans_a output when beta == 0).
+// Throws std::invalid_argument for dims of 2^31 or more, std::runtime_error on a cuBLAS error.
+void grouped_gemm(void* cublas_handle, int32_t dtype, int32_t out_dtype, const void* a,
+                  const void* b, void* out, const int64_t* batch_sizes, int64_t groups, int64_t k,
+                  int64_t n, bool trans_a, bool trans_b, float alpha, float beta);
 }  // namespace cuda
 
 }  // namespace megadlm
