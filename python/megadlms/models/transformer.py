@@ -303,7 +303,13 @@ def build_mlp(config: TransformerConfig, layer_number: int, tp: TensorParallelCo
     if config.moe_shared_expert_intermediate_size is not None:
         width = config.moe_shared_expert_intermediate_size
         shared = MLP(dataclasses.replace(config, ffn_hidden_size=width, num_moe_experts=None), tp=tp)
-    return MoELayer(config, expert_group=tp.expert_group, shared_experts=shared, layer_number=layer_number)
+    return MoELayer(
+        config,
+        expert_group=tp.expert_group,
+        gradient_accumulation_fusion=tp.gradient_accumulation_fusion,
+        shared_experts=shared,
+        layer_number=layer_number,
+    )
 
 
 class TransformerLayer(nn.Module):

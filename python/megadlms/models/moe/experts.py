@@ -1,7 +1,9 @@
 """This rank's experts as ONE grouped MLP: ``linear_fc1.weight`` [El, F1, H] and
 ``linear_fc2.weight`` [El, H, F] (F1 = 2F with SwiGLU: [gate | up] as the dense MLP), optional
 biases [El, F1] / [El, H]. Both linears run as one ``grouped_matmul`` call over every local
-expert (megadlms.ops.grouped_gemm), whatever the tokens per expert (0 included).
+expert (megadlms.ops.grouped_gemm), whatever the tokens per expert (0 included); with
+``gradient_accumulation_fusion`` (the model context's, as the TP linears) the weight gradient
+goes straight into DDP's ``main_grad``.
 
 Expert parameters carry ``allreduce = False`` (Megatron's mark: not reduced over the whole
 data-parallel group), ``expert_parallel = True`` and ``partition_dim = 0``: the full tensor is
@@ -39,8 +41,11 @@ def init_expert_normal_(param: torch.Tensor, std: float, ep_rank: int, ep: int) 
 class GroupedLinear(nn.Module):
     """``weight`` [El, out, in] (+ ``bias`` [El, out]): rows grouped by expert -> x_e @ W_e^T + b_e."""
 
-    def __init__(self, num_local: int, in_features: int, out_features: int, bias: bool, dtype) -> None:
+    def __init__(
+        self, num_local: int, in_features: int, out_features: int, bias: bool, dtype, fusion: bool, name: str
+    ) -> None:
         super().__init__()
+        self.gradient_accumulation_fusion, self.name = fusion, name
         self.weight = mark_expert(
             nn.Parameter(torch.empty(num_local, out_features, in_features, dtype=dtype))
         )
@@ -50,7 +55,13 @@ class GroupedLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x_RK: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        y_RN = grouped_matmul(x_RK, self.weight, tokens_per_expert)
+        y_RN = grouped_matmul(
+            x_RK,
+            self.weight,
+            tokens_per_expert,
+            gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+            layer_name=self.name,
+        )
         if self.bias is not None:
             expert_of_row = torch.repeat_interleave(
                 torch.arange(self.weight.shape[0], device=x_RK.device), tokens_per_expert
@@ -62,13 +73,14 @@ class GroupedLinear(nn.Module):
 class GroupedMLP(nn.Module):
     """The El local experts: fc1 -> GeLU (or SwiGLU) -> fc2 on rows grouped by expert."""
 
-    def __init__(self, config, num_local_experts: int) -> None:
+    def __init__(self, config, num_local_experts: int, gradient_accumulation_fusion: bool = False) -> None:
         super().__init__()
         self.swiglu = config.swiglu
         F_, H = config.moe_ffn_hidden_size, config.hidden_size
-        bias, dt = config.add_bias_linear, config.params_dtype
-        self.linear_fc1 = GroupedLinear(num_local_experts, H, F_ * (2 if self.swiglu else 1), bias, dt)
-        self.linear_fc2 = GroupedLinear(num_local_experts, F_, H, bias, dt)
+        kw = dict(bias=config.add_bias_linear, dtype=config.params_dtype, fusion=gradient_accumulation_fusion)
+        fc1_out = F_ * (2 if self.swiglu else 1)
+        self.linear_fc1 = GroupedLinear(num_local_experts, H, fc1_out, name="experts.linear_fc1", **kw)
+        self.linear_fc2 = GroupedLinear(num_local_experts, F_, H, name="experts.linear_fc2", **kw)
 
     def forward(self, rows_RH: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(rows_RH, tokens_per_expert)

@@ -30,6 +30,7 @@ class MoELayer(nn.Module):
     """Routed experts (+ shared experts) on [B, S, H] -> [B, S, H].
 
     ``expert_group``: the EP process group (None: every expert on this rank).
+    ``gradient_accumulation_fusion``: the experts' weight grads go into DDP's ``main_grad``.
     ``shared_experts``: the dense MLP module of the shared expert, or None.
     ``layer_number``: 1-based, as TransformerLayer's (names the statistics)."""
 
@@ -38,6 +39,7 @@ class MoELayer(nn.Module):
         config,
         *,
         expert_group: Group = None,
+        gradient_accumulation_fusion: bool = False,
         shared_experts: Optional[nn.Module] = None,
         layer_number: int = 1,
     ) -> None:
@@ -52,7 +54,7 @@ class MoELayer(nn.Module):
         self.ep, self.ep_rank = ep, group_rank(expert_group)
         self.num_local_experts = E // ep
         self.router = TopKRouter(config)
-        self.experts = GroupedMLP(config, self.num_local_experts)
+        self.experts = GroupedMLP(config, self.num_local_experts, gradient_accumulation_fusion)
         self.shared_experts = shared_experts
         self.dispatcher = build_dispatcher(config.moe_token_dispatcher_type, E, expert_group)
         self.aux_loss_scale = 1.0  # Megatron's default main_loss_backward_scale
