@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 
@@ -76,6 +76,43 @@ class TransformerConfig:
     add_qkv_bias: bool = False
     """Bias on the QKV projection even without add_bias_linear (--add-qkv-bias; Qwen2)."""
 
+    # Mixture of experts (megatron.core's names and defaults; docs/moe.md).
+    num_moe_experts: Optional[int] = None
+    """Experts per MoE layer (--num-experts); None: every MLP is dense."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (--moe-router-topk)."""
+    moe_ffn_hidden_size: Optional[int] = None
+    """Width of one expert's MLP (--moe-ffn-hidden-size); default ffn_hidden_size."""
+    moe_layer_freq: Union[int, List[int]] = 1
+    """Which layers are MoE (--moe-layer-freq): N = every N-th layer starting at the first,
+    or a 0/1 list of length num_layers."""
+    moe_router_score_function: str = "softmax"
+    """'softmax' or 'sigmoid' (--moe-router-score-function)."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """'aux_loss' (the Switch load-balancing loss) or 'none' (--moe-router-load-balancing-type)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Weight of the load-balancing loss (--moe-aux-loss-coeff)."""
+    moe_z_loss_coeff: Optional[float] = None
+    """Weight of the router z-loss (--moe-z-loss-coeff); None: no z-loss."""
+    moe_expert_capacity_factor: Optional[float] = None
+    """Capacity per expert as a multiple of the balanced share (--moe-expert-capacity-factor);
+    tokens over capacity are dropped. None: dropless."""
+    moe_token_drop_policy: str = "probs"
+    """Which tokens an over-full expert keeps (--moe-token-drop-policy): 'probs' (highest
+    routing probability) or 'position' (earliest in the micro-batch)."""
+    moe_pad_expert_input_to_capacity: bool = False
+    """Every expert gets exactly its capacity of tokens, padded with zero-weight ones
+    (--moe-pad-expert-input-to-capacity; needs moe_expert_capacity_factor)."""
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    """Width of the shared expert MLP that every token also goes through
+    (--moe-shared-expert-intermediate-size); None: no shared expert."""
+    moe_token_dispatcher_type: str = "allgather"
+    """How tokens reach experts on other expert-parallel ranks (--moe-token-dispatcher-type):
+    'allgather' or 'alltoall'."""
+    moe_router_pre_softmax: bool = False
+    """Softmax over all experts before the top-k (--moe-router-pre-softmax); default: top-k of
+    the logits, then softmax over the k chosen."""
+
     def __post_init__(self) -> None:
         """Fill the derived defaults (Megatron's rules) and check every field."""
         bad = Problems("TransformerConfig")
@@ -131,7 +168,18 @@ class TransformerConfig:
             isinstance(self.params_dtype, torch.dtype) and self.params_dtype.is_floating_point,
             f"params_dtype must be a floating torch.dtype, got {self.params_dtype!r}",
         )
+        if self.num_moe_experts is not None:
+            _check_moe(self, bad)
         bad.raise_if_any()
+
+    def is_moe_layer(self, layer_index: int) -> bool:
+        """Whether layer ``layer_index`` (0-based) has an MoE MLP (``moe_layer_freq``)."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return layer_index % freq == 0
+        return bool(freq[layer_index])
 
     def to_dict(self) -> dict:
         """The JSON-able record stored in checkpoints (params_dtype as its name)."""
@@ -149,6 +197,46 @@ class TransformerConfig:
         return cls(**kw)
 
 
+def _check_moe(c: TransformerConfig, bad: Problems) -> None:
+    """The mixture-of-experts fields (only when num_moe_experts is set)."""
+    if c.moe_ffn_hidden_size is None:
+        c.moe_ffn_hidden_size = c.ffn_hidden_size
+    bad.positive(c, "num_moe_experts", "moe_router_topk", "moe_ffn_hidden_size")
+    if isinstance(c.moe_router_topk, int) and isinstance(c.num_moe_experts, int):
+        bad.check(
+            c.moe_router_topk <= c.num_moe_experts,
+            f"moe_router_topk {c.moe_router_topk} exceeds num_moe_experts {c.num_moe_experts}",
+        )
+    freq = c.moe_layer_freq
+    if isinstance(freq, int):
+        bad.check(freq > 0, f"moe_layer_freq must be a positive integer or a 0/1 list, got {freq}")
+    else:
+        freq = c.moe_layer_freq = [int(v) for v in freq]
+        bad.check(
+            len(freq) == c.num_layers and set(freq) <= {0, 1},
+            f"moe_layer_freq as a list must hold num_layers ({c.num_layers}) entries of 0 or 1, got {freq}",
+        )
+    choices = (
+        ("moe_router_score_function", ("softmax", "sigmoid")),
+        ("moe_router_load_balancing_type", ("aux_loss", "none")),
+        ("moe_token_drop_policy", ("probs", "position")),
+        ("moe_token_dispatcher_type", ("allgather", "alltoall")),
+    )
+    for name, allowed in choices:
+        value = getattr(c, name)
+        bad.check(value in allowed, f"{name} must be one of {allowed}, got {value!r}")
+    bad.check(c.moe_aux_loss_coeff >= 0, f"moe_aux_loss_coeff must be >= 0, got {c.moe_aux_loss_coeff}")
+    z = c.moe_z_loss_coeff
+    bad.check(z is None or z >= 0, f"moe_z_loss_coeff must be >= 0 (or unset), got {z}")
+    cf = c.moe_expert_capacity_factor
+    bad.check(cf is None or cf > 0, f"moe_expert_capacity_factor must be positive (or unset), got {cf}")
+    bad.check(
+        not c.moe_pad_expert_input_to_capacity or cf is not None,
+        "moe_pad_expert_input_to_capacity needs moe_expert_capacity_factor (a capacity to pad to)",
+    )
+    bad.positive(c, "moe_shared_expert_intermediate_size", required=False)
+
+
 def tensor_parallel_problems(
     config: TransformerConfig, tp: int, sequence_parallel: bool = False, *, check_vocab: bool = True
 ) -> List[str]:
@@ -159,6 +247,12 @@ def tensor_parallel_problems(
     sequence by ``seq_length``. Pure arithmetic: a layout can be checked before building."""
     if tp == 1:
         return []
+    if config.num_moe_experts is not None:
+        return [
+            f"num_moe_experts {config.num_moe_experts} with tensor_model_parallel_size {tp}: expert "
+            "tensor parallelism is not supported; use tensor_model_parallel_size 1 for MoE models "
+            "(expert_model_parallel_size shards the experts)"
+        ]
     names = ("num_attention_heads", "num_query_groups", "ffn_hidden_size") + ("vocab_size",) * check_vocab
     out = []
     for name in names:
@@ -175,6 +269,23 @@ def tensor_parallel_problems(
             "sequence_parallel splits it by; choose seq_length a multiple of it or drop sequence_parallel"
         )
     return out
+
+
+def expert_parallel_problems(config: TransformerConfig, ep: int) -> List[str]:
+    """The field-named reasons ``config`` cannot be split over ``ep`` expert-parallel ranks."""
+    if ep == 1:
+        return []
+    if config.num_moe_experts is None:
+        return [
+            f"expert_model_parallel_size {ep} needs a mixture-of-experts model: set num_moe_experts "
+            "(or use expert_model_parallel_size 1)"
+        ]
+    if config.num_moe_experts % ep:
+        return [
+            f"num_moe_experts {config.num_moe_experts} is not divisible by expert_model_parallel_size "
+            f"{ep}: each expert-parallel rank holds num_moe_experts / ep experts"
+        ]
+    return []
 
 
 def check_tensor_parallel(

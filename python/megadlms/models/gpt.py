@@ -32,7 +32,7 @@ from megadlms.parallel import (
 from megadlms.parallel.linear_impl import linear as fused_linear
 from megadlms.parallel.sharding import mark_sharded
 
-from .config import TransformerConfig, check_tensor_parallel
+from .config import TransformerConfig, check_tensor_parallel, expert_parallel_problems
 from .transformer import (
     CORE_ATTN_IMPLEMENTATIONS,
     NO_TENSOR_PARALLEL,
@@ -51,6 +51,8 @@ _TP_ATTRS = (
     "partition_blocks",
     "sequence_parallel",
     "zero_out_wgrad",
+    "allreduce",  # expert parameters (moe.experts): reduced over the expert-data-parallel group
+    "expert_parallel",
 )
 
 
@@ -143,6 +145,8 @@ class GPTModel(nn.Module):
         tp: the tensor-parallel setting (default: one process, the plain model). The sizes
             must divide (:func:`check_tensor_parallel`); the weights are initialised layout
             independently (the full tensors are the tp = 1 model's for the same seed).
+            Its ``expert_group`` shards the experts of MoE layers (``num_moe_experts``;
+            megadlms.models.moe), EP rank e holding experts [e*E/ep, (e+1)*E/ep).
 
     ``forward(input_ids [B,S] int64, position_ids=None, document_ids=None) -> logits [B,S,V/tp]``
     in the parameters' dtype (no upcast: the loss functions upcast what they use); score
@@ -168,6 +172,8 @@ class GPTModel(nn.Module):
         if attention is not None and attention != config.attention:
             config = dataclasses.replace(config, attention=attention)  # validated again there
         check_tensor_parallel(config, tp.size, tp.sequence_parallel)
+        for problem in expert_parallel_problems(config, tp.ep_size):
+            raise ValueError(problem)
         self.config = config
         self.tp = tp
         self.attention = attention = config.attention

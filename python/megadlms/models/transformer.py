@@ -22,6 +22,7 @@ row-parallel). Replicated parameters whose gradient is only partial on each TP r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Optional, Tuple
 
@@ -33,6 +34,7 @@ from megadlms.parallel import ColumnParallelLinear, RowParallelLinear, TensorPar
 from megadlms.parallel.sharding import full_shape, local_from_full, shard_spec
 
 from .config import ATTENTION_KINDS, TransformerConfig
+from .moe import MoELayer
 
 CORE_ATTN_IMPLEMENTATIONS = ("TEDotProductAttention", "FlexAttention")
 
@@ -292,6 +294,24 @@ class MLP(nn.Module):
         return self.linear_fc2(h_BSF)
 
 
+def build_mlp(config: TransformerConfig, layer_number: int, tp: TensorParallelContext) -> nn.Module:
+    """The MLP of layer ``layer_number`` (1-based): an MoELayer where ``moe_layer_freq`` says
+    so (experts over ``tp.expert_group``; the shared expert a dense MLP), else the dense MLP."""
+    if not config.is_moe_layer(layer_number - 1):
+        return MLP(config, tp=tp)
+    shared = None
+    if config.moe_shared_expert_intermediate_size is not None:
+        width = config.moe_shared_expert_intermediate_size
+        shared = MLP(dataclasses.replace(config, ffn_hidden_size=width, num_moe_experts=None), tp=tp)
+    return MoELayer(
+        config,
+        expert_group=tp.expert_group,
+        gradient_accumulation_fusion=tp.gradient_accumulation_fusion,
+        shared_experts=shared,
+        layer_number=layer_number,
+    )
+
+
 class TransformerLayer(nn.Module):
     """Pre-norm block: x + drop(attn(norm(x))), then x + drop(mlp(norm(x))).
 
@@ -314,7 +334,7 @@ class TransformerLayer(nn.Module):
         self.input_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
         self.self_attention = SelfAttention(config, attention, tp=tp)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
-        self.mlp = MLP(config, tp=tp)
+        self.mlp = build_mlp(config, layer_number, tp)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(
@@ -380,15 +400,16 @@ def init_transformer_weights(
     with torch.no_grad():
         for layer in block.layers:
             attn, mlp = layer.self_attention, layer.mlp
-            for linear, s in (
-                (attn.linear_qkv, std),
-                (attn.linear_proj, scaled_std),
-                (mlp.linear_fc1, std),
-                (mlp.linear_fc2, scaled_std),
-            ):
+            moe = isinstance(mlp, MoELayer)
+            linears = [(attn.linear_qkv, std), (attn.linear_proj, scaled_std)]
+            if not moe:
+                linears += [(mlp.linear_fc1, std), (mlp.linear_fc2, scaled_std)]
+            for linear, s in linears:
                 init_normal_(linear.weight, s, tp)
                 if linear.bias is not None:
                     nn.init.zeros_(linear.bias)
+            if moe:  # router, experts (full [E, ...] tensors), shared experts
+                mlp.init_weights(std, scaled_std, lambda p, s: init_normal_(p, s, tp))
         for module in block.modules():
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()

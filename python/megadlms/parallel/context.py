@@ -19,12 +19,15 @@ class TensorParallelContext:
     ``param.main_grad`` (needs a wrapper that provides it: our DDP).
     ``rng_tracker``: the model-parallel RNG stream for dropout inside the TP region
     (None: that dropout draws from the default generator; fine at tp = 1).
+    ``expert_group``: the expert-parallel process group of the MoE layers (ParallelGroups.ep;
+    None: one EP rank, every expert local). EP rank e holds experts [e*E/ep, (e+1)*E/ep).
     """
 
     group: Group = None
     sequence_parallel: bool = False
     gradient_accumulation_fusion: bool = False
     rng_tracker: Optional[RNGStatesTracker] = None
+    expert_group: Group = None
 
     @property
     def size(self) -> int:
@@ -33,3 +36,11 @@ class TensorParallelContext:
     @property
     def rank(self) -> int:
         return group_rank(self.group)
+
+    @property
+    def ep_size(self) -> int:
+        return group_size(self.expert_group)
+
+    @property
+    def ep_rank(self) -> int:
+        return group_rank(self.expert_group)
