@@ -62,6 +62,7 @@ _FIELD_FLAG_OVERRIDES = {
     "bucket_size": "--ddp-bucket-size",
     "average_in_collective": "--ddp-average-in-collective",
     "add_bias_linear": "--disable-bias-linear",
+    "num_moe_experts": "--num-experts",
 }
 # Field names that are also plain English words in messages: never rewritten.
 _NOT_MAPPED = {"optimizer"}
@@ -227,6 +228,7 @@ def _model_config(args) -> TransformerConfig:
         params_dtype=torch.float32,
         attention=_attention(args),
         add_qkv_bias=bool(args.add_qkv_bias),
+        num_moe_experts=args.num_experts,
     )
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
 from megadlms.models import num_floating_point_operations
+from megadlms.models.moe import moe_layer_stats
 from megadlms.optimizer import get_optimizer
 
 from . import builders, checkpoint_async, checkpointing, resume
@@ -249,8 +250,23 @@ class Trainer:
                 "eta_sec": (c.training.train_iters - it) * w["time"] / w["iters"],
                 "skipped_total": self.skipped_total,
                 "nan_total": self.nan_total,
+                **self._moe_metrics(),
             }
         )
+
+    def _moe_metrics(self) -> dict:
+        """The MoE layers' aux losses and load balance over the logged window, summed over
+        every rank (a collective: every rank logs at the same iterations); {} for dense models."""
+        m = self.config.model
+        if m.num_moe_experts is None:
+            return {}
+        s = moe_layer_stats(self.model, reduce=True, reset=True, num_layers=m.num_layers)
+        return {
+            "moe_aux_loss": s["aux_loss"],
+            "moe_z_loss": s["z_loss"],
+            "moe_load_max_over_mean": s["max_over_mean"],
+            "moe_layers": {str(k): v for k, v in s["layers"].items()},
+        }
 
     def _stop_reason(self, out: StepOut) -> Optional[str]:
         if out.exit_flags[0] > 0:
