@@ -66,7 +66,7 @@ class Trainer:
             builders.init_from_hf(model, config.checkpoint.hf_init)
         check_model_for_mode(model, config.diffusion)  # once, not per micro-batch
         self.params_per_rank = sum(p.numel() for p in model.parameters())
-        self.num_params = _logical_params(model, self.groups.tp.size)
+        self.num_params = _logical_params(model, self.groups.tp.size, self.tp.ep_size)
         self.model = builders.wrap_model(model, config, self.groups)
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
@@ -397,11 +397,13 @@ class Trainer:
         return self.result
 
 
-def _logical_params(model: torch.nn.Module, tp: int) -> int:
-    """Parameters of the full (unsharded) model: TP shards count tp times, replicas once."""
+def _logical_params(model: torch.nn.Module, tp: int, ep: int = 1) -> int:
+    """Parameters of the full (unsharded) model: TP shards count tp times, expert shards ep
+    times, replicas once."""
     total = 0
     for p in model.parameters():
-        total += p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+        copies = tp if getattr(p, "tensor_model_parallel", False) else 1
+        total += p.numel() * copies * (ep if getattr(p, "expert_parallel", False) else 1)
     return total
 
 
