@@ -213,3 +213,17 @@ def test_moe_layer_freq_builds_dense_and_moe_layers_and_roundtrips():
     w = names["decoder.layers.1.mlp.experts.linear_fc2.weight"]
     assert w.allreduce is False and w.expert_parallel and w.partition_dim == 0
     assert TransformerConfig.from_dict(c.to_dict()) == c
+
+
+def test_flops_count_the_routed_and_shared_experts():
+    """An MoE layer costs k experts + the shared expert per token: the dense model with that
+    MLP width has the same FLOPs; a dense layer of moe_layer_freq keeps its own width."""
+    from megadlms.models import num_floating_point_operations as flops
+
+    moe = _config(
+        num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=12, moe_shared_expert_intermediate_size=8
+    )
+    assert flops(moe, 2, 8) == flops(_config(ffn_hidden_size=2 * 12 + 8), 2, 8)
+    half = _config(num_moe_experts=8, moe_ffn_hidden_size=12, moe_layer_freq=[1, 0], ffn_hidden_size=40)
+    both = [flops(_config(ffn_hidden_size=w), 2, 8) for w in (24, 40)]
+    assert flops(half, 2, 8) == pytest.approx(sum(both) / 2)

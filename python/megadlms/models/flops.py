@@ -6,7 +6,9 @@ weight-gradient and data-gradient GEMMs). Per layer and token the forward does
   QKV + output projections  2*h*(N*D)*(1 + G/N) * 2     (q, k, v, proj)
   attention scores + values 2 * 2*S*(N*D)               (Q K^T and P V, the full S x S)
   MLP                       2 * 2*h*F * (3/2 if swiglu)
-and once per token the logits 2*h*V. Bidirectional attention (DLM) computes every score,
+and once per token the logits 2*h*V. An MoE layer's MLP counts its k routed experts plus the
+shared expert (F = moe_ffn_hidden_size * k + shared width; the router is not counted, as
+Megatron). Bidirectional attention (DLM) computes every score,
 so the full S x S is counted; ``causal=True`` halves that term as newer Megatron does.
 """
 
@@ -37,7 +39,20 @@ def num_floating_point_operations(
         * (
             (1 + config.num_query_groups / config.num_attention_heads + attention_scores)
             * query_projection_ratio
-            + (config.ffn_hidden_size / h) * gated
+            + (_mean_mlp_width(config) / h) * gated
             + config.vocab_size / (2 * config.num_layers * h)
         )
     )
+
+
+def _mean_mlp_width(config: TransformerConfig) -> float:
+    """The MLP width per token averaged over the layers (dense F, or an MoE layer's k experts
+    plus its shared expert)."""
+    moe_width = 0
+    if config.num_moe_experts is not None:
+        moe_width = config.moe_ffn_hidden_size * config.moe_router_topk
+        moe_width += config.moe_shared_expert_intermediate_size or 0
+    widths = [
+        moe_width if config.is_moe_layer(i) else config.ffn_hidden_size for i in range(config.num_layers)
+    ]
+    return sum(widths) / config.num_layers

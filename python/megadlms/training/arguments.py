@@ -234,6 +234,7 @@ def _model_config(args) -> TransformerConfig:
         params_dtype=torch.float32,
         attention=_attention(args),
         add_qkv_bias=bool(args.add_qkv_bias),
+        num_moe_experts=args.num_experts,
     )
 
 

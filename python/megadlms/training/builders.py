@@ -46,9 +46,10 @@ def device_for_rank() -> torch.device:
 
 
 def build_parallel(config: RunConfig, device: torch.device, seed: int):
-    """The run's process groups (built once, Megatron's rank order) and the model's
-    tensor-parallel context; seeds the default generator (the same on every rank) and the
-    model-parallel RNG stream (different per TP rank). Collective: every rank calls it."""
+    """The run's process groups (built once, Megatron's rank order) and the model's parallel
+    context (the TP group, the MoE layers' EP group); seeds the default generator (the same
+    on every rank) and the model-parallel RNG stream (different per TP rank). Collective:
+    every rank calls it."""
     par = config.parallel
     groups = ParallelGroups.build(
         tp=par.tensor_model_parallel_size,
@@ -64,7 +65,7 @@ def build_parallel(config: RunConfig, device: torch.device, seed: int):
         sequence_parallel=par.sequence_parallel,
         gradient_accumulation_fusion=bool(par.gradient_accumulation_fusion),
         rng_tracker=tracker,
-        expert_group=groups.ep.group if groups.ep.size > 1 else None,
+        expert_group=groups.ep.group if groups.ep.size > 1 else None,  # the MoE layers' EP group
     )
     return groups, tp
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 
 from .flags_model import add_flag, difflm_args, model_args, parallel_args, precision_args
+from .flags_moe import moe_args
 
 
 def _training_args(p):
@@ -417,6 +418,7 @@ def build_parser() -> argparse.ArgumentParser:
         _logging_args,
         _megadlms_args,
         _interop_args,
+        moe_args,
     ):
         add(p)
     return p

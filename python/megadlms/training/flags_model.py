@@ -150,7 +150,6 @@ def model_args(p):
             dest=f"bias_{name}_fusion",
             help="Accepted for Megatron scripts (no fused kernels; no effect).",
         )
-    add_flag(g, "--num-experts", type=int, default=None, help="Mixture of experts (not supported yet).")
 
 
 def difflm_args(p):

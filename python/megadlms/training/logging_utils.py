@@ -5,7 +5,9 @@ A progress line reads left to right as "where am I, how is it going, how fast"::
     iter 40/200 ( 20%) | loss 4.8123 | lr 2.00e-04 | gnorm 1.31 | 11.2k tok/s | 0.05 TFLOP/s/dev | 182 ms/it
         | mem 0.9 GB | eta 0:00:29   (one line)
 
-``skipped``/``nan`` counters and the fp16 loss scale are appended only when they matter.
+``skipped``/``nan`` counters and the fp16 loss scale are appended only when they matter; MoE
+models add ``aux`` (the load-balancing loss summed over the MoE layers, mean per micro-batch)
+and ``load`` (the largest tokens-per-expert max/mean of any MoE layer) after the loss.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ def progress_line(m: dict, train_iters: int, *, fp16: bool = False, layout: str 
     parts = [
         f"iter {it:>{width}}/{train_iters} ({100 * it / max(1, train_iters):3.0f}%)",
         "loss " + ("    nan" if m["lm_loss"] is None else f"{m['lm_loss']:.4f}"),
+        *(
+            [f"aux {m['moe_aux_loss']:.4g}", f"load {m['moe_load_max_over_mean']:.2f}"]
+            if "moe_aux_loss" in m
+            else []
+        ),
         f"lr {m['lr']:.2e}",
         "gnorm " + ("-" if m["grad_norm"] is None else f"{m['grad_norm']:.3g}"),
         *([f"pnorm {m['params_norm']:.4g}"] if m.get("params_norm") is not None else []),
@@ -119,7 +126,9 @@ class MetricsLogger:
 
     def log_train(self, m: dict) -> None:
         """``m``: iteration, consumed_samples, lm_loss, lr, grad_norm, loss_scale, skipped,
-        tokens_per_sec, tflops_per_device, ms_per_iter, mem_gb, eta_sec, skipped_total, nan_total."""
+        tokens_per_sec, tflops_per_device, ms_per_iter, mem_gb, eta_sec, skipped_total, nan_total;
+        for MoE models also moe_aux_loss, moe_z_loss, moe_load_max_over_mean, moe_layers (per layer:
+        aux_loss, z_loss, tokens_per_expert, max_over_mean, forwards)."""
         if not self.active:
             return
         _log.info(progress_line(m, self.train_iters, fp16=self.fp16, layout=self.layout))
@@ -135,6 +144,9 @@ class MetricsLogger:
                 "tokens_per_sec",
                 "tflops_per_device",
                 "mem_gb",
+                "moe_aux_loss",
+                "moe_z_loss",
+                "moe_load_max_over_mean",
             ):
                 if m.get(key) is not None:
                     self._tb.add_scalar(f"train/{key}", m[key], step)

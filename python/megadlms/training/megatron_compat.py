@@ -10,7 +10,6 @@ UNSUPPORTED = (
     ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1),
     ("context_parallel_size", "--context-parallel-size", 1),
     ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage", None),
-    ("num_experts", "--num-experts", None),
     ("fp8", "--fp8-format", None),
     ("recompute_granularity", "--recompute-granularity", None),
     ("recompute_activations", "--recompute-activations", False),
@@ -81,6 +80,7 @@ WITHOUT_EFFECT = (
         "the trainer always reshards FSDP2 units after forward",
     ),
     ("wandb_project", "--wandb-project", "", "no Weights & Biases client; all --wandb-* flags are ignored"),
+    ("moe_grouped_gemm", "--moe-grouped-gemm", False, "the experts always run as one grouped GEMM"),
 )
 MEGADLMS_WITHOUT_EFFECT = (
     ("debug", "--debug", False, "no MegaDLMs debug mode"),

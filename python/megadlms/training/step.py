@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from megadlms.diffusion import compute_loss, loss_token_count, micro_batch_crop
+from megadlms.models.moe import set_moe_aux_loss_scale
 
 from .collectives import is_comm_error, named_collective
 
@@ -114,13 +115,20 @@ def train_step(
         local_tokens = torch.stack(
             [loss_token_count(b, c, diff_cfg).to(torch.float64) for b, c in zip(micro_batches, crops)]
         ).sum()
-    global_tokens = (local_tokens if loss_owner else torch.zeros_like(local_tokens)).to(device=device)
-    global_tokens = global_tokens.reshape(1).clone()
+    # [tokens, micro-batches] of the loss owners: the global batch's N and micro-batch count
+    n_micro = float(len(micro_batches)) if data_error is None else 0.0
+    local_micro = torch.tensor(n_micro, dtype=torch.float64, device=local_tokens.device)
+    counts = torch.stack([local_tokens, local_micro]).to(device=device)
+    counts = counts if loss_owner else torch.zeros_like(counts)
     with named_collective("all-reduce of the step's loss-token count", iteration):
-        dist.all_reduce(global_tokens)
+        dist.all_reduce(counts)
+    global_tokens = counts[:1]
     # Sum mode divides by N here, once; an averaging wrapper divides by dp itself.
     dp = 1 if model.ddp_config.calculate_per_token_loss else model.comm.world_size
     scale = (dp / global_tokens).to(torch.float32)[0]  # a 0-token step gives inf -> NaN skip
+    # MoE aux losses: mean over the global batch's micro-batches (times the loss scale, as the
+    # token loss), so the total does not depend on dp / EP / accumulation (models.moe.stats)
+    set_moe_aux_loss_scale(model, (optimizer.get_loss_scale() * dp / counts[1]).to(torch.float32))
 
     optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step
     error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
 from megadlms.models import num_floating_point_operations
+from megadlms.models.moe import moe_layer_stats
 from megadlms.optimizer import get_optimizer
 
 from . import builders, checkpoint_async, checkpointing, resume
@@ -65,7 +66,7 @@ class Trainer:
             builders.init_from_hf(model, config.checkpoint.hf_init)
         check_model_for_mode(model, config.diffusion)  # once, not per micro-batch
         self.params_per_rank = sum(p.numel() for p in model.parameters())
-        self.num_params = _logical_params(model, self.groups.tp.size, self.groups.ep.size)
+        self.num_params = _logical_params(model, self.groups.tp.size, self.tp.ep_size)
         self.model = builders.wrap_model(model, config, self.groups)
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
@@ -250,8 +251,23 @@ class Trainer:
                 "eta_sec": (c.training.train_iters - it) * w["time"] / w["iters"],
                 "skipped_total": self.skipped_total,
                 "nan_total": self.nan_total,
+                **self._moe_metrics(),
             }
         )
+
+    def _moe_metrics(self) -> dict:
+        """The MoE layers' aux losses and load balance over the logged window, summed over
+        every rank (a collective: every rank logs at the same iterations); {} for dense models."""
+        m = self.config.model
+        if m.num_moe_experts is None:
+            return {}
+        s = moe_layer_stats(self.model, reduce=True, reset=True, num_layers=m.num_layers)
+        return {
+            "moe_aux_loss": s["aux_loss"],
+            "moe_z_loss": s["z_loss"],
+            "moe_load_max_over_mean": s["max_over_mean"],
+            "moe_layers": {str(k): v for k, v in s["layers"].items()},
+        }
 
     def _stop_reason(self, out: StepOut) -> Optional[str]:
         if out.exit_flags[0] > 0:
@@ -383,12 +399,12 @@ class Trainer:
 
 
 def _logical_params(model: torch.nn.Module, tp: int, ep: int = 1) -> int:
-    """Parameters of the full (unsharded) model: TP shards count tp times, this rank's experts
-    ep times, replicas once."""
+    """Parameters of the full (unsharded) model: TP shards count tp times, expert shards ep
+    times, replicas once."""
     total = 0
     for p in model.parameters():
-        factor = ep if getattr(p, "expert_parallel", False) else 1
-        total += p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else factor)
+        copies = tp if getattr(p, "tensor_model_parallel", False) else 1
+        total += p.numel() * copies * (ep if getattr(p, "expert_parallel", False) else 1)
     return total
 
 

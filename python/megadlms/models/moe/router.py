@@ -125,7 +125,7 @@ class AuxLossAutoScaler(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (aux_loss,) = ctx.saved_tensors
-        return grad, torch.full_like(aux_loss, ctx.scale), None
+        return grad, torch.ones_like(aux_loss) * ctx.scale, None  # scale: a float or a 0-d tensor
 
 
 class RouterOutput(NamedTuple):
