@@ -133,6 +133,12 @@ def grouped_gemm(a, b, batch_sizes, *, trans_a=False, trans_b=False, out=None, a
     GEMMs in C++ (16-bit operands upcast); CUDA: a loop of cublasGemmEx (fp32 compute) on
     torch's current stream. Bad arguments raise ValueError naming the tensor.
     """
-    return _impl().grouped_gemm(
+    impl = _impl()
+    if not hasattr(impl, "grouped_gemm"):  # a _C built before the op existed
+        raise RuntimeError(
+            "megadlm_ext._C has no grouped_gemm: it was built from older sources; rebuild it "
+            "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)"
+        )
+    return impl.grouped_gemm(
         a, b, batch_sizes, trans_a=trans_a, trans_b=trans_b, out=out, accumulate=accumulate, alpha=alpha
     )

@@ -19,7 +19,8 @@ Flow of one step (docs/architecture.md, "The way a gradient travels"):
      to None by ``torch.optim``'s ``zero_grad``) is folded by ``accumulate_into``.
    With ``overlap_grad_reduce`` the bucket's collective (all-reduce; reduce-scatter with
    the distributed optimizer) is then launched asynchronously, strictly in bucket order
-   on every rank (a bucket that is ready early waits for its predecessors).
+   on every rank (a bucket that is ready early waits for its predecessors) within each
+   reduce group (dense buckets and expert buckets keep separate orders).
 3. ``finish_grad_sync()`` folds what is left (buckets that never became complete, e.g.
    with an unused parameter, whose missing gradients count as zeros — Megatron asserts
    instead), launches every remaining collective in order and waits. Then
@@ -151,7 +152,11 @@ class DistributedDataParallel(torch.nn.Module):
         self._grid_comms(cfg, parallel)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync_enabled = True
-        self._next_launch = 0
+        # Launch order: strictly in bucket order within each reduce group (dense, expert), so
+        # every rank issues each group's collectives in the same order, while an expert bucket
+        # that is ready early need not wait for the dense ones (Megatron's bucket groups).
+        self._order = {k: [b for b in self.buckets if b.reduce_group.expert == k] for k in (False, True)}
+        self._next_launch = {False: 0, True: 0}
         self._attach_grad_views()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in names]
         if cfg.use_distributed_optimizer and cfg.overlap_param_gather:
@@ -251,8 +256,9 @@ class DistributedDataParallel(torch.nn.Module):
         bucket.folded = self._sync_enabled
 
     def _launch_ready_in_order(self) -> None:
-        while self._next_launch < len(self.buckets) and self.buckets[self._next_launch].folded:
-            self._launch(self.buckets[self._next_launch])
+        for kind, order in self._order.items():
+            while self._next_launch[kind] < len(order) and order[self._next_launch[kind]].folded:
+                self._launch(order[self._next_launch[kind]])
 
     def _launch(self, bucket: Bucket) -> None:
         if self.ddp_config.check_for_nan_in_grad:
@@ -268,7 +274,7 @@ class DistributedDataParallel(torch.nn.Module):
         else:
             bucket.handle = group.comm.all_reduce(bucket.grad_data, group.op, async_op=True)
         bucket.launched = True
-        self._next_launch = bucket.index + 1
+        self._next_launch[group.expert] += 1
 
     def _shard_range(self, bucket: Bucket):
         """This rank's shard of ``bucket`` (distributed optimizer; within its instance, or its
@@ -341,7 +347,8 @@ class DistributedDataParallel(torch.nn.Module):
 
     def start_grad_sync(self) -> None:
         """Fold any pending gradients and launch every bucket's collective not yet launched."""
-        for bucket in self.buckets[self._next_launch :]:
+        pending = [b for kind, order in self._order.items() for b in order[self._next_launch[kind] :]]
+        for bucket in pending:
             if not bucket.folded or any(self._foreign_grad(p) is not None for p in bucket.params):
                 self._fold(bucket)  # incomplete bucket: missing gradients contribute zeros
             self._launch(bucket)
@@ -364,7 +371,7 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.folded = False
         for handle in inter:
             handle.wait()
-        self._next_launch = 0
+        self._next_launch = {False: 0, True: 0}
         self._allreduce_sequence_parallel_grads()
         if self.ddp_config.check_for_nan_in_grad and self.buckets:
             self._agree_on_nan()
@@ -397,7 +404,7 @@ class DistributedDataParallel(torch.nn.Module):
                 bucket.handle.wait()
             bucket.handle, bucket.launched, bucket.folded = None, False, False
             bucket.ready.clear()
-        self._next_launch = 0
+        self._next_launch = {False: 0, True: 0}
         self._nan_found = None
         for buf in self.buffers_:
             buf.grad_data.zero_()
