@@ -44,6 +44,11 @@ NaN agreement spans the whole world. With ``num_distributed_optimizer_instances`
 bucket is reduce-scattered within ``parallel.dp_intra`` (dp/N consecutive dp ranks) and this
 rank's shard all-reduced across ``parallel.dp_inter``; the updated shards are all-gathered
 within the instance.
+
+Expert parameters (``param.allreduce = False``) live in buffers of their own whose buckets
+are reduced (and, with the distributed optimizer, sharded) over ``parallel.expert_dp``;
+every bucket carries its ``reduce_group`` (communicators and fold scale, ddp_groups.py).
+An expert that got no token in a step has a zero gradient and still joins every collective.
 """
 
 from __future__ import annotations
@@ -57,9 +62,11 @@ import torch
 import torch.distributed as dist
 
 import megadlm_ext as ext
+from megadlms.parallel.sharding import is_expert_param
 
 from .comm import build_communicator, resolve_group
 from .config import DistributedDataParallelConfig
+from .ddp_groups import data_parallel_group, instance_communicators, reduce_groups
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from .wrappers import unwrap_model
 
@@ -100,20 +107,18 @@ class DistributedDataParallel(torch.nn.Module):
         self.module = module
         cfg = dataclasses.replace(ddp_config) if ddp_config is not None else DistributedDataParallelConfig()
         self.parallel = parallel
-        self.process_group = _data_parallel_group(process_group, parallel)
+        self.process_group = data_parallel_group(process_group, parallel)
         self.comm = build_communicator(cfg.comm_backend, self.process_group)
         self.dp_size, self.dp_rank = self.comm.world_size, self.comm.rank
         # shard_comm: the ranks one bucket is sharded over; inter_comm: across instances.
-        self.shard_comm, self.inter_comm = _instance_communicators(cfg, parallel, self.comm)
+        self.shard_comm, self.inter_comm = instance_communicators(cfg, parallel, self.comm)
         if cfg.bucket_size is None and cfg.overlap_grad_reduce:
             cfg.bucket_size = max(40_000_000, 1_000_000 * self.dp_size)
         self.ddp_config = cfg
         # Sum mode (calculate_per_token_loss): plain SUM, the caller normalises. Averaging:
-        # ReduceOp.AVG when asked for and available, else pre-divide by dp (same average).
-        comms = [self.comm, self.shard_comm] + ([self.inter_comm] if self.inter_comm is not None else [])
-        self._avg_in_collective = cfg.average_in_collective and all(c.supports_avg for c in comms)
-        sums = cfg.calculate_per_token_loss or self._avg_in_collective
-        self._fold_scale = 1.0 if sums else 1.0 / self.dp_size
+        # ReduceOp.AVG when asked for and available, else pre-divide by dp (same average);
+        # expert buckets over expert_dp with Megatron's scale (ddp_groups.py).
+        self._dense, self._expert = reduce_groups(cfg, parallel, self.comm, self.shard_comm, self.inter_comm)
         self._nan_found: Optional[str] = None  # this rank's first NaN/Inf finding of the step
 
         names: Dict[torch.nn.Parameter, str] = {}
@@ -122,21 +127,24 @@ class DistributedDataParallel(torch.nn.Module):
             if p.requires_grad:
                 names[p] = name
         groups: Dict[tuple, List[torch.nn.Parameter]] = {}
-        for p in names:
+        for p in names:  # dense buffers first, then the expert ones (Megatron's order)
             gdtype = torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype
-            groups.setdefault((p.dtype, gdtype), []).append(p)
+            groups.setdefault((is_expert_param(p), p.dtype, gdtype), []).append(p)
         self.buffers_: List[ParamAndGradBuffer] = []
         self.buckets: List[Bucket] = []
-        for (_, gdtype), params in groups.items():
+        for (expert, _, gdtype), params in sorted(groups.items(), key=lambda kv: kv[0][0]):
+            group = self._expert if expert else self._dense
             buf = ParamAndGradBuffer(
                 params,
                 [names[p] for p in params],
                 grad_dtype=gdtype,
                 bucket_size=cfg.bucket_size,
-                dp_size=self.shard_comm.world_size,  # buckets split into this many shards
+                dp_size=group.shard_comm.world_size,  # buckets split into this many shards
                 use_distributed_optimizer=cfg.use_distributed_optimizer,
                 first_bucket_index=len(self.buckets),
             )
+            for bucket in buf.buckets:
+                bucket.reduce_group = group
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         self.param_names = names
@@ -178,7 +186,7 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = p.main_grad if bucket.grad_view else None
-                p.main_grad_scale = 1.0 if bucket.grad_view else self._fold_scale
+                p.main_grad_scale = 1.0 if bucket.grad_view else bucket.reduce_group.fold_scale
 
     # ------------------------------------------------------------------ grad sync
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -233,7 +241,7 @@ class DistributedDataParallel(torch.nn.Module):
                 offsets.append(off)
         if grads:
             # View buckets are scaled as a whole at launch, so fold those grads unscaled.
-            scale = 1.0 if bucket.grad_view else self._fold_scale
+            scale = 1.0 if bucket.grad_view else bucket.reduce_group.fold_scale
             ext.accumulate_into(bucket.grad_data, grads, offsets=offsets, scale=scale)
         for p in bucket.params:
             p.grad = p.main_grad if bucket.grad_view else None
@@ -249,22 +257,24 @@ class DistributedDataParallel(torch.nn.Module):
     def _launch(self, bucket: Bucket) -> None:
         if self.ddp_config.check_for_nan_in_grad:
             self._check_nan(bucket)
-        if bucket.grad_view and self._fold_scale != 1.0:
-            ext.scale_([bucket.grad_data], self._fold_scale)  # 1/dp before a SUM collective
-        op = "avg" if self._avg_in_collective else "sum"
+        group = bucket.reduce_group
+        if bucket.grad_view and group.fold_scale != 1.0:
+            ext.scale_([bucket.grad_data], group.fold_scale)  # 1/dp before a SUM collective
         if self.ddp_config.use_distributed_optimizer:
             lo, hi = self._shard_range(bucket)
-            bucket.handle = self.shard_comm.reduce_scatter(
-                bucket.grad_data[lo:hi], bucket.grad_data, op, async_op=True
+            bucket.handle = group.shard_comm.reduce_scatter(
+                bucket.grad_data[lo:hi], bucket.grad_data, group.op, async_op=True
             )
         else:
-            bucket.handle = self.comm.all_reduce(bucket.grad_data, op, async_op=True)
+            bucket.handle = group.comm.all_reduce(bucket.grad_data, group.op, async_op=True)
         bucket.launched = True
         self._next_launch = bucket.index + 1
 
     def _shard_range(self, bucket: Bucket):
-        """This rank's shard of ``bucket`` (distributed optimizer; within its instance)."""
-        return bucket.shard_range(self.shard_comm.rank, self.shard_comm.world_size)
+        """This rank's shard of ``bucket`` (distributed optimizer; within its instance, or its
+        expert-data-parallel group)."""
+        shard = bucket.reduce_group.shard_comm
+        return bucket.shard_range(shard.rank, shard.world_size)
 
     def _grid_comms(self, cfg: DistributedDataParallelConfig, parallel) -> None:
         """The grid's extra communicators: the TP group for ``sequence_parallel`` grads (only
@@ -342,14 +352,14 @@ class DistributedDataParallel(torch.nn.Module):
         publish param.grad."""
         self.start_grad_sync()
         inter = []
-        op = "avg" if self._avg_in_collective else "sum"
         for bucket in self.buckets:
             if bucket.handle is not None:
                 bucket.handle.wait()
                 bucket.handle = None
-            if self.inter_comm is not None:  # this shard is reduced within the instance now
+            group = bucket.reduce_group
+            if group.inter_comm is not None:  # this shard is reduced within the instance now
                 lo, hi = self._shard_range(bucket)
-                inter.append(self.inter_comm.all_reduce(bucket.grad_data[lo:hi], op, async_op=True))
+                inter.append(group.inter_comm.all_reduce(bucket.grad_data[lo:hi], group.op, async_op=True))
             bucket.launched = False
             bucket.folded = False
         for handle in inter:
@@ -394,12 +404,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._attach_grad_views()
 
     def broadcast_params(self) -> None:
-        """Copy data-parallel rank 0's parameters to every rank (call once after init/load)."""
-        if self.process_group is None or self.dp_size == 1:
-            return
-        src = dist.get_global_rank(self.process_group, 0)
+        """Copy data-parallel rank 0's parameters to every rank (call once after init/load);
+        expert parameters from expert-data-parallel rank 0 (each EP rank holds its own experts)."""
+        expert_group = self.parallel.expert_dp.group if self.parallel is not None else self.process_group
         for p in self.module.parameters():
-            dist.broadcast(p.data, src=src, group=self.process_group)
+            group = expert_group if is_expert_param(p) else self.process_group
+            if group is not None and dist.get_world_size(group) > 1:
+                dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
 
     # ------------------------------------------------------------------ param gather
     def start_param_sync(self, *, force_sync: bool = False) -> None:
@@ -415,7 +426,8 @@ class DistributedDataParallel(torch.nn.Module):
         overlap = self.ddp_config.overlap_param_gather and not force_sync
         for bucket in reversed(self.buckets):  # forward uses the last bucket first
             lo, hi = self._shard_range(bucket)
-            h = self.shard_comm.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
+            shard = bucket.reduce_group.shard_comm
+            h = shard.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
             bucket.gather_handle = h if overlap else None
 
     def finish_param_sync(self) -> None:
@@ -454,48 +466,3 @@ class DistributedDataParallel(torch.nn.Module):
         """Load into the wrapped module (copies in place, so buffer views stay valid)."""
         self.finish_param_sync()
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
-
-
-def _data_parallel_group(process_group, parallel):
-    """The data-parallel group: ``parallel.dp.group`` over a grid (``process_group``, if also
-    given, must have the same ranks), else ``process_group`` / WORLD."""
-    if parallel is None:
-        return resolve_group(process_group)
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if parallel.world_size != world:
-        raise ValueError(
-            f"parallel was built for world size {parallel.world_size}, but this process group has "
-            f"{world} ranks: build it with ParallelGroups.build(...) after init_process_group "
-            "(ParallelGroups.single() is for one process)"
-        )
-    if process_group is not None:
-        ranks = dist.get_process_group_ranks(process_group)
-        if ranks != list(parallel.dp.ranks):
-            raise ValueError(
-                f"process_group (ranks {ranks}) differs from parallel.dp (ranks {list(parallel.dp.ranks)}): "
-                "pass only parallel (its dp group is the data-parallel group)"
-            )
-    return parallel.dp.group
-
-
-def _instance_communicators(cfg: DistributedDataParallelConfig, parallel, comm):
-    """(shard communicator, inter-instance communicator or None) for
-    ``cfg.num_distributed_optimizer_instances``; the instance groups come from ``parallel``."""
-    n = cfg.num_distributed_optimizer_instances
-    built = parallel.num_distributed_optimizer_instances if parallel is not None else 1
-    if n > 1 and parallel is None:
-        raise ValueError(
-            f"num_distributed_optimizer_instances {n} needs parallel=ParallelGroups.build(..., "
-            f"num_distributed_optimizer_instances={n}): the instance groups are built there, once"
-        )
-    if parallel is not None and n != built:
-        raise ValueError(
-            f"num_distributed_optimizer_instances {n} in DistributedDataParallelConfig, but parallel "
-            f"was built with {built} instance(s): pass the same value to ParallelGroups.build"
-        )
-    if n == 1:
-        return comm, None
-    return (
-        build_communicator(cfg.comm_backend, parallel.dp_intra.group),
-        build_communicator(cfg.comm_backend, parallel.dp_inter.group),
-    )

@@ -86,6 +86,9 @@ class Bucket:
     launched: bool = False
     handle: object = None  # async collective in flight (grad reduce)
     gather_handle: object = None  # async param all-gather in flight
+    # ddp_groups.ReduceGroup set by the wrapper: dense (dp) or expert (expert_dp) reduction,
+    # its communicators and its fold scale
+    reduce_group: object = None
 
     def shard_range(self, dp_rank: int, dp_size: int) -> Tuple[int, int]:
         """[start, end) of this rank's shard, in bucket elements."""

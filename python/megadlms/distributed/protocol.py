@@ -50,7 +50,9 @@ class DataParallel(Protocol):
     shard_comm: object
     """Communicator over the ranks sharing one sharded copy of the optimizer state: rank r of
     it owns ``bucket.shard_range(r, shard_comm.world_size)`` (``"bucket_shards"``); ``comm``
-    unless distributed-optimizer instances split the data-parallel group."""
+    unless distributed-optimizer instances split the data-parallel group. A bucket that
+    carries a ``reduce_group`` (our DDP: expert buckets over expert_dp) is sharded over
+    ``bucket.reduce_group.shard_comm`` instead."""
     parallel: object
     """The run's ``ParallelGroups`` (tp, dp, mp, ... axes) when the wrapper was built over a
     tensor-/pipeline-parallel grid, else None (plain data parallelism)."""

@@ -42,6 +42,12 @@ Over a TP grid (the wrapper's ``parallel``) the norm counts every TP shard once 
 replicated parameter on TP rank 0 only, summed over the model-parallel group too, and the
 fp16 overflow vote spans the world (``grid.py``).
 
+Expert buckets (expert parameters, ``allreduce = False``): each bucket carries its DDP
+``reduce_group``; an expert bucket is sharded over the expert-data-parallel group (its
+``shard_comm``), so rank r of that group owns ``shard_range(r, expert_dp)`` of it. The norm
+then sums over the world (``grid.py``: every shard counts once, the experts of every EP rank
+included).
+
 One rank: the shard is the whole bucket and every collective is a local copy.
 """
 
@@ -70,11 +76,10 @@ class ShardedBufferLayout:
         self.grid = grid if grid is not None else GridReductions(None)
         self.buckets = wrapper.grad_buckets
         self.device = self.buckets[0].grad_data.device if self.buckets else torch.device("cpu")
-        rank, dp = self.comm.rank, self.comm.world_size
         self.entries: List[Entry] = []
         self.pieces = []  # per entry: (bucket, start in bucket, start in param, numel)
         for bucket in self.buckets:
-            lo, hi = bucket.shard_range(rank, dp)
+            lo, hi = self._shard_range(bucket)
             for p, off in zip(bucket.params, bucket.offsets):
                 a, b = max(off, lo), min(off + p.numel(), hi)
                 if a < b:
@@ -85,6 +90,15 @@ class ShardedBufferLayout:
                         self.entries.append(Entry(names[p], p, piece.float().clone(), owns_main=True))
                     self.pieces.append((bucket, a, a - off, b - a))
         self._names = names
+
+    def _shard_comm(self, bucket):
+        """The ranks ``bucket`` is sharded over (expert buckets: the expert-dp group)."""
+        group = getattr(bucket, "reduce_group", None)
+        return group.shard_comm if group is not None else self.comm
+
+    def _shard_range(self, bucket):
+        comm = self._shard_comm(bucket)
+        return bucket.shard_range(comm.rank, comm.world_size)
 
     def all_fqns(self):
         return [(fqn, p) for p, fqn in self._names.items()]  # registration order, as elsewhere
@@ -102,15 +116,10 @@ class ShardedBufferLayout:
         return [g for g, e in zip(grads, self.entries) if self.grid.counts_in_norm(e.param)], grads
 
     def all_reduce_sum(self):
-        if self.comm.world_size == 1 and self.grid.mp_group is None:
-            return None
-
-        def reduce(t):
-            if self.comm.world_size > 1:  # the shards of the dp group (of this instance)
-                self.comm.all_reduce(t, "sum")
-            self.grid.sum_over_model_parallel(t)
-
-        return reduce
+        # the shards of the dp group (of this instance), then the model-parallel sum; with
+        # expert parallelism one sum over the world (grid.py)
+        shard_sum = (lambda t: self.comm.all_reduce(t, "sum")) if self.comm.world_size > 1 else None
+        return self.grid.norm_sum(shard_sum)
 
     def any_rank(self, flag: bool) -> bool:
         if self.grid.spans_world:
@@ -139,13 +148,12 @@ class ShardedBufferLayout:
         for i, (bucket, a, _, n) in enumerate(self.pieces):
             by_bucket.setdefault(bucket.index, []).append((a, n, values[i]))
         out = {}
-        rank, dp = self.comm.rank, self.comm.world_size
         for bucket in self.buckets:
             flat = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32, device=bucket.grad_data.device)
             for a, n, t in by_bucket.get(bucket.index, []):
                 flat[a : a + n].copy_(t.reshape(-1))
-            lo, hi = bucket.shard_range(rank, dp)
-            self.comm.all_gather(flat, flat[lo:hi].clone())
+            lo, hi = self._shard_range(bucket)
+            self._shard_comm(bucket).all_gather(flat, flat[lo:hi].clone())
             for p, off in zip(bucket.params, bucket.offsets):
                 out[self._names[p]] = flat[off : off + p.numel()].view(p.shape).clone()
         return out

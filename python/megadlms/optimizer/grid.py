@@ -11,6 +11,14 @@ parallelism) tells the optimizer two things:
 * which ranks must agree on a skip: all of them (one all-reduce over the world), since TP
   peers hold different shards and may see an overflow the others do not.
 
+With expert parallelism (``parallel.ep.size`` > 1) expert parameters (``allreduce = False``)
+differ across the EP group and are replicated (or sharded) only over ``expert_dp``, while dense
+ones are replicated (or sharded) over ``dp``: the norm is then ONE sum over the world in which
+each element counts once -- a replicated dense gradient on dp rank 0 only, a replicated
+expert gradient on expert-dp rank 0 only, a shard of the distributed optimizer wherever it
+lives (the expert part is thereby summed over ep as well; Megatron sums it over the
+expert-model-parallel group).
+
 A non-finite norm needs no extra vote: after these sums it is the same number on every rank
 (dp peers hold identical reduced gradients, and a NaN propagates through the sums).
 """
@@ -22,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.parallel.sharding import is_expert_param
+
 
 class GridReductions:
     """The grid-wide reductions of one optimizer (no-ops without a grid)."""
@@ -31,10 +41,33 @@ class GridReductions:
         mp = getattr(parallel, "mp", None)
         self.mp_group = mp.group if mp is not None and mp.size > 1 else None
         self.spans_world = parallel is not None and parallel.world_size > 1
+        self.expert_parallel = parallel is not None and parallel.ep.size > 1
+        self.dp_rank = parallel.dp.rank if parallel is not None else 0
+        self.expert_dp_rank = parallel.expert_dp.rank if parallel is not None else 0
 
-    def counts_in_norm(self, param: torch.Tensor) -> bool:
-        """True for a TP shard, and for a replicated parameter on TP rank 0 only."""
-        return bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
+    def counts_in_norm(self, param: torch.Tensor, *, replicated: bool = False) -> bool:
+        """True for a TP shard, and for a replicated parameter on TP rank 0 only. With expert
+        parallelism and a ``replicated`` (not sharded) gradient, also only on the first rank of
+        the group it is replicated over (dp for dense, expert_dp for expert parameters)."""
+        counted = bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
+        if self.expert_parallel and replicated:
+            counted = counted and (self.expert_dp_rank if is_expert_param(param) else self.dp_rank) == 0
+        return counted
+
+    def norm_sum(self, data_parallel_sum=None):
+        """The all-reduce of a squared norm: over the world with expert parallelism (see the
+        module docstring), else ``data_parallel_sum`` (the layout's shard sum, or None) followed
+        by the model-parallel sum. None when nothing needs reducing."""
+        if self.expert_parallel:
+            return lambda t: dist.all_reduce(t)
+        if data_parallel_sum is None:
+            return None if self.mp_group is None else self.sum_over_model_parallel
+
+        def reduce(t):
+            data_parallel_sum(t)
+            self.sum_over_model_parallel(t)
+
+        return reduce
 
     def sum_over_model_parallel(self, t: torch.Tensor) -> None:
         """In-place sum of ``t`` over the model-parallel group (identity when it is one rank)."""

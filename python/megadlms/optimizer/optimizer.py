@@ -85,7 +85,7 @@ class ReplicaLayout:
             if g is None:
                 e.main.grad = None
                 continue
-            self._in_norm.append(self.grid.counts_in_norm(e.param))
+            self._in_norm.append(self.grid.counts_in_norm(e.param, replicated=True))
             if e.main is e.param:
                 if e.param.grad is None or e.param.grad.data_ptr() != g.data_ptr():
                     e.param.grad = g if g.dtype == e.param.dtype else g.to(e.param.dtype)
@@ -100,8 +100,9 @@ class ReplicaLayout:
         return [g for g, keep in zip(grads, self._in_norm) if keep], grads
 
     def all_reduce_sum(self):
-        # Gradients are already identical on every dp rank; over a grid, sum the TP shards.
-        return None if self.grid.mp_group is None else self.grid.sum_over_model_parallel
+        # Gradients are already identical on every dp rank; over a grid, sum the TP shards
+        # (and, with expert parallelism, the experts over the world: grid.py).
+        return self.grid.norm_sum()
 
     def any_rank(self, flag: bool) -> bool:
         return self.grid.any_rank(flag, self.device) if self.grid.spans_world else flag

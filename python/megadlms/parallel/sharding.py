@@ -89,3 +89,19 @@ def local_from_full(full: torch.Tensor, like: torch.Tensor, group: Group) -> tor
     if spec is None:
         return full
     return shard_full(full, group_rank(group), group_size(group), *spec)
+
+
+def is_expert_param(tensor: torch.Tensor) -> bool:
+    """An expert parameter (Megatron's mark ``allreduce = False``): its gradient is reduced
+    over the expert-data-parallel group, not the data-parallel group (DDP's expert buffers)."""
+    return getattr(tensor, "allreduce", True) is False
+
+
+def expert_shard_dim(tensor: torch.Tensor) -> Optional[int]:
+    """The dim along which an expert-parallel parameter (``expert_parallel = True``) holds this
+    EP rank's experts (``partition_dim``, 0 for the experts' [E_local, ...] weights); None
+    for any other parameter. EP rank e holds experts [e*E/ep, (e+1)*E/ep): the full tensor is
+    the concatenation over the EP group in rank order."""
+    if not getattr(tensor, "expert_parallel", False):
+        return None
+    return int(getattr(tensor, "partition_dim", 0))

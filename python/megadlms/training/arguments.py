@@ -31,7 +31,7 @@ from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.distributed.fsdp2 import fsdp2_config_problems, mixed_precision_policy, torch_supports_fsdp2
 from megadlms.models import TransformerConfig
-from megadlms.models.config import tensor_parallel_problems
+from megadlms.models.config import expert_parallel_problems, tensor_parallel_problems
 from megadlms.optimizer import OptimizerConfig
 from megadlms.parallel.groups import check_instances
 
@@ -151,6 +151,12 @@ def _fsdp2_problems(args, ddp: Optional[DistributedDataParallelConfig]) -> List[
     ):
         if value != 1:
             out.append(f"--use-torch-fsdp2 requires {flag} 1 (got {value})")
+    if getattr(args, "num_experts", None) is not None:
+        out.append(
+            f"--use-torch-fsdp2 does not shard mixture-of-experts layers (--num-experts {args.num_experts}): "
+            "drop --use-torch-fsdp2 (DDP, optionally with --use-distributed-optimizer and "
+            "--expert-model-parallel-size) or drop --num-experts"
+        )
     if ddp is not None:  # the wrapper's own rule (FSDP2 shards the optimizer state itself)
         out += [flag_message(p) for p in fsdp2_config_problems(ddp, who="use_torch_fsdp2")]
     if args.gradient_accumulation_fusion:
@@ -343,7 +349,22 @@ def _layout_problems(model, parallel: Optional[ParallelConfig], ddp) -> List[str
             check_instances(parallel.data_parallel_size, ddp.num_distributed_optimizer_instances)
         except ValueError as exc:
             out.append(str(exc).replace("the data-parallel size", "data_parallel_size"))
+    out += _expert_layout_problems(model, parallel, ddp)
     return [flag_message(p) for p in out]
+
+
+def _expert_layout_problems(model, parallel: ParallelConfig, ddp) -> List[str]:
+    """Expert parallelism needs an MoE model whose experts split over ep, and no
+    distributed-optimizer instances (ddp_groups.py)."""
+    ep = parallel.expert_model_parallel_size
+    out = expert_parallel_problems(model, ep) if model is not None else []
+    if ep > 1 and ddp is not None and ddp.num_distributed_optimizer_instances > 1:
+        out.append(
+            f"num_distributed_optimizer_instances {ddp.num_distributed_optimizer_instances} with "
+            f"expert_model_parallel_size {ep}: distributed-optimizer instances are not supported with "
+            "expert parallelism; use num_distributed_optimizer_instances 1"
+        )
+    return out
 
 
 def _collect(problems: List[str], build: Callable):

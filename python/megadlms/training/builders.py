@@ -54,6 +54,7 @@ def build_parallel(config: RunConfig, device: torch.device, seed: int):
     groups = ParallelGroups.build(
         tp=par.tensor_model_parallel_size,
         pp=par.pipeline_model_parallel_size,
+        ep=par.expert_model_parallel_size,
         dp=par.data_parallel_size,
         device_type=device.type,
         num_distributed_optimizer_instances=config.ddp.num_distributed_optimizer_instances,

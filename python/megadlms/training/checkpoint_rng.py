@@ -51,7 +51,8 @@ def set_rng_state(s: dict, rng_tracker=None) -> None:
         torch.cuda.set_rng_state(s["cuda"])
 
 
-def same_layout(common: dict, world: int, tp: int) -> bool:
-    """True when the checkpoint recorded in ``common`` was saved at this world size and tp
-    (checkpoints without a ``parallel`` record were saved without TP)."""
-    return common.get("world_size") == world and common.get("parallel", {}).get("tp", 1) == tp
+def same_layout(common: dict, world: int, tp: int, ep: int = 1) -> bool:
+    """True when the checkpoint recorded in ``common`` was saved at this world size, tp and ep
+    (checkpoints without a ``parallel`` record, or without its ``ep``, were saved without them)."""
+    layout = common.get("parallel", {})
+    return common.get("world_size") == world and layout.get("tp", 1) == tp and layout.get("ep", 1) == ep

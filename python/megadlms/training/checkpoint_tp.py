@@ -13,8 +13,15 @@ stores the full logical tensor instead, so it loads at any tp (and on one proces
   one rank keeps each gathered tensor (:func:`gather_for_save`'s ``owner``), so the
   transient cost per rank is one full tensor plus ~1/world of the gathered ones;
 * load: full tensors are read in batches of at most :data:`LOAD_BATCH_BYTES` and cut to
-  this rank's shard with :func:`~megadlms.parallel.sharding.local_from_full` right away,
+  this rank's shard with :func:`~megadlms.parallel.sharding.shard_full` right away,
   so at most one batch of full tensors exists at a time.
+
+Expert parallelism works the same way over the EP group: an expert parameter
+(``expert_parallel``, ``partition_dim`` 0: this EP rank's experts of the full [E, ...] tensor)
+and its optimizer state are gathered over ``ep_group`` along that dim (the experts in global
+order) and stored under the FULL shape, and cut to this rank's experts on load, so a
+checkpoint loads at any ep. (A parameter is sharded over TP or over EP, never both: MoE
+with tp > 1 is refused.)
 
 Keys: ``model/<fqn>`` and ``optimizer/state/<fqn>/<name>`` (``/`` never occurs in a name).
 """
@@ -25,8 +32,8 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from megadlms.parallel.mappings import Group, group_size
-from megadlms.parallel.sharding import full_shape, gather_full, local_from_full, shard_spec
+from megadlms.parallel.mappings import Group, group_rank, group_size
+from megadlms.parallel.sharding import expert_shard_dim, gather_full, shard_full, shard_spec
 
 LOAD_BATCH_BYTES = 1 << 30
 """Full tensors read at once while loading at tp > 1 (a batch is one DCP read)."""
@@ -37,6 +44,37 @@ _OPT_PREFIX = "optimizer/state/"
 def tp_size(tp_group: Group) -> int:
     """The tensor-parallel size of ``tp_group`` (1 for None)."""
     return group_size(tp_group)
+
+
+def _spec(p: torch.Tensor, tp_group: Group, ep_group: Group) -> Optional[Tuple[Group, int, int]]:
+    """``(group, dim, blocks)`` of a parameter sharded in this run (over TP or over EP), or None."""
+    spec = shard_spec(p)
+    if spec is not None and tp_size(tp_group) > 1:
+        return (tp_group,) + spec
+    dim = expert_shard_dim(p)
+    if dim is not None and group_size(ep_group) > 1:
+        return ep_group, dim, 1
+    return None
+
+
+def sharded_full_shape(p: torch.Tensor, tp_group: Group, ep_group: Group = None) -> Tuple[int, ...]:
+    """The full logical shape of ``p`` (its local shape when it is not sharded in this run; a
+    DTensor's shape is already the full one)."""
+    shape = list(p.shape)
+    spec = _spec(p, tp_group, ep_group)
+    if spec is not None:
+        shape[spec[1]] *= group_size(spec[0])
+    return tuple(shape)
+
+
+def _local_from_full(
+    full: torch.Tensor, like: torch.Tensor, tp_group: Group, ep_group: Group
+) -> torch.Tensor:
+    spec = _spec(like, tp_group, ep_group)
+    if spec is None:
+        return full
+    group, dim, blocks = spec
+    return shard_full(full, group_rank(group), group_size(group), dim, blocks)
 
 
 def named_params(module: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
@@ -64,33 +102,39 @@ def check_optimizer_keys(state: dict, params: Dict[str, torch.nn.Parameter]) -> 
         )
 
 
-def _to_gather(tensors: Dict[str, torch.Tensor], params) -> Iterable[Tuple[str, torch.nn.Parameter]]:
-    """(key, param) of every LOCAL shard in ``tensors``, in rank-independent (sorted) order."""
+def _to_gather(tensors: Dict[str, torch.Tensor], params, tp_group, ep_group) -> Iterable[Tuple[str, tuple]]:
+    """(key, shard spec) of every LOCAL shard in ``tensors``, in rank-independent (sorted) order."""
     for key in sorted(tensors):
         p = param_of(key, params)
-        if p is None or shard_spec(p) is None or tensors[key].dim() == 0:
+        spec = None if p is None else _spec(p, tp_group, ep_group)
+        if spec is None or tensors[key].dim() == 0:
             continue
         if tuple(tensors[key].shape) != tuple(p.shape):
             raise ValueError(
                 f"tensor-parallel checkpoint: {key} has shape {tuple(tensors[key].shape)}, not the "
                 f"local shape {tuple(p.shape)} of its sharded parameter; cannot gather it"
             )
-        yield key, p
+        yield key, spec
 
 
 def gather_for_save(
-    tensors: Dict[str, torch.Tensor], params, tp_group: Group, owner: Callable[[int], bool]
+    tensors: Dict[str, torch.Tensor],
+    params,
+    tp_group: Group,
+    owner: Callable[[int], bool],
+    *,
+    ep_group: Group = None,
 ) -> None:
     """Replace every local shard in ``tensors`` by its full tensor (in place; collective over
-    ``tp_group``). The i-th gathered tensor is kept only where ``owner(i)``, and dropped
-    elsewhere right after its gather (the other ranks write it)."""
-    if tp_size(tp_group) == 1:
+    ``tp_group``, and over ``ep_group`` for expert parameters). The i-th gathered tensor is
+    kept only where ``owner(i)``, and dropped elsewhere right after its gather (the other
+    ranks write it)."""
+    if tp_size(tp_group) == 1 and group_size(ep_group) == 1:
         return
-    for i, (key, p) in enumerate(list(_to_gather(tensors, params))):
+    for i, (key, (group, dim, blocks)) in enumerate(list(_to_gather(tensors, params, tp_group, ep_group))):
         if hasattr(tensors[key], "to_local"):
             raise ValueError(f"tensor-parallel checkpoint: {key} is a DTensor; FSDP2 runs with tp = 1 only")
-        dim, blocks = shard_spec(p)
-        full = gather_full(tensors[key].detach(), tp_group, dim, blocks)
+        full = gather_full(tensors[key].detach(), group, dim, blocks)
         if owner(i):
             tensors[key] = full.cpu()
         else:
@@ -102,18 +146,19 @@ def read_resharded(
     tp_group: Group,
     read: Callable[[Dict[str, torch.Tensor]], None],
     batch_bytes: int = LOAD_BATCH_BYTES,
+    *,
+    ep_group: Group = None,
 ) -> None:
     """Fill every destination of ``reads`` (``key -> (dst, like)``; ``like`` the parameter
     whose sharding ``dst`` has, or None) through ``read`` (fills a dict of tensors in place).
 
     Destinations that are not TP shards are read in place in one call. TP shards are read as
     full tensors in batches of at most ``batch_bytes`` (sorted keys: every rank makes the same
-    calls) and cut to this rank's shard at once."""
-    tp = tp_size(tp_group)
+    calls) and cut to this rank's shard at once; expert shards likewise over ``ep_group``."""
     direct, sharded = {}, []
     for key in sorted(reads):
         dst, like = reads[key]
-        if tp > 1 and like is not None and shard_spec(like) is not None and dst.dim() > 0:
+        if like is not None and dst.dim() > 0 and _spec(like, tp_group, ep_group) is not None:
             sharded.append(key)
         else:
             direct[key] = dst
@@ -122,17 +167,17 @@ def read_resharded(
     size = 0
     for n, key in enumerate(sharded):
         dst, like = reads[key]
-        batch[key] = torch.empty(full_shape(like, tp), dtype=dst.dtype)
+        batch[key] = torch.empty(sharded_full_shape(like, tp_group, ep_group), dtype=dst.dtype)
         size += batch[key].numel() * batch[key].element_size()
         if size >= batch_bytes or n == len(sharded) - 1:
             read(batch)
             with torch.no_grad():
                 for k, full in batch.items():
-                    reads[k][0].copy_(local_from_full(full, reads[k][1], tp_group))
+                    reads[k][0].copy_(_local_from_full(full, reads[k][1], tp_group, ep_group))
             batch, size = {}, 0
 
 
-def layout_record(world: int, tp_group: Group) -> dict:
+def layout_record(world: int, tp_group: Group, ep_group: Group = None) -> dict:
     """The ``parallel`` record of common.json (pipeline parallelism does not exist yet: pp = 1)."""
     tp = tp_size(tp_group)
-    return {"tp": tp, "pp": 1, "dp": world // tp, "world": world}
+    return {"tp": tp, "pp": 1, "dp": world // tp, "world": world, "ep": group_size(ep_group)}

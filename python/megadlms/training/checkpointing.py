@@ -54,6 +54,7 @@ except ImportError:  # torch < 2.4: no FSDP2 either
     DTensor, distribute_tensor = (), None
 
 from megadlms.distributed.wrappers import unwrap_model
+from megadlms.parallel.mappings import group_size
 
 from .checkpoint_faults import agree, find_enospc
 from .checkpoint_format import SafeFileSystemReader, join_state, split_state, tensor_paths
@@ -72,11 +73,11 @@ from .checkpoint_records import MODEL_CONFIG_FLAGS, check_model_config, tokenize
 from .checkpoint_rng import rng_state, same_layout, set_rng_state
 from .checkpoint_tp import (
     check_optimizer_keys,
-    full_shape,
     gather_for_save,
     layout_record,
     named_params,
     read_resharded,
+    sharded_full_shape,
     tp_size,
 )
 
@@ -160,9 +161,11 @@ def _prepare(root: str, iteration: int) -> str:
     return tmp
 
 
-def _collect(model, optimizer, tp_group, owner) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
-    """Flat tensors to write and the optimizer's JSON skeleton; TP shards gathered to full
-    tensors, each kept only where ``owner(i)`` (checkpoint_tp.py)."""
+def _collect(
+    model, optimizer, tp_group, owner, ep_group=None
+) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
+    """Flat tensors to write and the optimizer's JSON skeleton; TP (and EP) shards gathered to
+    full tensors, each kept only where ``owner(i)`` (checkpoint_tp.py)."""
     module = unwrap_model(model)
     tensors: Dict[str, torch.Tensor] = {}
     for k, v in module.state_dict().items():
@@ -170,13 +173,13 @@ def _collect(model, optimizer, tp_group, owner) -> Tuple[Dict[str, torch.Tensor]
             tensors[f"model/{k}"] = v
     opt_skel = None
     # (``model`` may be a state_dict holder, e.g. ckpt_convert's: parameters only matter at tp > 1)
-    params = named_params(module) if tp_size(tp_group) > 1 else {}
+    params = named_params(module) if tp_size(tp_group) > 1 or group_size(ep_group) > 1 else {}
     if optimizer is not None:
         state = optimizer.state_dict()
         if params:
             check_optimizer_keys(state.get("state", {}), params)
         opt_skel = split_state(state, "optimizer", tensors)
-    gather_for_save(tensors, params, tp_group, owner)
+    gather_for_save(tensors, params, tp_group, owner, ep_group=ep_group)
     return tensors, opt_skel
 
 
@@ -216,6 +219,7 @@ def save_checkpoint(
     async_group=None,
     tp_group=None,
     rng_tracker=None,
+    ep_group=None,
 ):
     """Write ``root/iter_XXXXXXX`` (collective: every rank calls). Returns its path, or with
     ``async_group`` (a gloo process group of all ranks, torch_dist only) a
@@ -231,6 +235,8 @@ def save_checkpoint(
     optimizer state are stored as full logical tensors (gathered over it; torch_dist writes
     each once, ``torch`` writes them from rank 0). ``rng_tracker``: the model-parallel
     :class:`~megadlms.parallel.RNGStatesTracker`, whose streams join this rank's RNG file.
+    ``ep_group``: the expert-parallel group (None: no EP); expert parameters and their
+    optimizer state are stored under their full [E, ...] shape (gathered over it).
     """
     if ckpt_format not in ("torch_dist", "torch"):
         raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
@@ -241,14 +247,14 @@ def save_checkpoint(
     tmp = _prepare(root, iteration)
     # Who keeps each gathered full tensor: rank 0 writes the torch file; DCP spreads them.
     owner = (lambda i: rank == 0) if ckpt_format == "torch" else (lambda i: i % world == rank)
-    tensors, opt_skel = _collect(model, optimizer, tp_group, owner)
+    tensors, opt_skel = _collect(model, optimizer, tp_group, owner, ep_group)
     common = {
         "format_version": FORMAT_VERSION,
         "ckpt_format": ckpt_format,
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "world_size": world,
-        "parallel": layout_record(world, tp_group),
+        "parallel": layout_record(world, tp_group, ep_group),
         "wrapper": type(model).__name__,
         "model_config": model_config or {},
         "tokenizer": tokenizer,
@@ -334,6 +340,7 @@ def load_model_state(
     model_config: Optional[dict] = None,
     prefer_fp32_params: bool = True,
     tp_group=None,
+    ep_group=None,
 ) -> dict:
     """Load the weights of checkpoint dir ``ckpt`` into ``model`` (wrapper or plain
     module; any sharding). Checks the model config first. Returns common.json's dict.
@@ -341,12 +348,13 @@ def load_model_state(
     ``prefer_fp32_params``: an fp32 model parameter is read from the optimizer's
     ``fp32_param`` (the exact main copy of a bf16/fp16 run) when the checkpoint has one.
     ``tp_group``: this run's tensor-parallel group (None: no TP); each TP-sharded parameter
-    gets its shard of the stored full tensor, whatever tp the checkpoint was saved at."""
+    gets its shard of the stored full tensor, whatever tp the checkpoint was saved at; each
+    expert parameter its experts (``ep_group``: this run's EP group), whatever the saved ep."""
     common = read_common(ckpt)
     if model_config is not None:
         check_model_config(common.get("model_config", {}), model_config, ckpt)
     module = unwrap_model(model)
-    params, tp = named_params(module), tp_size(tp_group)
+    params = named_params(module)
     sd = module.state_dict()
     template = {f"model/{k}": v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     shapes = _metadata_shapes(ckpt, common)
@@ -361,7 +369,7 @@ def load_model_state(
         )
     for k, v in template.items():
         p = params.get(k[6:])
-        shape = full_shape(p, tp) if p is not None else tuple(v.shape)  # DTensor.shape is full
+        shape = sharded_full_shape(p, tp_group, ep_group) if p is not None else tuple(v.shape)
         if shapes[k][0] != shape:
             raise RuntimeError(
                 f"checkpoint {ckpt}: parameter {k[6:]} has shape {shapes[k][0]} but the "
@@ -372,15 +380,16 @@ def load_model_state(
         main = f"optimizer/state/{k[6:]}/fp32_param"
         use_main = prefer_fp32_params and v.dtype == torch.float32 and main in shapes
         reads[main if use_main else k] = (v, params.get(k[6:]))
-    read_resharded(reads, tp_group, lambda batch: _read_tensors(ckpt, common, batch))
+    read_resharded(reads, tp_group, lambda batch: _read_tensors(ckpt, common, batch), ep_group=ep_group)
     module.load_state_dict({k[6:]: v for k, v in template.items()}, strict=True)
     return common
 
 
-def load_optimizer_state(ckpt: str, optimizer, model, *, tp_group=None) -> None:
+def load_optimizer_state(ckpt: str, optimizer, model, *, tp_group=None, ep_group=None) -> None:
     """Load the optimizer state of ``ckpt`` into ``optimizer`` (built for ``model``).
     Tensors of FSDP2 parameters are read straight into DTensors sharded like them; state of
-    a TP-sharded parameter (``tp_group``: this run's TP group) is cut to this rank's shard."""
+    a TP-sharded parameter (``tp_group``: this run's TP group) is cut to this rank's shard, of
+    an expert parameter to this rank's experts (``ep_group``)."""
     common = read_common(ckpt)
     skel = common.get("optimizer")
     if skel is None:
@@ -389,15 +398,16 @@ def load_optimizer_state(ckpt: str, optimizer, model, *, tp_group=None) -> None:
             "(or --finetune) to load only the weights"
         )
     shapes = _metadata_shapes(ckpt, common)
-    params, tp = named_params(unwrap_model(model)), tp_size(tp_group)
+    params = named_params(unwrap_model(model))
     reads: Dict[str, tuple] = {}
     for path, key in tensor_paths(skel):
         shape, dtype = shapes[key]
         p = params.get(path[1]) if len(path) >= 3 and path[0] == "state" else None
-        if p is not None and len(shape) > 0 and shape != full_shape(p, tp):
+        full = sharded_full_shape(p, tp_group, ep_group) if p is not None else None
+        if p is not None and len(shape) > 0 and shape != full:
             raise RuntimeError(
                 f"checkpoint {ckpt}: optimizer state {key[len('optimizer/state/') :]} has shape {shape} "
-                f"but parameter {path[1]}'s full shape is {full_shape(p, tp)}; the model flags differ "
+                f"but parameter {path[1]}'s full shape is {full}; the model flags differ "
                 "from the checkpoint's"
             )
         if DTensor and isinstance(p, DTensor) and tuple(p.shape) == shape:
@@ -406,11 +416,11 @@ def load_optimizer_state(ckpt: str, optimizer, model, *, tp_group=None) -> None:
             reads[key] = (torch.empty(p.shape, dtype=dtype), p)  # p's local shape
         else:
             reads[key] = (torch.empty(shape, dtype=dtype), None)
-    read_resharded(reads, tp_group, lambda batch: _read_tensors(ckpt, common, batch))
+    read_resharded(reads, tp_group, lambda batch: _read_tensors(ckpt, common, batch), ep_group=ep_group)
     optimizer.load_state_dict(join_state(skel, {k: dst for k, (dst, _) in reads.items()}))
 
 
-def load_rng_state(ckpt: str, *, rng_tracker=None, tp_group=None) -> bool:
+def load_rng_state(ckpt: str, *, rng_tracker=None, tp_group=None, ep_group=None) -> bool:
     """Restore this rank's RNG states (and ``rng_tracker``'s streams, when saved); False
     (nothing changed) when the checkpoint was written by a different layout -- world size,
     or tensor-parallel size (``tp_group``), whose TP ranks must share their default stream --
@@ -418,7 +428,7 @@ def load_rng_state(ckpt: str, *, rng_tracker=None, tp_group=None) -> bool:
     common = read_common(ckpt)
     world = dist.get_world_size() if dist.is_initialized() else 1
     path = os.path.join(ckpt, "rng", f"rank_{_rank()}.pt")
-    if not common.get("rng_saved") or not same_layout(common, world, tp_size(tp_group)):
+    if not common.get("rng_saved") or not same_layout(common, world, tp_size(tp_group), group_size(ep_group)):
         return False
     if not os.path.isfile(path):
         return False
@@ -450,6 +460,7 @@ def load_checkpoint(
     model_config: Optional[dict] = None,
     tp_group=None,
     rng_tracker=None,
+    ep_group=None,
 ) -> TrainState:
     """Restore everything a run needs from checkpoint dir ``ckpt``, in one place and in
     the only safe order (collective under DTensor / distributed-optimizer layouts):
@@ -461,22 +472,24 @@ def load_checkpoint(
     4. this rank's RNG states (and ``rng_tracker``'s streams) when ``load_rng`` and the
        layout (world size, tensor-parallel size) matches.
 
-    ``tp_group``: this run's tensor-parallel group (None: no TP); the checkpoint may come
-    from any tp.
+    ``tp_group`` / ``ep_group``: this run's tensor- / expert-parallel groups (None: none); the
+    checkpoint may come from any tp and ep.
 
     Returns the counters to continue from; ``model_config`` (a ``TransformerConfig.to_dict()``)
     is checked against the checkpoint's record first, and every file is verified against the
     sizes and checksums recorded at save time (:class:`CheckpointCorruptError` names the file)."""
     verify_checkpoint(ckpt, read_common(ckpt))
-    common = load_model_state(ckpt, model, model_config=model_config, tp_group=tp_group)
+    common = load_model_state(ckpt, model, model_config=model_config, tp_group=tp_group, ep_group=ep_group)
     if optimizer is not None:
         if restore_optimizer:
-            load_optimizer_state(ckpt, optimizer, model, tp_group=tp_group)
+            load_optimizer_state(ckpt, optimizer, model, tp_group=tp_group, ep_group=ep_group)
         else:
             optimizer.reload_model_params()
     if scheduler is not None and restore_optimizer and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"], override=override_scheduler)
-    rng = bool(load_rng) and load_rng_state(ckpt, rng_tracker=rng_tracker, tp_group=tp_group)
+    rng = bool(load_rng) and load_rng_state(
+        ckpt, rng_tracker=rng_tracker, tp_group=tp_group, ep_group=ep_group
+    )
     return TrainState(
         iteration=int(common["iteration"]),
         consumed_samples=int(common["consumed_samples"]),

@@ -81,6 +81,12 @@ class ParallelConfig:
                 f"(tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}) = {dp}: "
                 f"drop data_parallel_size or launch {self.data_parallel_size * tp * pp} ranks",
             )
+            ep = self.expert_model_parallel_size
+            bad.check(
+                ep >= 1 and dp % ep == 0,
+                f"expert_model_parallel_size {ep} does not divide data_parallel_size {dp}: expert groups "
+                "are carved out of the data-parallel ranks (expert-data-parallel size = dp / ep)",
+            )
         if self.distributed_backend is None:
             self.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
         bad.check(

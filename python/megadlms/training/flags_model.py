@@ -257,7 +257,8 @@ def parallel_args(p):
         "--expert-model-parallel-size",
         type=int,
         default=1,
-        help="Expert parallel size (only 1 supported yet).",
+        help="Expert parallel size: the experts of every MoE layer are split over this many "
+        "data-parallel ranks (must divide the data-parallel size and --num-experts).",
     )
     add_flag(
         g,

@@ -77,6 +77,7 @@ def _load(path: str, config: RunConfig, model, optimizer, scheduler, tp) -> chec
         model_config=config.model.to_dict(),
         tp_group=None if tp is None else tp.group,
         rng_tracker=None if tp is None else tp.rng_tracker,
+        ep_group=None if tp is None else tp.expert_group,
     )
 
 

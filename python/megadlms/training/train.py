@@ -190,6 +190,7 @@ class Trainer:
             async_group=self._ckpt_group,
             tp_group=self.tp.group,
             rng_tracker=self.tp.rng_tracker,
+            ep_group=self.tp.expert_group,
         )
         self.result.save_stalls.append(time.perf_counter() - t0)
         if isinstance(written, str):

@@ -49,14 +49,18 @@ def evaluate(
 def params_norm(model, device: torch.device, groups=None) -> float:
     """Global L2 norm of the full parameters (collective over every rank): FSDP2's DTensor
     pieces count on every rank, tensor-parallel shards on data-parallel rank 0 of their TP
-    group, replicated parameters on global rank 0 -- so each element counts once."""
+    group, expert parameters on expert-data-parallel rank 0 of their EP group, replicated
+    parameters on global rank 0 -- so each element counts once."""
     dp_rank = groups.dp.rank if groups is not None else 0
+    expert_dp_rank = groups.expert_dp.rank if groups is not None else 0
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in unwrap_model(model).parameters():
         if hasattr(p, "to_local"):
             local, counts = p.to_local(), True
         elif getattr(p, "tensor_model_parallel", False):
             local, counts = p, dp_rank == 0
+        elif getattr(p, "expert_parallel", False):
+            local, counts = p, expert_dp_rank == 0
         else:
             local, counts = p, dist.get_rank() == 0
         if counts:
