@@ -1,7 +1,8 @@
 """An MoE DLM through the real CLI (``megadlms.pretrain.run``, gloo CPU, mock data): the MoE
 flags reach the model, the aux and z losses train with a normalisation that does not depend
 on the layout (dp = 2 with 2 micro-batches per rank follows dp = 1 with 4 on the same global
-batch, with a large aux coefficient), and the metrics log the aux loss and the load balance.
+batch, with a large aux coefficient), a checkpoint resumes bitwise, and the metrics log the
+aux loss and the load balance.
 Megatron's dropout 0.1 runs; the CLI rules name the flags."""
 
 from __future__ import annotations
@@ -30,18 +31,23 @@ TINY = (
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 
 
-def _world(rank, world, tmp, extra):
+def _world(rank, world, tmp, extra, resume=False):
     from megadlms.pretrain import run
 
     metrics = os.path.join(tmp, f"m{world}_{len(extra)}.jsonl")
     res = run(TINY + extra + ["--metrics-jsonl", metrics])
-    return res.losses, metrics
+    if not resume:
+        return res.losses, metrics
+    save = os.path.join(tmp, "ckpt")
+    run(TINY + extra + ["--save", save, "--save-interval", "100", "--exit-interval", "3"])
+    resumed = run(TINY + extra + ["--load", save])
+    return res.losses, metrics, resumed.losses
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("moe"))
-    dp2 = run_distributed(_world, 2, (tmp, NO_DROPOUT), timeout=600)
+    dp2 = run_distributed(_world, 2, (tmp, NO_DROPOUT, True), timeout=600)
     dp1 = run_distributed(_world, 1, (tmp, NO_DROPOUT), timeout=600)
     dropout = run_distributed(_world, 2, (tmp, []), timeout=600)
     return dp2, dp1, dropout
@@ -50,6 +56,10 @@ def runs(tmp_path_factory):
 def test_moe_loss_does_not_depend_on_dp(runs):
     dp2, dp1, _ = runs
     losses2, losses1 = dp2[0][0], dp1[0][0]
+    resumed = dp2[0][2]
+    assert sorted(resumed) == [4, 5, 6]
+    for i in resumed:  # a checkpoint at iteration 3 resumes the MoE run bitwise
+        assert resumed[i] == losses2[i], i
     assert sorted(losses2) == sorted(losses1) == list(range(1, 7))
     for i in losses1:  # the updates (aux gradients included) are the same at dp 1 and 2
         assert losses2[i] == pytest.approx(losses1[i], rel=1e-5), i
