@@ -156,19 +156,19 @@ class AllToAllDispatcher:
 
 def _chunk_order(counts_SL: torch.Tensor) -> torch.Tensor:
     """Row indices that reorder chunks laid out source-major ([s][l] for counts [S, L]) into
-    local-expert-major ([l][s])."""
-    S, L = counts_SL.shape
-    starts = torch.cumsum(counts_SL.flatten(), 0) - counts_SL.flatten()
-    pieces = []
-    for l_idx in range(L):
-        for s in range(S):
-            n = int(counts_SL[s, l_idx])
-            if n:
-                start = int(starts[s * L + l_idx])
-                pieces.append(torch.arange(start, start + n, device=counts_SL.device))
-    if not pieces:
-        return torch.zeros(0, dtype=torch.int64, device=counts_SL.device)
-    return torch.cat(pieces)
+    local-expert-major ([l][s]). One host copy of the (small) count matrix."""
+    counts = counts_SL.tolist()
+    S, L = len(counts), len(counts[0])
+    starts, offset = [[0] * L for _ in range(S)], 0
+    for s in range(S):
+        for l_idx in range(L):
+            starts[s][l_idx], offset = offset, offset + counts[s][l_idx]
+    pieces = [
+        torch.arange(starts[s][l_idx], starts[s][l_idx] + counts[s][l_idx], device=counts_SL.device)
+        for l_idx in range(L)
+        for s in range(S)
+    ]
+    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=counts_SL.device)
 
 
 def _gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
