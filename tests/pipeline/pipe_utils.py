@@ -108,6 +108,18 @@ def _full(t, param, tp_group):
     return t.clone() if spec is None or tp_group is None else gather_full(t, tp_group, *spec)
 
 
+def _count_no_sync(ddp) -> None:
+    """Count the schedule's ``no_sync()`` entries on this DDP chunk (instance attribute)."""
+    inner = ddp.no_sync
+    ddp.no_sync_calls = 0
+
+    def counted():
+        ddp.no_sync_calls += 1
+        return inner()
+
+    ddp.no_sync = counted
+
+
 def pipeline_step(rank, world, spec: dict):
     """One step on this rank: spec keys pp, vp, tp, dp, m (micro-batches per dp rank), b, loss,
     cfg (TransformerConfig kwargs), ddp (wrap each chunk), split (stage_layers kwargs),
@@ -132,6 +144,8 @@ def pipeline_step(rank, world, spec: dict):
             calculate_per_token_loss=True, overlap_grad_reduce=True, bucket_size=500
         )
         runners = [DistributedDataParallel(m, ddp_cfg, process_group=groups.dp.group) for m in models]
+        for r in runners:
+            _count_no_sync(r)
     else:
         runners = models
     m, b, loss = spec["m"], spec["b"], spec.get("loss", "ce")
@@ -164,6 +178,7 @@ def pipeline_step(rank, world, spec: dict):
         "init": init,
         "dp_rank": groups.dp.rank,
         "pp_rank": groups.pp.rank,
+        "no_sync_calls": [getattr(r, "no_sync_calls", None) for r in runners],
     }
     if spec.get("forward_only"):
         out["grads"] = {n: p.grad for mm in models for n, p in mm.named_parameters()}

@@ -46,6 +46,8 @@ def _compare(results, spec, ref_kw=None):
         (4, {"pp": 4, "m": 6, "b": 1}),
         (2, {"pp": 2, "vp": 2, "m": 4, "b": 2}),
         (2, {"pp": 2, "vp": 2, "m": 2, "b": 2}),  # m == pp: all warm-up, then all cool-down
+        (4, {"pp": 4, "vp": 2, "m": 8, "b": 1, "cfg": {"num_layers": 8}}),
+        (4, {"pp": 4, "vp": 2, "m": 4, "b": 1, "cfg": {"num_layers": 8}}),
         (2, {"pp": 2, "m": 3, "b": 2, "loss": "diffusion"}),
         (
             2,
@@ -59,7 +61,16 @@ def _compare(results, spec, ref_kw=None):
             },
         ),
     ],
-    ids=["pp2", "pp4", "pp2-vp2", "pp2-vp2-m2", "pp2-diffusion", "pp2-vp2-untied-diffusion"],
+    ids=[
+        "pp2",
+        "pp4",
+        "pp2-vp2",
+        "pp2-vp2-m2",
+        "pp4-vp2-m8",
+        "pp4-vp2-m4",
+        "pp2-diffusion",
+        "pp2-vp2-untied-diffusion",
+    ],
 )
 def test_pipeline_matches_one_process(world, spec):
     _compare(run_distributed(pipeline_step, world, args=(spec,), timeout=TIMEOUT), spec)
@@ -67,7 +78,10 @@ def test_pipeline_matches_one_process(world, spec):
 
 def test_pp2_dp2_ddp_chunks_match_one_process():
     spec = {"pp": 2, "dp": 2, "vp": 2, "m": 4, "b": 1, "ddp": True, "loss": "diffusion"}
-    _compare(run_distributed(pipeline_step, 4, args=(spec,), timeout=TIMEOUT), spec)
+    results = run_distributed(pipeline_step, 4, args=(spec,), timeout=TIMEOUT)
+    _compare(results, spec)
+    for r in results:  # every backward but each chunk's last ran under no_sync
+        assert r["no_sync_calls"] == [3, 3]
 
 
 def test_pp2_dp2_ddp_1f1b_match_one_process():
