@@ -66,7 +66,6 @@ def _compare(results, spec, ref_kw=None):
         "pp2-vp2",
         "pp2-vp2-m2",
         "pp4-vp2-m8",
-        "pp4-vp2-m4",
         "pp2-diffusion",
         "pp2-vp2-untied-diffusion",
     ],
