@@ -92,9 +92,13 @@ class GroupedMLP(nn.Module):
         return self.linear_fc2(h, tokens_per_expert)
 
     @torch.no_grad()
-    def init_weights(self, std: float, output_std: float, ep_rank: int, ep: int) -> None:
-        """Megatron's init: fc1 normal(std), fc2 normal(output_std), zero biases; full tensors."""
+    def init_weights(self, std: float, output_std: float, ep_rank: int, ep: int, init_expert=None) -> None:
+        """Megatron's init: fc1 normal(std), fc2 normal(output_std), zero biases; full tensors.
+        ``init_expert(param, std, ep)`` replaces the draw (a pipeline chunk skipping a layer)."""
         for linear, s in ((self.linear_fc1, std), (self.linear_fc2, output_std)):
-            init_expert_normal_(linear.weight, s, ep_rank, ep)
+            if init_expert is None:
+                init_expert_normal_(linear.weight, s, ep_rank, ep)
+            else:
+                init_expert(linear.weight, s, ep)
             if linear.bias is not None:
                 linear.bias.zero_()

@@ -96,12 +96,12 @@ class MoELayer(nn.Module):
         return self._sums, self._tokens
 
     @torch.no_grad()
-    def init_weights(self, std: float, output_std: float, init_normal) -> None:
+    def init_weights(self, std: float, output_std: float, init_normal, init_expert=None) -> None:
         """Megatron's init in one fixed order of FULL tensors: the router normal(std), the
         experts (fc1 std, fc2 output_std; each EP rank keeps its own), the shared experts
         with ``init_normal(param, std)`` like the dense MLP."""
         init_normal(self.router.weight, std)
-        self.experts.init_weights(std, output_std, self.ep_rank, self.ep)
+        self.experts.init_weights(std, output_std, self.ep_rank, self.ep, init_expert)
         if self.shared_experts is not None:
             for linear, s in (
                 (self.shared_experts.linear_fc1, std),
