@@ -344,6 +344,39 @@ def _layout_problems(model, parallel: Optional[ParallelConfig], ddp) -> List[str
     return [flag_message(p) for p in out]
 
 
+def _pipeline_problems(model, parallel: Optional[ParallelConfig], training) -> List[str]:
+    """The pipeline rules that span configs: the layer split over the stages (and chunks)
+    and the number of micro-batches the schedule needs (m >= pp for 1F1B, a multiple of pp
+    for the interleaved schedule), worded with the flags."""
+    if parallel is None or parallel.pipeline_model_parallel_size == 1:
+        return []
+    pp, out, vp = parallel.pipeline_model_parallel_size, [], None
+    if model is not None:
+        try:
+            vp = parallel.virtual_stages(model.num_layers)
+        except ValueError as exc:
+            out.append(str(exc))
+    if training is not None and training.global_batch_size and vp is not None:
+        t = training
+        m = t.num_micro_batches
+        count = (
+            f"global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x "
+            f"data_parallel_size {t.data_parallel_size}) = {m} micro-batches per step"
+        )
+        if vp == 1 and m < pp:
+            out.append(
+                f"{count}: the 1F1B pipeline schedule needs at least pipeline_model_parallel_size {pp}; "
+                f"raise global_batch_size to {pp * t.micro_batch_size * t.data_parallel_size} or more"
+            )
+        elif vp > 1 and m % pp:
+            out.append(
+                f"{count}: the interleaved pipeline schedule ({vp} virtual stages) needs a multiple of "
+                f"pipeline_model_parallel_size {pp}; use a global_batch_size that is a multiple of "
+                f"{pp * t.micro_batch_size * t.data_parallel_size}"
+            )
+    return [flag_message(p) for p in out]
+
+
 def _collect(problems: List[str], build: Callable):
     """``build()``, or None with its ConfigError's problems (reworded with flags) recorded."""
     try:
@@ -371,6 +404,7 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None
     parts["training"] = _collect(problems, lambda: _training_config(args, dp))
     problems += _layout_problems(parts["model"], parts["parallel"], parts["ddp"])
+    problems += _pipeline_problems(parts["model"], parts["parallel"], parts["training"])
     problems = cross_flag_problems(args, parts["ddp"]) + problems
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
