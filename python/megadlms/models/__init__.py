@@ -8,19 +8,29 @@
 Knows nothing about distribution: data-parallel wrappers are applied from outside.
 """
 
+from .chunk import PipelineChunk
 from .config import TransformerConfig, megatron_swiglu_ffn_size
 from .flops import num_floating_point_operations
 from .gpt import GPTModel, LanguageModelEmbedding, OutputLayer
-from .transformer import MLP, RotaryEmbedding, SelfAttention, TransformerBlock, TransformerLayer
+from .transformer import (
+    MLP,
+    RotaryEmbedding,
+    SelfAttention,
+    TransformerBlock,
+    TransformerLayer,
+    TransformerLayers,
+)
 
 __all__ = [
     "TransformerConfig",
     "GPTModel",
+    "PipelineChunk",
     "LanguageModelEmbedding",
     "OutputLayer",
     "RotaryEmbedding",
     "TransformerLayer",
     "TransformerBlock",
+    "TransformerLayers",
     "SelfAttention",
     "MLP",
     "num_floating_point_operations",

@@ -11,6 +11,14 @@ over the vocab (rank r holds rows [r*V/tp, (r+1)*V/tp)), the logits are this ran
 [B, S, V/tp] (never gathered: :meth:`GPTModel.token_cross_entropy` scores them), learned
 position embeddings are replicated. With sequence parallelism the activations between the TP
 regions are [B, S/tp, H].
+
+Pipeline parallelism (``pipeline``, docs/parallel.md): a :class:`PipelineChunk` builds one
+chunk — the embedding only with ``pre_process``, ``decoder.final_layernorm`` and
+``output_layer`` only with ``post_process``, and the layers of its GLOBAL range, named by their
+global index. With tied embeddings a ``post_process`` chunk without ``pre_process`` owns
+``output_layer.weight``, a copy of the word embedding marked ``shared_embedding = True``
+(its gradient is summed with the embedding's over the embedding group:
+``megadlms.pipeline.allreduce_embedding_grads``).
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from megadlms.parallel import (
 from megadlms.parallel.linear_impl import linear as fused_linear
 from megadlms.parallel.sharding import mark_sharded
 
+from .chunk import WHOLE_MODEL, PipelineChunk
 from .config import TransformerConfig, check_tensor_parallel
 from .transformer import (
     CORE_ATTN_IMPLEMENTATIONS,
@@ -51,6 +60,7 @@ _TP_ATTRS = (
     "partition_blocks",
     "sequence_parallel",
     "zero_out_wgrad",
+    "shared_embedding",
 )
 
 
@@ -149,6 +159,14 @@ class GPTModel(nn.Module):
     them with :meth:`token_cross_entropy`.
     ``document_ids`` int64 [B,S] (document packing): each position attends only to the
     positions of its own document.
+
+    ``pipeline``: the :class:`PipelineChunk` this model builds (default: the whole model).
+    Its weights are bitwise the whole model's for the same seed (the parts other chunks hold
+    are constructed and drawn, then dropped). A chunk without ``pre_process`` takes the previous
+    chunk's output as ``hidden_states`` [B, S, H] ([B, S'/tp, H] sequence-parallel, S' padded
+    to a multiple of tp) plus ``position_ids`` [B, S] (rotary, padding) and ``document_ids``;
+    ``input_ids`` is then optional. A chunk without ``post_process`` returns hidden states
+    (uncropped, the next chunk's input) instead of logits.
     """
 
     def __init__(
@@ -157,6 +175,7 @@ class GPTModel(nn.Module):
         attention: Optional[str] = None,
         core_attn_implementation: str = "TEDotProductAttention",
         tp: TensorParallelContext = NO_TENSOR_PARALLEL,
+        pipeline: PipelineChunk = WHOLE_MODEL,
     ) -> None:
         super().__init__()
         if core_attn_implementation not in CORE_ATTN_IMPLEMENTATIONS:
@@ -172,14 +191,27 @@ class GPTModel(nn.Module):
         self.tp = tp
         self.attention = attention = config.attention
         self.share_embeddings_and_output_weights = not config.untie_embeddings_and_output_weights
-        self.embedding = LanguageModelEmbedding(config, tp)
+        layers = pipeline.layer_range(config.num_layers)
+        self.pipeline = PipelineChunk(pipeline.pre_process, pipeline.post_process, layers)
+        pre, post = pipeline.pre_process, pipeline.post_process
+        # built on every chunk (dropped unless pre_process): the construction draws of the whole model
+        embedding = LanguageModelEmbedding(config, tp)
+        self.embedding = embedding if pre else None
         if config.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_base)
         else:
             self.rotary_pos_emb = None
-        self.decoder = TransformerBlock(config, attention, tp=tp)
-        self.output_layer = OutputLayer(config, tied=self.share_embeddings_and_output_weights, tp=tp)
-        if self.share_embeddings_and_output_weights and tp.gradient_accumulation_fusion:
+        self.decoder = TransformerBlock(config, attention, tp=tp, layers=layers, post_process=post)
+        # the last stage's copy of a tied embedding (another stage holds the embedding itself)
+        self.has_shared_embedding_copy = self.share_embeddings_and_output_weights and post and not pre
+        if post:
+            tied_here = self.share_embeddings_and_output_weights and pre
+            self.output_layer = OutputLayer(config, tied=tied_here, tp=tp)
+            if self.has_shared_embedding_copy:
+                self.output_layer.weight.shared_embedding = True
+        else:
+            self.output_layer = None
+        if self.share_embeddings_and_output_weights and pre and post and tp.gradient_accumulation_fusion:
             # the tied matrix also gets the lookup's ordinary gradient: DDP must fold that too
             self.embedding.word_embeddings.weight.zero_out_wgrad = True
         self.reset_parameters()
@@ -190,15 +222,33 @@ class GPTModel(nn.Module):
 
         Every FULL tensor is drawn from the default generator in one fixed order (word
         embeddings, positions, output layer, then the layers) and each rank keeps its shard,
-        so the logical weights are bitwise the same at every tp for the same seed."""
-        std = self.config.init_method_std
+        so the logical weights are bitwise the same at every tp for the same seed.
+        A pipeline chunk makes the same draws and keeps its own tensors (the tied embedding's
+        copy on the last stage is drawn with the word embedding: equal to it)."""
+        cfg, std = self.config, self.config.init_method_std
+        emb = self.embedding
+        out_w = None if self.output_layer is None else self.output_layer.weight
+        word = (
+            emb.word_embeddings.weight
+            if emb is not None
+            else (out_w if self.has_shared_embedding_copy else None)
+        )
+        device = next(self.parameters()).device
         with torch.no_grad():
-            init_normal_(self.embedding.word_embeddings.weight, std, self.tp)
-            if self.embedding.position_embeddings is not None:
-                init_normal_(self.embedding.position_embeddings.weight, std, self.tp)
-            if self.output_layer.weight is not None:
-                init_normal_(self.output_layer.weight, std, self.tp)
+            self._init_or_skip(word, (cfg.vocab_size, cfg.hidden_size), std, device)
+            if cfg.position_embedding_type == "learned_absolute":
+                pos = emb.position_embeddings.weight if emb is not None else None
+                self._init_or_skip(pos, (cfg.max_position_embeddings, cfg.hidden_size), std, device)
+            if not self.share_embeddings_and_output_weights:
+                self._init_or_skip(out_w, (cfg.vocab_size, cfg.hidden_size), std, device)
         init_transformer_weights(self.decoder, self.config, self.tp)
+
+    def _init_or_skip(self, param, full_shape, std: float, device) -> None:
+        """init_normal_ ``param``; when another chunk holds it (None), draw its full tensor and drop it."""
+        if param is not None:
+            init_normal_(param, std, self.tp)
+        else:
+            torch.empty(full_shape, dtype=self.config.params_dtype, device=device).normal_(mean=0.0, std=std)
 
     def _apply(self, fn, recurse=True):
         # ``to_empty`` (meta -> device) and some conversions replace the Parameter objects,
@@ -225,21 +275,20 @@ class GPTModel(nn.Module):
 
     def forward(
         self,
-        input_ids: torch.Tensor,
+        input_ids: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
         document_ids: Optional[torch.Tensor] = None,
+        hidden_states: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
-            raise ValueError(
-                f"input_ids must be int64 [batch, seq], got {input_ids.dtype} {tuple(input_ids.shape)}"
-            )
-        B, S = input_ids.shape
+        B, S, device = self._check_inputs(input_ids, position_ids, hidden_states)
+        if input_ids is None:  # a later pipeline chunk: only the shape matters (padding)
+            input_ids = torch.zeros(B, S, dtype=torch.int64, device=device)
         if S > self.config.max_position_embeddings:
             raise ValueError(
                 f"input length {S} exceeds max_position_embeddings ({self.config.max_position_embeddings})"
             )
         if position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+            position_ids = torch.arange(S, device=device).expand(B, S)
         elif position_ids.shape != input_ids.shape:
             position_ids = position_ids.expand(B, S)
         if document_ids is not None and document_ids.shape != input_ids.shape:
@@ -249,11 +298,44 @@ class GPTModel(nn.Module):
         pad = -S % self.tp.size if self.tp.sequence_parallel else 0
         if pad:  # the sequence is split over the TP ranks: pad it to a multiple, masked out exactly
             input_ids, position_ids, document_ids = _pad_sequence(input_ids, position_ids, document_ids, pad)
-        logits = self._forward(input_ids, position_ids, document_ids)
-        return logits[:, :S] if pad else logits
+        out = self._forward(input_ids, position_ids, document_ids, hidden_states)
+        return out[:, :S] if pad and self.pipeline.post_process else out
 
-    def _forward(self, input_ids, position_ids, document_ids) -> torch.Tensor:
-        x_BSH = self.embedding(input_ids, position_ids)
+    def _check_inputs(self, input_ids, position_ids, hidden_states):
+        """(B, S, device) of the call; the inputs a chunk needs must be there."""
+        if input_ids is not None:
+            if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
+                raise ValueError(
+                    f"input_ids must be int64 [batch, seq], got {input_ids.dtype} {tuple(input_ids.shape)}"
+                )
+            B, S = input_ids.shape
+        elif self.pipeline.pre_process:
+            raise ValueError("input_ids is required (this model chunk holds the embedding)")
+        if self.pipeline.pre_process:
+            if hidden_states is not None:
+                raise ValueError(
+                    "hidden_states is only for a pipeline chunk without the embedding (pre_process)"
+                )
+            return B, S, input_ids.device
+        if hidden_states is None or hidden_states.dim() != 3:
+            raise ValueError(
+                "a pipeline chunk without the embedding (pre_process False) takes the previous chunk's "
+                "output as hidden_states [batch, seq, hidden]"
+            )
+        if input_ids is None:  # the batch dim is never split; the sequence is under SP (and padded)
+            B = hidden_states.shape[0]
+            if position_ids is not None:
+                S = position_ids.shape[-1]
+            elif self.tp.sequence_parallel:
+                raise ValueError(
+                    "a sequence-parallel pipeline chunk needs input_ids or position_ids [batch, seq]"
+                )
+            else:
+                S = hidden_states.shape[1]
+        return B, S, hidden_states.device
+
+    def _forward(self, input_ids, position_ids, document_ids, hidden_states=None) -> torch.Tensor:
+        x_BSH = self.embedding(input_ids, position_ids) if self.pipeline.pre_process else hidden_states
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         doc_mask = None
         if document_ids is not None:
@@ -261,7 +343,11 @@ class GPTModel(nn.Module):
                 document_ids, self.attention == "causal", self.core_attn_implementation
             )
         x_BSH = self.decoder(x_BSH, rotary, doc_mask)
-        weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
+        if not self.pipeline.post_process:
+            return x_BSH
+        weight = None
+        if self.share_embeddings_and_output_weights and self.pipeline.pre_process:
+            weight = self.embedding.word_embeddings.weight
         return self.output_layer(x_BSH, weight)
 
 

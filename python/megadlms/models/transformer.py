@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -331,8 +331,45 @@ class TransformerLayer(nn.Module):
             return self.hidden_dropout(x_BSH)
 
 
+class TransformerLayers(nn.Module):
+    """A chunk's transformer layers, registered under their GLOBAL indices (so parameter names
+    read ``decoder.layers.{global_i}.…`` in every pipeline chunk, exactly the whole model's).
+
+    Behaves like the ``nn.ModuleList`` it replaces: ``len``, iteration in layer order and
+    ``layers[i]`` / slices by POSITION in this chunk (for the whole model position == global
+    index). ``global_indices`` lists the global index of each position; :meth:`by_global`
+    looks a layer up by global index (None if this chunk does not hold it)."""
+
+    def __init__(self, layers: Dict[int, nn.Module]) -> None:
+        super().__init__()
+        for index in sorted(layers):
+            self.add_module(str(index), layers[index])
+
+    @property
+    def global_indices(self) -> List[int]:
+        return [int(k) for k in self._modules]
+
+    def by_global(self, index: int) -> Optional[nn.Module]:
+        return self._modules.get(str(index))
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __iter__(self) -> Iterator[nn.Module]:
+        return iter(self._modules.values())
+
+    def __getitem__(self, idx):
+        return list(self._modules.values())[idx]
+
+
 class TransformerBlock(nn.Module):
-    """``layers`` (ModuleList of TransformerLayer) followed by ``final_layernorm``."""
+    """``layers`` (:class:`TransformerLayers`) followed by ``final_layernorm``.
+
+    ``layers``: the GLOBAL layer indices this block holds (a pipeline chunk; default all).
+    The layers outside it are still constructed, one at a time, and dropped, so the default
+    generator advances exactly as for the whole model (bitwise the same initial weights).
+    ``post_process`` False: no final_layernorm (``final_layernorm`` is None; not the last chunk).
+    """
 
     def __init__(
         self,
@@ -340,19 +377,31 @@ class TransformerBlock(nn.Module):
         attention: str,
         *,
         tp: TensorParallelContext = NO_TENSOR_PARALLEL,
+        layers: Optional[range] = None,
+        post_process: bool = True,
     ) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(
-            TransformerLayer(config, attention, layer_number=i + 1, tp=tp) for i in range(config.num_layers)
-        )
-        self.final_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
+        self.attention = attention
+        keep = range(config.num_layers) if layers is None else layers
+        built = {}
+        for i in range(config.num_layers):
+            layer = TransformerLayer(config, attention, layer_number=i + 1, tp=tp)
+            if i in keep:
+                built[i] = layer
+        self.layers = TransformerLayers(built)
+        if post_process:
+            self.final_layernorm = build_norm(
+                config, config.hidden_size, grad_is_partial=tp.sequence_parallel
+            )
+        else:
+            self.final_layernorm = None
 
     def forward(
         self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, doc_mask=None
     ) -> torch.Tensor:
         for layer in self.layers:
             x_BSH = layer(x_BSH, rotary, doc_mask)
-        return self.final_layernorm(x_BSH)
+        return x_BSH if self.final_layernorm is None else self.final_layernorm(x_BSH)
 
 
 def init_normal_(param: torch.Tensor, std: float, tp: TensorParallelContext) -> None:
@@ -369,26 +418,49 @@ def init_normal_(param: torch.Tensor, std: float, tp: TensorParallelContext) -> 
     param.copy_(local_from_full(full, param, tp.group))
 
 
+def skip_normal_(param: torch.Tensor, std: float, tp: TensorParallelContext, device) -> None:
+    """Make the draws :func:`init_normal_` would make for ``param`` (a meta stand-in of a
+    weight another pipeline chunk holds) on ``device`` and drop them: the default generator
+    then stands where it would after initialising the whole model up to there."""
+    shape = tuple(param.shape) if shard_spec(param) is None or tp.size == 1 else full_shape(param, tp.size)
+    torch.empty(shape, dtype=param.dtype, device=device).normal_(mean=0.0, std=std)
+
+
+def _init_layer_weights(layer: nn.Module, std: float, scaled_std: float, init) -> None:
+    attn, mlp = layer.self_attention, layer.mlp
+    for linear, s in (
+        (attn.linear_qkv, std),
+        (attn.linear_proj, scaled_std),
+        (mlp.linear_fc1, std),
+        (mlp.linear_fc2, scaled_std),
+    ):
+        init(linear.weight, s)
+        if linear.bias is not None:
+            nn.init.zeros_(linear.bias)
+
+
 def init_transformer_weights(
     block: TransformerBlock, config: TransformerConfig, tp: TensorParallelContext = NO_TENSOR_PARALLEL
 ) -> None:
     """Megatron init: normal(0, std) for input projections, std/sqrt(2L) for the output
     projections (linear_proj, linear_fc2), zero biases, norms at (1, 0). The draws are made in
-    one fixed order of FULL tensors (:func:`init_normal_`), the same at every tp."""
+    one fixed order of FULL tensors (:func:`init_normal_`), the same at every tp; the layers of
+    other pipeline chunks are drawn and dropped (:func:`skip_normal_`), so a chunk's weights are
+    the whole model's."""
     std = config.init_method_std
     scaled_std = std / math.sqrt(2.0 * config.num_layers)
+    device = next(block.parameters()).device
+    ghost = None  # a meta layer: the shapes and TP marks of the layers this block lacks
     with torch.no_grad():
-        for layer in block.layers:
-            attn, mlp = layer.self_attention, layer.mlp
-            for linear, s in (
-                (attn.linear_qkv, std),
-                (attn.linear_proj, scaled_std),
-                (mlp.linear_fc1, std),
-                (mlp.linear_fc2, scaled_std),
-            ):
-                init_normal_(linear.weight, s, tp)
-                if linear.bias is not None:
-                    nn.init.zeros_(linear.bias)
+        for i in range(config.num_layers):
+            layer = block.layers.by_global(i)
+            if layer is not None:
+                _init_layer_weights(layer, std, scaled_std, lambda p, s: init_normal_(p, s, tp))
+                continue
+            if ghost is None:
+                with torch.device("meta"):
+                    ghost = TransformerLayer(config, block.attention, tp=tp)
+            _init_layer_weights(ghost, std, scaled_std, lambda p, s: skip_normal_(p, s, tp, device))
         for module in block.modules():
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()

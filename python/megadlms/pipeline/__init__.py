@@ -1,0 +1,30 @@
+"""megadlms.pipeline: pipeline parallelism — the stage split, tied embeddings across stages,
+point-to-point activation exchange and the 1F1B / interleaved 1F1B schedules.
+
+    from megadlms.models import GPTModel, PipelineChunk
+    from megadlms.pipeline import stage_layers, model_chunks, forward_backward_pipelining
+    ranges = stage_layers(num_layers, pp, vp=vp)[pp_rank]     # this rank's chunks' layers
+    chunks = [GPTModel(cfg, tp=tp, pipeline=c) for c in model_chunks(ranges, pp_rank, pp, num_layers)]
+    losses = forward_backward_pipelining(chunks, micro_batches, forward_step, pp_group=groups.pp)
+"""
+
+from megadlms.models.chunk import PipelineChunk
+
+from .embedding import (
+    allreduce_embedding_grads,
+    build_embedding_group,
+    embedding_grad_params,
+    embedding_group_ranks,
+)
+from .split import model_chunks, stage_layers, virtual_pipeline_size
+
+__all__ = [
+    "PipelineChunk",
+    "stage_layers",
+    "model_chunks",
+    "virtual_pipeline_size",
+    "embedding_group_ranks",
+    "build_embedding_group",
+    "embedding_grad_params",
+    "allreduce_embedding_grads",
+]
