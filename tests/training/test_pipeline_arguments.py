@@ -80,6 +80,27 @@ RULES = [
         [],
     ),
     (
+        "uneven_split",
+        ["--pipeline-model-parallel-size", "3", "--global-batch-size", "3", "--decoder-first-pipeline-num-layers", "1"],
+        3,
+        ["the 3 layers left by --decoder-first-pipeline-num-layers 1", "evenly (at least one each) over the 2 middle stages"],
+        ["--pipeline-model-parallel-size", "3", "--global-batch-size", "3", "--decoder-first-pipeline-num-layers", "2"],
+    ),
+    (
+        "even_split",
+        ["--pipeline-model-parallel-size", "3", "--global-batch-size", "3"],
+        3,
+        ["--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"],
+        ["--pipeline-model-parallel-size", "3", "--global-batch-size", "3", "--decoder-last-pipeline-num-layers", "2"],
+    ),
+    (
+        "torch_format",
+        ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--ckpt-format", "torch"],
+        2,
+        ["--ckpt-format torch (one file written by rank 0) needs --pipeline-model-parallel-size 1"],
+        ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--ckpt-format", "torch_dist"],
+    ),
+    (
         "fsdp2_pp",
         ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2", "--use-torch-fsdp2",
          "--untie-embeddings-and-output-weights"],

@@ -34,6 +34,7 @@ from megadlms.models import TransformerConfig
 from megadlms.models.config import tensor_parallel_problems
 from megadlms.optimizer import OptimizerConfig
 from megadlms.parallel.groups import check_instances
+from megadlms.pipeline import stage_layers
 
 from .config import (
     CheckpointConfig,
@@ -344,7 +345,7 @@ def _layout_problems(model, parallel: Optional[ParallelConfig], ddp) -> List[str
     return [flag_message(p) for p in out]
 
 
-def _pipeline_problems(model, parallel: Optional[ParallelConfig], training) -> List[str]:
+def _pipeline_problems(model, parallel: Optional[ParallelConfig], training, checkpoint) -> List[str]:
     """The pipeline rules that span configs: the layer split over the stages (and chunks)
     and the number of micro-batches the schedule needs (m >= pp for 1F1B, a multiple of pp
     for the interleaved schedule), worded with the flags."""
@@ -354,8 +355,25 @@ def _pipeline_problems(model, parallel: Optional[ParallelConfig], training) -> L
     if model is not None:
         try:
             vp = parallel.virtual_stages(model.num_layers)
+            stage_layers(
+                model.num_layers,
+                pp,
+                vp=vp,
+                first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+                last_stage_layers=parallel.decoder_last_pipeline_num_layers,
+            )
         except ValueError as exc:
             out.append(str(exc))
+    if checkpoint is not None and checkpoint.hf_init:
+        out.append(
+            "hf_init needs pipeline_model_parallel_size 1: convert the model to a checkpoint with "
+            "megadlms-import-hf, then --load it with pipeline parallelism (checkpoints reshard)"
+        )
+    if checkpoint is not None and checkpoint.ckpt_format == "torch":
+        out.append(
+            "ckpt_format torch (one file written by rank 0) needs pipeline_model_parallel_size 1: "
+            "every pipeline stage writes its own tensors with ckpt_format torch_dist (the default)"
+        )
     if training is not None and training.global_batch_size and vp is not None:
         t = training
         m = t.num_micro_batches
@@ -404,7 +422,7 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None
     parts["training"] = _collect(problems, lambda: _training_config(args, dp))
     problems += _layout_problems(parts["model"], parts["parallel"], parts["ddp"])
-    problems += _pipeline_problems(parts["model"], parts["parallel"], parts["training"])
+    problems += _pipeline_problems(parts["model"], parts["parallel"], parts["training"], parts["checkpoint"])
     problems = cross_flag_problems(args, parts["ddp"]) + problems
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)

@@ -24,6 +24,7 @@ from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.models import TransformerConfig
 from megadlms.optimizer import OptimizerConfig
+from megadlms.pipeline import virtual_pipeline_size
 
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 """Megatron's --split default when --data-path is given without one."""
@@ -135,16 +136,11 @@ class ParallelConfig:
         uneven = self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers
         if uneven:
             raise ValueError(
-                "num_layers_per_virtual_pipeline_stage cannot be combined with an uneven split "
+                "num_layers_per_virtual_pipeline_stage cannot be combined with uneven first/last stages "
                 "(decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers): pass "
                 "virtual_pipeline_model_parallel_size instead"
             )
-        if num_layers % (pp * per_chunk):
-            raise ValueError(
-                f"num_layers {num_layers} is not divisible by pipeline_model_parallel_size {pp} x "
-                f"num_layers_per_virtual_pipeline_stage {per_chunk} = {pp * per_chunk}"
-            )
-        return num_layers // (pp * per_chunk)
+        return virtual_pipeline_size(num_layers, pp, num_layers_per_virtual_pipeline_stage=per_chunk)
 
 
 @dataclass(kw_only=True)

@@ -18,7 +18,14 @@ contribute their loss and token counts, so the TP ranks of one replica -- which 
 the same loss -- count it once.
 
 The data-parallel wrapper is whatever ``builders.wrap_model`` chose; this file only uses
-the ``DataParallel`` protocol (docs/architecture.md). A failure on one rank inside the
+the ``DataParallel`` protocol (docs/architecture.md).
+
+Pipeline parallelism (``pipeline``: a ``pipeline_run.PipelineRunner``): step 2 is the
+pipeline schedule over the model chunks (each chunk synced on its own last micro-batch),
+then ``finish_grad_sync()`` on every chunk and the tied-embedding gradient sum; the loss
+lives on the last stage, whose tensor-parallel rank 0 is the loss owner. A data error on
+any rank is known to all before the schedule (it rides on the token-count all-reduce), so
+no stage waits for activations that never come. A failure on one rank inside the
 forward/backward is carried by the step's reductions, so every rank stops.
 """
 
@@ -95,6 +102,7 @@ def train_step(
     bidirectional: bool = True,
     data_error: Optional[BaseException] = None,
     loss_owner: bool = True,
+    pipeline=None,
 ) -> StepOut:
     """One optimizer step over this rank's micro-batches (see the module docstring).
 
@@ -116,8 +124,13 @@ def train_step(
         ).sum()
     global_tokens = (local_tokens if loss_owner else torch.zeros_like(local_tokens)).to(device=device)
     global_tokens = global_tokens.reshape(1).clone()
+    if pipeline is not None:  # [tokens, ranks without data]: every stage skips the schedule together
+        failed = torch.tensor([float(data_error is not None)], dtype=global_tokens.dtype, device=device)
+        global_tokens = torch.cat([global_tokens, failed])
     with named_collective("all-reduce of the step's loss-token count", iteration):
         dist.all_reduce(global_tokens)
+    run_step = pipeline is None or global_tokens[1:].sum().item() == 0
+    global_tokens = global_tokens[:1]
     # Sum mode divides by N here, once; an averaging wrapper divides by dp itself.
     dp = 1 if model.ddp_config.calculate_per_token_loss else model.comm.world_size
     scale = (dp / global_tokens).to(torch.float32)[0]  # a 0-token step gives inf -> NaN skip
@@ -125,7 +138,9 @@ def train_step(
     optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step
     error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)
     try:
-        if error is None:
+        if error is None and pipeline is not None and run_step:
+            local_loss = pipeline.forward_backward(optimizer, micro_batches, diff_cfg, crops, scale, device)
+        elif error is None and pipeline is None:
             local_loss = _forward_backward(
                 model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device
             )
@@ -138,6 +153,8 @@ def train_step(
         error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
     with named_collective("gradient reduction (finish_grad_sync)", iteration):
         model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
+        if pipeline is not None:
+            pipeline.after_grad_sync()
 
     loss_total, nan_ranks, exit_reduced = _reduce_step(
         local_loss, error, exit_flags(), iteration, device, loss_owner

@@ -23,7 +23,7 @@ from megadlms.diffusion import check_model_for_mode
 from megadlms.models import num_floating_point_operations
 from megadlms.optimizer import get_optimizer
 
-from . import builders, checkpoint_async, checkpointing, resume
+from . import builders, checkpoint_async, checkpointing, pipeline_run, resume
 from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
 from .run_state import RunResult, SignalFlag
@@ -52,21 +52,26 @@ class Trainer:
             _log.info(f"note: {note}")
 
         self.groups, self.tp = builders.build_parallel(config, self.device, t.seed)
-        # Only tensor-parallel rank 0 of each replica counts its (shared) loss in the reductions.
-        self.loss_owner = self.groups.tp.rank == 0
-        model = builders.build_model(
-            config.model,
+        pp = self.groups.pp
+        # Only tensor-parallel rank 0 of each replica (on the last pipeline stage, which holds
+        # the loss) counts its (shared) loss in the reductions.
+        self.loss_owner = self.groups.tp.rank == 0 and pp.rank == pp.size - 1
+        build = functools.partial(
+            builders.build_model if pp.size == 1 else pipeline_run.build_chunks,
             seed=t.seed,
             device=self.device,
             core_attn_implementation=t.core_attn_implementation,
             tp=self.tp,
         )
+        model = build(config.model) if pp.size == 1 else build(config, pp.rank)
         if config.checkpoint.hf_init:  # before wrapping; a --load checkpoint still wins
             builders.init_from_hf(model, config.checkpoint.hf_init)
-        check_model_for_mode(model, config.diffusion)  # once, not per micro-batch
-        self.params_per_rank = sum(p.numel() for p in model.parameters())
-        self.num_params = _logical_params(model, self.groups.tp.size)
+        parts = model if pp.size > 1 else [model]
+        check_model_for_mode(parts[0], config.diffusion)  # once, not per micro-batch
+        self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
+        self.num_params = _logical_params(parts, self.groups)
         self.model = builders.wrap_model(model, config, self.groups)
+        self.pipeline = pipeline_run.PipelineRunner(self.groups, self.model.chunks) if pp.size > 1 else None
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
@@ -285,6 +290,7 @@ class Trainer:
             device=self.device,
             packing=self._packing,
             loss_owner=self.loss_owner,
+            pipeline=self.pipeline,
         )
         self.model.train()
         return ev
@@ -316,7 +322,7 @@ class Trainer:
             self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
             device=self.device, exit_flags=exit_flags,
             bidirectional=self.config.model.attention != "causal", data_error=data_error,
-            loss_owner=self.loss_owner,
+            loss_owner=self.loss_owner, pipeline=self.pipeline,
         )  # fmt: skip
         self.iteration += 1
         self.consumed += self.gbs
@@ -381,11 +387,17 @@ class Trainer:
         return self.result
 
 
-def _logical_params(model: torch.nn.Module, tp: int) -> int:
-    """Parameters of the full (unsharded) model: TP shards count tp times, replicas once."""
-    total = 0
-    for p in model.parameters():
-        total += p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+def _logical_params(parts, groups) -> int:
+    """Parameters of the full (unsharded) model: TP shards count tp times, replicas once,
+    every pipeline stage's (summed over the pipeline group), a tied embedding's copy never."""
+    total, tp = 0, groups.tp.size
+    for p in (p for m in parts for p in m.parameters()):
+        if not getattr(p, "shared_embedding", False):
+            total += p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1)
+    if groups.pp.size > 1:
+        t = torch.tensor([float(total)], dtype=torch.float64)
+        dist.all_reduce(t, group=groups.pp.group)
+        total = int(t.item())
     return total
 
 
