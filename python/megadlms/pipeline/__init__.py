@@ -16,6 +16,8 @@ from .embedding import (
     embedding_grad_params,
     embedding_group_ranks,
 )
+from .p2p import PipelineP2P
+from .schedules import check_micro_batches, forward_backward_pipelining
 from .split import model_chunks, stage_layers, virtual_pipeline_size
 
 __all__ = [
@@ -27,4 +29,7 @@ __all__ = [
     "build_embedding_group",
     "embedding_grad_params",
     "allreduce_embedding_grads",
+    "PipelineP2P",
+    "check_micro_batches",
+    "forward_backward_pipelining",
 ]

@@ -1,0 +1,110 @@
+"""Activation / gradient exchange between neighbouring pipeline stages.
+
+One call, :meth:`PipelineP2P.communicate`, does what a schedule step needs at once (send to the
+next stage, send to the previous, receive from either), as Megatron's ``_communicate``: all of
+a step's operations are posted together with ``batch_isend_irecv`` and waited on together, so
+the paired calls of two neighbours can never wait on each other.
+
+Shapes vary per step (the trainer crops the sequence per step, sequence parallelism pads it):
+every tensor is preceded by a small header (dtype code, ndim, dims; int64 [8]) exchanged in a
+first batch, then the tensors themselves in a second (Megatron's ``variable_seq_lengths``
+shape exchange). The receiver therefore needs to know nothing about the micro-batch.
+
+Tags keep the two directions apart: a message travelling down the pipeline (to the next
+stage) has tag 0, one travelling up (to the previous) tag 1, so with pp = 2 (next == prev) an
+activation can never be matched with a gradient (gloo matches by (peer, tag) in order).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+_DOWN, _UP = 0, 1  # tags: towards the next stage / towards the previous stage
+_HEADER = 8
+_MAX_DIMS = _HEADER - 2
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+
+
+def _header(t: torch.Tensor, device) -> torch.Tensor:
+    if t.dim() > _MAX_DIMS or t.dtype not in _DTYPES:
+        raise ValueError(
+            f"pipeline p2p sends float tensors of at most {_MAX_DIMS} dims, got {t.dtype} {tuple(t.shape)}"
+        )
+    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
+    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h.to(device)
+
+
+def _from_header(h: torch.Tensor, device) -> torch.Tensor:
+    h = h.cpu()
+    dtype, ndim = _DTYPES[int(h[0])], int(h[1])
+    return torch.empty(tuple(int(d) for d in h[2 : 2 + ndim]), dtype=dtype, device=device)
+
+
+class PipelineP2P:
+    """Point-to-point exchange of one rank with its pipeline neighbours (ring order: the last
+    stage's next is the first, which interleaved schedules use).
+
+    ``pp_group``: the pipeline axis (``ParallelGroups.pp``: ``.ranks``, ``.rank``, ``.group``)
+    or a process group. Peers are addressed by global rank. ``device``: where headers and
+    received tensors live (the model's device; CPU for gloo)."""
+
+    def __init__(self, pp_group, device) -> None:
+        if isinstance(pp_group, dist.ProcessGroup):
+            self.group = pp_group
+            self.ranks = tuple(dist.get_process_group_ranks(pp_group))
+            self.rank = self.ranks.index(dist.get_rank())
+        else:
+            self.group, self.ranks, self.rank = pp_group.group, tuple(pp_group.ranks), pp_group.rank
+        self.size = len(self.ranks)
+        self.device = torch.device(device)
+        self.next = self.ranks[(self.rank + 1) % self.size]
+        self.prev = self.ranks[(self.rank - 1) % self.size]
+
+    def _batch(self, ops: List[dist.P2POp]) -> None:
+        # every op posted before any wait (NCCL: one group; gloo: posted one by one)
+        if not ops:
+            return
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def communicate(
+        self,
+        send_next: Optional[torch.Tensor] = None,
+        send_prev: Optional[torch.Tensor] = None,
+        recv_prev: bool = False,
+        recv_next: bool = False,
+    ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """Send ``send_next`` down / ``send_prev`` up and receive from the previous / next stage
+        (when asked); returns ``(from_prev, from_next)``. Every neighbour must make the paired
+        call (its ``recv_prev`` for our ``send_next``, ...)."""
+        sends: Sequence[Tuple[torch.Tensor, int, int]] = [
+            (t, peer, tag)
+            for t, peer, tag in ((send_next, self.next, _DOWN), (send_prev, self.prev, _UP))
+            if t is not None
+        ]
+        recvs = [
+            (peer, tag)
+            for want, peer, tag in ((recv_prev, self.prev, _DOWN), (recv_next, self.next, _UP))
+            if want
+        ]
+        headers = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in recvs]
+        ops = [
+            dist.P2POp(dist.isend, _header(t, self.device), peer, self.group, tag) for t, peer, tag in sends
+        ]
+        ops += [dist.P2POp(dist.irecv, h, peer, self.group, tag) for h, (peer, tag) in zip(headers, recvs)]
+        self._batch(ops)
+        received = [_from_header(h, self.device) for h in headers]
+        ops = [
+            dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group, tag) for t, peer, tag in sends
+        ]
+        ops += [
+            dist.P2POp(dist.irecv, buf, peer, self.group, tag) for buf, (peer, tag) in zip(received, recvs)
+        ]
+        self._batch(ops)
+        out = iter(received)
+        return (next(out) if recv_prev else None), (next(out) if recv_next else None)

@@ -1,0 +1,289 @@
+"""Pipeline schedules: 1F1B (PipeDream-flush, Narayanan et al. 2021) and interleaved 1F1B
+(virtual stages), plus forward-only, on this rank's model chunks.
+
+The order of forwards, backwards and the paired p2p calls is Megatron-core's
+(``pipeline_parallel/schedules.py``: ``forward_backward_pipelining_without_interleaving`` and
+``..._with_interleaving``), rewritten around one small state object. A micro-batch's
+activations travel as tensors with their shape (``p2p.py``: shapes are exchanged, so each step
+may crop its sequence differently). Chunk ``c`` on pipeline rank ``r`` is model stage
+``c * pp + r``; the first model stage takes no input, the last one returns the loss.
+
+Gradient sync: every backward of a chunk runs under ``chunk.no_sync()`` except that chunk's
+LAST micro-batch, so a DDP chunk's buckets launch (with ``overlap_grad_reduce``, during the
+rest of the backward) exactly once per step. ``finish_grad_sync()`` is the caller's.
+
+Why not ``torch.distributed.pipelining``: its ``PipelineStage`` applies ``no_sync`` only to
+torch's own ``DistributedDataParallel`` (an ``isinstance`` check; our DDP would reduce on every
+micro-batch), infers activation shapes once at the first step and preallocates receive buffers
+(our per-step crops change them), splits the batch itself and divides the grads by the number
+of micro-batches unless told not to (our loss is a sum normalised once by the global token count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .p2p import PipelineP2P
+
+ForwardStep = Callable[[int, int, Optional[torch.Tensor]], object]
+
+
+def check_micro_batches(num_micro_batches: int, pp: int, vp: int = 1, forward_only: bool = False) -> None:
+    """The schedules' rules: m >= pp for 1F1B training, m a multiple of pp for interleaved
+    (m = global_batch_size / (micro_batch_size * data_parallel_size)). ValueError names them."""
+    fix = (
+        "(micro-batches per step = global_batch_size / (micro_batch_size x data_parallel_size)); "
+        "raise global_batch_size or lower micro_batch_size"
+    )
+    if num_micro_batches < 1:
+        raise ValueError(f"the pipeline schedule needs at least one micro-batch {fix}")
+    if vp > 1 and num_micro_batches % pp:
+        raise ValueError(
+            f"the interleaved schedule needs the number of micro-batches ({num_micro_batches}) to be a "
+            f"multiple of pipeline_model_parallel_size {pp} {fix}"
+        )
+    if not forward_only and num_micro_batches < pp:
+        raise ValueError(
+            f"the 1F1B schedule needs at least pipeline_model_parallel_size {pp} micro-batches, got "
+            f"{num_micro_batches} {fix}"
+        )
+
+
+class _Pipeline:
+    """One step's state on this rank: the activations and grads waiting for their backward,
+    keyed by (chunk, micro-batch); received tensors are queued per chunk in micro-batch order."""
+
+    def __init__(self, chunks, num_micro, forward_step, p2p, backward_loss, forward_only, timeline):
+        self.chunks, self.m, self.forward_step, self.p2p = chunks, num_micro, forward_step, p2p
+        self.backward_loss, self.forward_only, self.timeline = backward_loss, forward_only, timeline
+        self.pp, self.rank, self.vp = p2p.size, p2p.rank, len(chunks)
+        self.inputs: List[Dict[int, Optional[torch.Tensor]]] = [{} for _ in chunks]
+        self.outputs: List[Dict[int, object]] = [{} for _ in chunks]
+        self.grads: List[Dict[int, torch.Tensor]] = [{} for _ in chunks]
+        self.received = [0] * self.vp  # inputs received per chunk (micro-batch order)
+        self.grads_received = [0] * self.vp
+        self.backwards_done = [0] * self.vp
+        self.losses: Dict[int, torch.Tensor] = {}
+
+    # -- indices (Megatron's get_model_chunk_id / micro-batch id in the interleaved order)
+    def chunk_id(self, k: int, forward: bool) -> int:
+        c = (k % (self.pp * self.vp)) // self.pp
+        return c if forward else self.vp - 1 - c
+
+    def micro_id(self, k: int) -> int:
+        return (k // (self.pp * self.vp)) * self.pp + k % self.pp
+
+    def first_stage(self, c: int) -> bool:
+        return c == 0 and self.rank == 0
+
+    def last_stage(self, c: int) -> bool:
+        return c == self.vp - 1 and self.rank == self.pp - 1
+
+    # -- queues fed by the p2p calls
+    def add_input(self, c: int, x: Optional[torch.Tensor]) -> None:
+        if x is not None and not self.forward_only:
+            x.requires_grad_()
+        self.inputs[c][self.received[c]] = x
+        self.received[c] += 1
+
+    def add_grad(self, c: int, g: Optional[torch.Tensor]) -> None:
+        self.grads[c][self.grads_received[c]] = g
+        self.grads_received[c] += 1
+
+    def _record(self, kind: str, c: int, i: int, start: float) -> None:
+        if self.timeline is not None:
+            self.timeline.append(
+                {"kind": kind, "chunk": c, "micro": i, "start": start, "end": time.perf_counter()}
+            )
+
+    def forward(self, k: int) -> Optional[torch.Tensor]:
+        """Forward of virtual micro-batch k; returns what to send to the next stage (None on the last)."""
+        c, i = self.chunk_id(k, True), self.micro_id(k)
+        x = None if self.first_stage(c) else self.inputs[c][i]
+        start = time.perf_counter()
+        with torch.no_grad() if self.forward_only else contextlib.nullcontext():
+            out = self.forward_step(c, i, x)
+        self._record("F", c, i, start)
+        if self.forward_only:
+            self.inputs[c].pop(i, None)
+        else:
+            self.inputs[c][i] = x  # the first stage's None too: backward pops one per micro-batch
+        if self.last_stage(c):
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(
+                    "forward_step of the last pipeline stage must return (loss_to_backprop, loss_for_logging)"
+                )
+            self.losses[i] = out[1].detach() if isinstance(out[1], torch.Tensor) else out[1]
+            if not self.forward_only:
+                self.outputs[c][i] = out[0]
+            return None
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(
+                f"forward_step of chunk {c} (not the last stage) must return the hidden-states tensor"
+            )
+        if not self.forward_only:
+            self.outputs[c][i] = out
+        return out
+
+    def backward(self, k: int) -> Optional[torch.Tensor]:
+        """Backward of virtual micro-batch k; returns the input grad for the previous stage."""
+        c, i = self.chunk_id(k, False), self.micro_id(k)
+        x, out = self.inputs[c].pop(i), self.outputs[c].pop(i)
+        if self.last_stage(c):
+            tensors, grad = self.backward_loss(out), None
+        else:
+            tensors, grad = out, self.grads[c].pop(i)
+        self.backwards_done[c] += 1
+        chunk = self.chunks[c]
+        last = self.backwards_done[c] == self.m
+        sync = contextlib.nullcontext() if last or not hasattr(chunk, "no_sync") else chunk.no_sync()
+        start = time.perf_counter()
+        with sync:
+            torch.autograd.backward(tensors, grad_tensors=grad)
+        self._record("B", c, i, start)
+        return None if x is None else x.grad
+
+
+def _one_f_one_b(s: _Pipeline) -> None:
+    """Warm-up forwards, steady 1F1B, cool-down backwards (Megatron's non-interleaved order)."""
+    p2p, r, pp, m = s.p2p, s.rank, s.pp, s.m
+    first, last = r == 0, r == pp - 1
+    warm = m if s.forward_only else min(pp - r - 1, m)
+    rest = m - warm
+
+    def recv_forward():
+        if not first:
+            s.add_input(0, p2p.communicate(recv_prev=True)[0])
+
+    for k in range(warm):
+        recv_forward()
+        out = s.forward(k)
+        p2p.communicate(send_next=out)
+    if rest:
+        recv_forward()
+    for i in range(rest):
+        final = i == rest - 1
+        out = s.forward(warm + i)
+        if s.forward_only:
+            p2p.communicate(send_next=out)
+            if not final:
+                recv_forward()
+            continue
+        g = p2p.communicate(send_next=out, recv_next=not last)[1]
+        if not last:
+            s.add_grad(0, g)
+        grad_in = s.backward(i)
+        x = p2p.communicate(send_prev=grad_in, recv_prev=not first and not final)[0]
+        if not first and not final:
+            s.add_input(0, x)
+    if s.forward_only:
+        return
+    for i in range(warm):
+        if not last:
+            s.add_grad(0, p2p.communicate(recv_next=True)[1])
+        p2p.communicate(send_prev=s.backward(rest + i))
+
+
+def _interleaved(s: _Pipeline) -> None:
+    """Megatron's interleaved order: per rank, micro-batches in groups of pp go through chunk 0,
+    then chunk 1, ...; each step's sends and receives are one paired p2p call."""
+    p2p, r, pp, vp, m = s.p2p, s.rank, s.pp, s.vp, s.m
+    first, last = r == 0, r == pp - 1
+    total = m * vp
+    all_warmup = s.forward_only or m == pp
+    warm = total if all_warmup else min((pp - r - 1) * 2 + (vp - 1) * pp, total)
+    rest = total - warm
+    if not first:
+        s.add_input(0, p2p.communicate(recv_prev=True)[0])
+    for k in range(warm):
+        out = s.forward(k)
+        nxt = s.chunk_id(k + 1, True)
+        recv_prev = not (first and nxt == 0) and k != total - 1
+        if k == warm - 1 and not all_warmup:
+            x, g = p2p.communicate(send_next=out, recv_prev=recv_prev, recv_next=not last)
+            if not last:
+                s.add_grad(vp - 1, g)
+        else:
+            x = p2p.communicate(send_next=out, recv_prev=recv_prev)[0]
+        if recv_prev:
+            s.add_input(nxt, x)
+    for i in range(rest):
+        fk, bk = warm + i, i
+        out = s.forward(fk)
+        grad_in = s.backward(bk)
+        recv_prev, recv_next = True, True
+        if first:  # what arrives now from the last rank feeds the chunk after its current one
+            nf = s.chunk_id(fk - (pp - 1), True)
+            recv_prev, nf = nf != vp - 1, nf + 1
+        else:
+            nf = s.chunk_id(fk + 1, True)
+        if last:
+            nb = s.chunk_id(bk - (pp - 1), False)
+            recv_next, nb = nb != 0, nb - 1
+        else:
+            nb = s.chunk_id(bk + 1, False)
+        recv_prev = recv_prev and i != rest - 1
+        x, g = p2p.communicate(send_next=out, send_prev=grad_in, recv_prev=recv_prev, recv_next=recv_next)
+        if recv_prev:
+            s.add_input(nf, x)
+        if recv_next:
+            s.add_grad(nb, g)
+    if s.forward_only:
+        return
+    if all_warmup and not last:
+        s.add_grad(vp - 1, p2p.communicate(recv_next=True)[1])
+    for k in range(rest, total):
+        grad_in = s.backward(k)
+        nb = s.chunk_id(k + 1, False)
+        recv_next = not (last and nb == vp - 1) and k != total - 1
+        g = p2p.communicate(send_prev=grad_in, recv_next=recv_next)[1]
+        if recv_next:
+            s.add_grad(nb, g)
+
+
+def forward_backward_pipelining(
+    chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[object],
+    forward_step: ForwardStep,
+    *,
+    pp_group,
+    backward_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+    forward_only: bool = False,
+    timeline: Optional[list] = None,
+    device=None,
+) -> List[object]:
+    """Run one step's micro-batches through this rank's model chunks (forward and backward).
+
+    ``chunks``: this rank's chunks in order (len vp; DDP-wrapped or plain modules); vp > 1
+    selects the interleaved schedule. ``micro_batches``: the step's micro-batches (the same
+    list on every stage of the pipeline group; only their count is read here).
+    ``forward_step(chunk_index, micro_index, input_tensor)``: run chunk ``chunk_index`` on
+    micro-batch ``micro_index``; ``input_tensor`` is the previous stage's output (None on the
+    first stage). It returns the hidden states, or on the last stage
+    ``(loss_to_backprop 0-d, loss_for_logging)``. ``backward_loss``: applied to the loss before
+    its backward (e.g. the optimizer's loss scale). ``pp_group``: ``ParallelGroups.pp`` or a
+    process group. ``forward_only``: no grad, no backward (validation). ``timeline``: a list that
+    receives one dict per forward / backward (``kind`` "F"/"B", ``chunk``, ``micro``,
+    ``start``, ``end`` from ``time.perf_counter``; compute only, no p2p). ``device``: where
+    received activations live (default: the first chunk's parameters').
+
+    Returns the ``loss_for_logging`` of every micro-batch (in micro-batch order) on the last
+    stage, [] on the others. Does not call ``finish_grad_sync()``.
+    """
+    if len(chunks) < 1:
+        raise ValueError("forward_backward_pipelining needs at least one model chunk")
+    if device is None:
+        device = next(iter(chunks[0].parameters())).device
+    p2p = PipelineP2P(pp_group, device)
+    check_micro_batches(len(micro_batches), p2p.size, len(chunks), forward_only)
+    state = _Pipeline(
+        list(chunks), len(micro_batches), forward_step, p2p, backward_loss, forward_only, timeline
+    )
+    (_interleaved if len(chunks) > 1 else _one_f_one_b)(state)
+    if not state.last_stage(len(chunks) - 1):
+        return []
+    return [state.losses[i] for i in range(len(micro_batches))]
