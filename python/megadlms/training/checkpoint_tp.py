@@ -132,7 +132,8 @@ def read_resharded(
             batch, size = {}, 0
 
 
-def layout_record(world: int, tp_group: Group) -> dict:
-    """The ``parallel`` record of common.json (pipeline parallelism does not exist yet: pp = 1)."""
+def layout_record(world: int, tp_group: Group, pp: int = 1, vp: int = 1) -> dict:
+    """The ``parallel`` record of common.json: tp, pp (and vp, model chunks per pipeline
+    rank), dp and the world size of the run that saved it."""
     tp = tp_size(tp_group)
-    return {"tp": tp, "pp": 1, "dp": world // tp, "world": world}
+    return {"tp": tp, "pp": pp, "vp": vp, "dp": world // (tp * pp), "world": world}

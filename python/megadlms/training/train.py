@@ -72,6 +72,7 @@ class Trainer:
         self.num_params = _logical_params(parts, self.groups)
         self.model = builders.wrap_model(model, config, self.groups)
         self.pipeline = pipeline_run.PipelineRunner(self.groups, self.model.chunks) if pp.size > 1 else None
+        self._pp_group = pp.group if pp.size > 1 else None
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
@@ -137,14 +138,15 @@ class Trainer:
         if path is None:
             return None
         path, state = resume.load_verified(
-            path, self.config, self.model, self.optimizer, self.scheduler, tp=self.tp
+            path, self.config, self.model, self.optimizer, self.scheduler, tp=self.tp, pp_group=self._pp_group
         )
         common = state.common
         if not ck.finetune:
             if not ck.no_load_rng and not state.rng_restored:
                 _log.info(
-                    f"RNG states not restored: {path} was saved by {common.get('world_size')} ranks, this "
-                    f"run has {self.world} (the diffusion noise does not depend on them)"
+                    f"RNG states not restored: {path} was saved by {common.get('world_size')} ranks "
+                    f"({common.get('parallel', {})}), this run has {self.world} = {self.groups.describe()} "
+                    "(the diffusion noise does not depend on them)"
                 )
             self.iteration, self.consumed = state.iteration, state.consumed_samples
             self.nan_total = int(state.extra.get("nan_iterations", 0))
@@ -194,6 +196,8 @@ class Trainer:
             async_group=self._ckpt_group,
             tp_group=self.tp.group,
             rng_tracker=self.tp.rng_tracker,
+            pp_group=self._pp_group,
+            vp=len(self.model.chunks) if self.pipeline is not None else 1,
         )
         self.result.save_stalls.append(time.perf_counter() - t0)
         if isinstance(written, str):
