@@ -8,7 +8,8 @@ grad norms, validation NELBO and final weights must match the reference within 1
 * pp=2 with 1F1B and with the interleaved schedule (2 model chunks per rank), uneven
   first/last stages, untied embeddings, and the tied embedding (its last-stage copy summed
   over the embedding group); the --metrics-jsonl records carry the same lm_loss per iteration;
-* pp=2 x dp=2 (distributed optimizer) and pp=2 x tp=2 x dp=2 (8 ranks);
+* pp=2 x dp=2 (distributed optimizer) and pp=2 x tp=2 x dp=2 (8 ranks), with LLaDA's crop
+  (one per step: MegaDLMs' per-micro-batch crop depends on the data-parallel size);
 * checkpoints: a (pp=2, tp=2, dp=2) checkpoint resumes at (pp=1, tp=2, dp=4) and on one
   process, a (pp=1, tp=2, dp=4) one at (pp=2, tp=2, dp=2), optimizer state included:
   iterations 4-5 equal the uninterrupted run; a pp=2 checkpoint of the final weights equals
@@ -46,6 +47,9 @@ UNEVEN = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-n
 UNTIED = ["--untie-embeddings-and-output-weights"]
 DISTOPT = ["--use-distributed-optimizer"]
 MEGATRON = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--overlap-grad-reduce"] + DISTOPT
+# Data-parallel layouts: global batch 8, and LLaDA's crop (drawn once per step): MegaDLMs' crop
+# is drawn per micro-batch of a rank, so it depends on dp (the dp=1 runs above use it).
+B8 = ["--global-batch-size", "8", "--difflm-objective", "llada"]
 REL = 1e-5
 
 
@@ -78,7 +82,7 @@ def _two_rank_world(rank, world, tmp):
 
 
 def _four_rank_world(rank, world, tmp):
-    out = {"pp2_dp2": _run(PP2 + DISTOPT + ["--global-batch-size", "8"])}
+    out = {"pp2_dp2": _run(PP2 + DISTOPT + B8)}
     full = PP2 + MEGATRON + ["--global-batch-size", "8"]
     out["megatron"] = _run(full)
     out["megatron_part"] = _run(full + _save(tmp, "megatron", 100) + ["--exit-interval", "3"])
@@ -87,8 +91,8 @@ def _four_rank_world(rank, world, tmp):
 
 
 def _eight_rank_world(rank, world, tmp):
-    grid = PP2 + TP2 + DISTOPT + ["--global-batch-size", "8"]
-    flat = TP2 + DISTOPT + ["--global-batch-size", "8"]
+    grid = PP2 + TP2 + DISTOPT + B8
+    flat = TP2 + DISTOPT + B8
     return {
         "pp2_tp2_dp2": _run(grid),
         "grid_part": _run(grid + _save(tmp, "gridckpt", 100) + ["--exit-interval", "3"]),
@@ -101,11 +105,9 @@ def _eight_rank_world(rank, world, tmp):
 def _one_process_world(rank, world, tmp):
     return {
         "single": _run(_save(tmp, "single")),
-        "single_b8": _run(["--global-batch-size", "8"]),
+        "single_b8": _run(B8),
         "single_untied": _run(UNTIED),
-        "grid_to_single": _run(
-            DISTOPT + ["--global-batch-size", "8", "--load", os.path.join(tmp, "gridckpt")]
-        ),
+        "grid_to_single": _run(DISTOPT + B8 + ["--load", os.path.join(tmp, "gridckpt")]),
     }
 
 
