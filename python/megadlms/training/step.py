@@ -25,7 +25,9 @@ pipeline schedule over the model chunks (each chunk synced on its own last micro
 then ``finish_grad_sync()`` on every chunk and the tied-embedding gradient sum; the loss
 lives on the last stage, whose tensor-parallel rank 0 is the loss owner. A data error on
 any rank is known to all before the schedule (it rides on the token-count all-reduce), so
-no stage waits for activations that never come. A failure on one rank inside the
+no stage waits for activations that never come; an exception inside the schedule stops its
+rank at once with that error (its pipeline peers wait in point-to-point calls it will never
+make; its exit ends their waits). A failure on one rank inside the
 forward/backward is carried by the step's reductions, so every rank stops.
 """
 
@@ -150,6 +152,10 @@ def train_step(
                 "forward/backward (FSDP2 all-gather / gradient bucket reduction)", iteration
             ):
                 raise
+        if pipeline is not None:
+            # the neighbouring stages wait in point-to-point calls this rank will never make:
+            # stop now with this rank's own error (its exit ends their waits)
+            raise
         error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
     with named_collective("gradient reduction (finish_grad_sync)", iteration):
         model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
