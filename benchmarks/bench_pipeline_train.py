@@ -43,7 +43,12 @@ def _argv(args, jsonl: str) -> list:
 
 LAYOUTS = {
     "pp2 1F1B": ["--pipeline-model-parallel-size", "2"],
-    "pp2 interleaved vp2": ["--pipeline-model-parallel-size", "2", "--virtual-pipeline-model-parallel-size", "2"],
+    "pp2 interleaved vp2": [
+        "--pipeline-model-parallel-size",
+        "2",
+        "--virtual-pipeline-model-parallel-size",
+        "2",
+    ],
     "dp2 (pp1)": [],
 }
 

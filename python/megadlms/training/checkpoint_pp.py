@@ -126,7 +126,8 @@ def own_skeleton(skel: dict, own: Set[str], copies: Dict[str, str]) -> dict:
     if state is None:
         return skel
     entries = dict(state["__dict__"])
-    kept = [[fqn, v] for fqn, v in state["__dict__"] if fqn in own]
+    # (a torch.optim optimizer keys its state by index: kept as it is)
+    kept = [[fqn, v] for fqn, v in state["__dict__"] if not isinstance(fqn, str) or fqn in own]
     kept += [[copy, entries[src]] for copy, src in copies.items() if src in entries]
     out = [[k, {"__dict__": kept} if k == "state" else v] for k, v in skel["__dict__"]]
     return {"__dict__": out}
