@@ -47,7 +47,6 @@ def _compare(results, spec, ref_kw=None):
         (2, {"pp": 2, "vp": 2, "m": 4, "b": 2}),
         (2, {"pp": 2, "vp": 2, "m": 2, "b": 2}),  # m == pp: all warm-up, then all cool-down
         (4, {"pp": 4, "vp": 2, "m": 8, "b": 1, "cfg": {"num_layers": 8}}),
-        (4, {"pp": 4, "vp": 2, "m": 4, "b": 1, "cfg": {"num_layers": 8}}),
         (2, {"pp": 2, "m": 3, "b": 2, "loss": "diffusion"}),
         (
             2,
@@ -67,7 +66,6 @@ def _compare(results, spec, ref_kw=None):
         "pp2-vp2",
         "pp2-vp2-m2",
         "pp4-vp2-m8",
-        "pp4-vp2-m4",
         "pp2-diffusion",
         "pp2-vp2-untied-diffusion",
     ],
