@@ -128,7 +128,7 @@ def test_build_on_four_ranks_matches_rank_grid():
     results = run_distributed(_build_layouts, world_size=4, timeout=120)
     for name, sizes, describe in (
         ("tp2_ep2", dict(tp=2, ep=2), "tp2 x dp2 x ep2"),
-        ("tp2_pp2", dict(tp=2, pp=2), "tp2 x dp1 x pp2"),
+        ("tp2_pp2", dict(tp=2, pp=2), "pp2 x tp2 x dp1"),
     ):
         table = rank_grid(4, **sizes)
         for rank, res in enumerate(results):

@@ -346,10 +346,8 @@ def test_rule_rejects_case_and_accepts_neighbour(name, bad, world, needles, good
         assert needle in str(exc.value), str(exc.value)
     if name == "global_batch_3ranks":  # the neighbour of a batch rule keeps the world size
         parse_args(BASE + good, world_size=world)
-    elif name == "world_not_divisible":  # divisible: only the not-supported-yet line remains
-        with pytest.raises(ValueError) as exc:
-            parse_args(BASE + bad, world_size=4)
-        assert "not divisible" not in str(exc.value) and "1 problem" in str(exc.value)
+    elif name == "world_not_divisible":  # divisible: pp 2 x dp 2 is a valid layout
+        assert parse_config(BASE + bad, world_size=4).parallel.data_parallel_size == 2
     elif name == "two_sources":
         parse_args([a for a in BASE if a != "--mock-data"] + bad, world_size=world)
     else:

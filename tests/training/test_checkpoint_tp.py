@@ -228,7 +228,7 @@ def test_tp_checkpoint_reshards_everywhere(tmp_path):
         for fmt in FORMATS:
             ckpt = f"{root}/{variant}_{fmt}/iter_0000002"
             common = ck.read_common(ckpt)
-            assert common["parallel"] == {"tp": 2, "pp": 1, "dp": 2, "world": 4, "ep": 1}
+            assert common["parallel"] == {"tp": 2, "pp": 1, "vp": 1, "dp": 2, "world": 4, "ep": 1}
             module, wrapper, opt = _build("plain", None, None, seed=7)
             state = ck.load_checkpoint(ckpt, model=module, optimizer=opt)
             assert not state.rng_restored

@@ -5,6 +5,7 @@ and the optimizer use nothing else. Knows nothing about diffusion; works on any
 ``nn.Module``. See docs/architecture.md.
 """
 
+from .chunked import ModelChunks, StageModules
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel
 from .fsdp2 import (
@@ -19,7 +20,7 @@ from .wrappers import Float16Module, unwrap_model
 ALL_MODULE_WRAPPER_CLASSNAMES = (
     (DistributedDataParallel,)
     + ((TorchFullyShardedDataParallel,) if torch_supports_fsdp2() else ())
-    + (Float16Module,)
+    + (Float16Module, ModelChunks)
 )
 """The wrapper classes that hold the real model in ``.module``, as Megatron's
 ``megatron.training.utils.ALL_MODULE_WRAPPER_CLASSNAMES`` (classes despite the name, so
@@ -34,6 +35,8 @@ __all__ = [
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "Float16Module",
+    "ModelChunks",
+    "StageModules",
     "TorchFullyShardedDataParallel",
     "mixed_precision_policy",
     "unwrap_model",

@@ -135,9 +135,9 @@ class ShardedBufferLayout:
         for e, (bucket, a, _, _) in zip(self.entries, self.pieces):
             if not e.owns_main:
                 continue  # already a view of the param buffer
-            by_bucket.setdefault(bucket.index, [bucket, [], []])
-            by_bucket[bucket.index][1].append(e.main)
-            by_bucket[bucket.index][2].append(a)
+            by_bucket.setdefault(id(bucket), [bucket, [], []])  # index: unique only per chunk
+            by_bucket[id(bucket)][1].append(e.main)
+            by_bucket[id(bucket)][2].append(a)
         for bucket, mains, offsets in by_bucket.values():
             ext.flatten(mains, bucket.param_data, offsets=offsets)  # cast fp32 -> param dtype
         self.wrapper.start_param_sync()
@@ -146,11 +146,11 @@ class ShardedBufferLayout:
         """Full-shape tensors for every parameter from this rank's pieces (collective)."""
         by_bucket: Dict[int, list] = {}
         for i, (bucket, a, _, n) in enumerate(self.pieces):
-            by_bucket.setdefault(bucket.index, []).append((a, n, values[i]))
+            by_bucket.setdefault(id(bucket), []).append((a, n, values[i]))
         out = {}
         for bucket in self.buckets:
             flat = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32, device=bucket.grad_data.device)
-            for a, n, t in by_bucket.get(bucket.index, []):
+            for a, n, t in by_bucket.get(id(bucket), []):
                 flat[a : a + n].copy_(t.reshape(-1))
             lo, hi = self._shard_range(bucket)
             self._shard_comm(bucket).all_gather(flat, flat[lo:hi].clone())

@@ -5,7 +5,8 @@ parallelism) tells the optimizer two things:
 
 * which local gradients count in the global norm: every tensor-parallel shard once (it is a
   different piece of the full tensor on each TP rank) and every TP-replicated parameter once
-  (on TP rank 0 only) — Megatron's ``param_is_not_tensor_parallel_duplicate``. The local
+  (on TP rank 0 only) — Megatron's ``param_is_not_tensor_parallel_duplicate`` — and the
+  last pipeline stage's copy of a tied embedding (``shared_embedding``) never. The local
   squared norms are then summed over the model-parallel group (``parallel.mp``: the tp x pp
   ranks of this rank's dp coordinate), after the data-parallel shard sum of the layout;
 * which ranks must agree on a skip: all of them (one all-reduce over the world), since TP
@@ -48,7 +49,11 @@ class GridReductions:
     def counts_in_norm(self, param: torch.Tensor, *, replicated: bool = False) -> bool:
         """True for a TP shard, and for a replicated parameter on TP rank 0 only. With expert
         parallelism and a ``replicated`` (not sharded) gradient, also only on the first rank of
-        the group it is replicated over (dp for dense, expert_dp for expert parameters)."""
+        the group it is replicated over (dp for dense, expert_dp for expert parameters). Never
+        the last pipeline stage's copy of a tied embedding (``shared_embedding``: its gradient
+        equals the first stage's, which counts)."""
+        if getattr(param, "shared_embedding", False):
+            return False
         counted = bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
         if self.expert_parallel and replicated:
             counted = counted and (self.expert_dp_rank if is_expert_param(param) else self.dp_rank) == 0

@@ -241,10 +241,10 @@ class ParallelGroups:
         return cls(world_size=world, rank=rank, mesh=mesh, expert_mesh=expert_mesh, **axes)
 
     def describe(self) -> str:
-        """The layout as the progress line shows it, e.g. ``tp2 x dp2 x pp2``."""
+        """The layout as the progress line shows it, e.g. ``tp2 x dp2``, ``pp2 x tp2 x dp2``."""
         parts = [f"tp{self.tp.size}", f"dp{self.dp.size}"]
         if self.pp.size > 1:
-            parts.append(f"pp{self.pp.size}")
+            parts.insert(0, f"pp{self.pp.size}")
         if self.ep.size > 1:
             parts.append(f"ep{self.ep.size}")
         return " x ".join(parts)

@@ -34,6 +34,7 @@ from megadlms.models import TransformerConfig
 from megadlms.models.config import expert_parallel_problems, tensor_parallel_problems
 from megadlms.optimizer import OptimizerConfig
 from megadlms.parallel.groups import check_instances
+from megadlms.pipeline import stage_layers
 
 from .config import (
     CheckpointConfig,
@@ -367,6 +368,56 @@ def _expert_layout_problems(model, parallel: ParallelConfig, ddp) -> List[str]:
     return out
 
 
+def _pipeline_problems(model, parallel: Optional[ParallelConfig], training, checkpoint) -> List[str]:
+    """The pipeline rules that span configs: the layer split over the stages (and chunks)
+    and the number of micro-batches the schedule needs (m >= pp for 1F1B, a multiple of pp
+    for the interleaved schedule), worded with the flags."""
+    if parallel is None or parallel.pipeline_model_parallel_size == 1:
+        return []
+    pp, out, vp = parallel.pipeline_model_parallel_size, [], None
+    if model is not None:
+        try:
+            vp = parallel.virtual_stages(model.num_layers)
+            stage_layers(
+                model.num_layers,
+                pp,
+                vp=vp,
+                first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+                last_stage_layers=parallel.decoder_last_pipeline_num_layers,
+            )
+        except ValueError as exc:
+            out.append(str(exc))
+    if checkpoint is not None and checkpoint.hf_init:
+        out.append(
+            "hf_init needs pipeline_model_parallel_size 1: convert the model to a checkpoint with "
+            "megadlms-import-hf, then --load it with pipeline parallelism (checkpoints reshard)"
+        )
+    if checkpoint is not None and checkpoint.ckpt_format == "torch":
+        out.append(
+            "ckpt_format torch (one file written by rank 0) needs pipeline_model_parallel_size 1: "
+            "every pipeline stage writes its own tensors with ckpt_format torch_dist (the default)"
+        )
+    if training is not None and training.global_batch_size and vp is not None:
+        t = training
+        m = t.num_micro_batches
+        count = (
+            f"global_batch_size {t.global_batch_size} / (micro_batch_size {t.micro_batch_size} x "
+            f"data_parallel_size {t.data_parallel_size}) = {m} micro-batches per step"
+        )
+        if vp == 1 and m < pp:
+            out.append(
+                f"{count}: the 1F1B pipeline schedule needs at least pipeline_model_parallel_size {pp}; "
+                f"raise global_batch_size to {pp * t.micro_batch_size * t.data_parallel_size} or more"
+            )
+        elif vp > 1 and m % pp:
+            out.append(
+                f"{count}: the interleaved pipeline schedule ({vp} virtual stages) needs a multiple of "
+                f"pipeline_model_parallel_size {pp}; use a global_batch_size that is a multiple of "
+                f"{pp * t.micro_batch_size * t.data_parallel_size}"
+            )
+    return [flag_message(p) for p in out]
+
+
 def _collect(problems: List[str], build: Callable):
     """``build()``, or None with its ConfigError's problems (reworded with flags) recorded."""
     try:
@@ -394,6 +445,7 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None
     parts["training"] = _collect(problems, lambda: _training_config(args, dp))
     problems += _layout_problems(parts["model"], parts["parallel"], parts["ddp"])
+    problems += _pipeline_problems(parts["model"], parts["parallel"], parts["training"], parts["checkpoint"])
     problems = cross_flag_problems(args, parts["ddp"]) + problems
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)

@@ -16,6 +16,7 @@ from megadlms.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
     Float16Module,
+    ModelChunks,
     TorchFullyShardedDataParallel,
     mixed_precision_policy,
 )
@@ -100,7 +101,10 @@ def init_from_hf(model: torch.nn.Module, hf_dir: str) -> dict:
 
 def wrap_model(model: torch.nn.Module, config: RunConfig, groups: Optional[ParallelGroups] = None):
     """Apply precision and the data-parallel wrapper chosen by ``parallel.use_torch_fsdp2``;
-    DDP reduces over ``groups``' data-parallel group (the world without ``groups``)."""
+    DDP reduces over ``groups``' data-parallel group (the world without ``groups``). A list of
+    pipeline model chunks gets one DDP each, seen as one wrapper (``ModelChunks``)."""
+    if isinstance(model, (list, tuple)):
+        return ModelChunks([wrap_model(m, config, groups) for m in model])
     opt: OptimizerConfig = config.optimizer
     ddp: DistributedDataParallelConfig = config.ddp
     if config.parallel.use_torch_fsdp2:

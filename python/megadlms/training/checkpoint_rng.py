@@ -1,7 +1,7 @@
 """Per-rank RNG states of a checkpoint (``rng/rank_<r>.pt``): python, numpy, torch, cuda and the
 model-parallel RNG tracker's streams (``megadlms.parallel.RNGStatesTracker``).
 
-They are restored only at the same layout -- world size and tensor-parallel size: the TP
+They are restored only at the same layout -- world size, tensor- and pipeline-parallel size: the TP
 ranks of a group must share their default stream (dropout on replicated activations), which
 per-rank states from another layout do not guarantee. Only dropout uses them; the masking
 noise is a function of (seed, sample index).
@@ -51,8 +51,14 @@ def set_rng_state(s: dict, rng_tracker=None) -> None:
         torch.cuda.set_rng_state(s["cuda"])
 
 
-def same_layout(common: dict, world: int, tp: int, ep: int = 1) -> bool:
-    """True when the checkpoint recorded in ``common`` was saved at this world size, tp and ep
-    (checkpoints without a ``parallel`` record, or without its ``ep``, were saved without them)."""
-    layout = common.get("parallel", {})
-    return common.get("world_size") == world and layout.get("tp", 1) == tp and layout.get("ep", 1) == ep
+def same_layout(common: dict, world: int, tp: int, pp: int = 1, ep: int = 1) -> bool:
+    """True when the checkpoint recorded in ``common`` was saved at this world size, tp, pp and
+    ep (checkpoints without a ``parallel`` record, or without one of its keys, were saved
+    without that dimension): a rank's dropout stream belongs to its place in the grid."""
+    par = common.get("parallel", {})
+    return (
+        common.get("world_size") == world
+        and par.get("tp", 1) == tp
+        and par.get("pp", 1) == pp
+        and par.get("ep", 1) == ep
+    )

@@ -177,7 +177,15 @@ def read_resharded(
             batch, size = {}, 0
 
 
-def layout_record(world: int, tp_group: Group, ep_group: Group = None) -> dict:
-    """The ``parallel`` record of common.json (pipeline parallelism does not exist yet: pp = 1)."""
+def layout_record(world: int, tp_group: Group, pp: int = 1, vp: int = 1, ep_group: Group = None) -> dict:
+    """The ``parallel`` record of common.json: tp, pp (and vp, model chunks per pipeline
+    rank), dp, ep and the world size of the run that saved it."""
     tp = tp_size(tp_group)
-    return {"tp": tp, "pp": 1, "dp": world // tp, "world": world, "ep": group_size(ep_group)}
+    return {
+        "tp": tp,
+        "pp": pp,
+        "vp": vp,
+        "dp": world // (tp * pp),
+        "world": world,
+        "ep": group_size(ep_group),
+    }

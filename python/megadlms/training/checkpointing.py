@@ -69,6 +69,16 @@ from .checkpoint_paths import (  # noqa: F401
     read_latest_iteration,
     resolve_checkpoint,
 )
+from .checkpoint_pp import (
+    check_stage_keys,
+    drop_elsewhere,
+    drop_shared_optimizer_state,
+    merged_optimizer_state,
+    own_skeleton,
+    pp_size,
+    shared_copies,
+    stage_owner,
+)
 from .checkpoint_records import MODEL_CONFIG_FLAGS, check_model_config, tokenizer_record  # noqa: F401
 from .checkpoint_rng import rng_state, same_layout, set_rng_state
 from .checkpoint_tp import (
@@ -162,23 +172,28 @@ def _prepare(root: str, iteration: int) -> str:
 
 
 def _collect(
-    model, optimizer, tp_group, owner, ep_group=None
+    model, optimizer, tp_group, owner, pp_group=None, ep_group=None
 ) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
     """Flat tensors to write and the optimizer's JSON skeleton; TP (and EP) shards gathered to
-    full tensors, each kept only where ``owner(i)`` (checkpoint_tp.py)."""
+    full tensors, each kept only where ``owner(i)`` (checkpoint_tp.py). Under pipeline
+    parallelism (``pp_group``) this stage's tensors, without the tied-embedding copy, and the
+    skeleton of every stage (checkpoint_pp.py)."""
     module = unwrap_model(model)
+    # (``model`` may be a state_dict holder, e.g. ckpt_convert's: parameters only matter at tp > 1)
+    all_params = named_params(module) if isinstance(module, torch.nn.Module) else {}
+    copies = shared_copies(all_params)
     tensors: Dict[str, torch.Tensor] = {}
     for k, v in module.state_dict().items():
-        if isinstance(v, torch.Tensor):  # skip extra_state objects
+        if isinstance(v, torch.Tensor) and k not in copies:  # skip extra_state objects
             tensors[f"model/{k}"] = v
     opt_skel = None
-    # (``model`` may be a state_dict holder, e.g. ckpt_convert's: parameters only matter at tp > 1)
-    params = named_params(module) if tp_size(tp_group) > 1 or group_size(ep_group) > 1 else {}
+    params = all_params if tp_size(tp_group) > 1 or group_size(ep_group) > 1 else {}
     if optimizer is not None:
-        state = optimizer.state_dict()
+        state = drop_shared_optimizer_state(optimizer.state_dict(), copies)
         if params:
             check_optimizer_keys(state.get("state", {}), params)
-        opt_skel = split_state(state, "optimizer", tensors)
+        opt_skel = split_state(merged_optimizer_state(state, pp_group), "optimizer", tensors)
+        drop_elsewhere(tensors)
     gather_for_save(tensors, params, tp_group, owner, ep_group=ep_group)
     return tensors, opt_skel
 
@@ -219,6 +234,8 @@ def save_checkpoint(
     async_group=None,
     tp_group=None,
     rng_tracker=None,
+    pp_group=None,
+    vp: int = 1,
     ep_group=None,
 ):
     """Write ``root/iter_XXXXXXX`` (collective: every rank calls). Returns its path, or with
@@ -235,6 +252,8 @@ def save_checkpoint(
     optimizer state are stored as full logical tensors (gathered over it; torch_dist writes
     each once, ``torch`` writes them from rank 0). ``rng_tracker``: the model-parallel
     :class:`~megadlms.parallel.RNGStatesTracker`, whose streams join this rank's RNG file.
+    ``pp_group``: the pipeline-parallel group (None: no PP; ``vp`` model chunks per rank):
+    every stage writes its own tensors under their global names (checkpoint_pp.py).
     ``ep_group``: the expert-parallel group (None: no EP); expert parameters and their
     optimizer state are stored under their full [E, ...] shape (gathered over it).
     """
@@ -246,15 +265,18 @@ def save_checkpoint(
     world = dist.get_world_size() if dist.is_initialized() else 1
     tmp = _prepare(root, iteration)
     # Who keeps each gathered full tensor: rank 0 writes the torch file; DCP spreads them.
-    owner = (lambda i: rank == 0) if ckpt_format == "torch" else (lambda i: i % world == rank)
-    tensors, opt_skel = _collect(model, optimizer, tp_group, owner, ep_group)
+    pp = pp_size(pp_group)
+    if pp > 1 and ckpt_format == "torch":
+        raise ValueError("--ckpt-format torch needs --pipeline-model-parallel-size 1: use torch_dist")
+    owner = stage_owner(rank, world, pp, spread=ckpt_format != "torch")
+    tensors, opt_skel = _collect(model, optimizer, tp_group, owner, pp_group, ep_group)
     common = {
         "format_version": FORMAT_VERSION,
         "ckpt_format": ckpt_format,
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         "world_size": world,
-        "parallel": layout_record(world, tp_group, ep_group),
+        "parallel": layout_record(world, tp_group, pp, vp, ep_group),
         "wrapper": type(model).__name__,
         "model_config": model_config or {},
         "tokenizer": tokenizer,
@@ -340,6 +362,7 @@ def load_model_state(
     model_config: Optional[dict] = None,
     prefer_fp32_params: bool = True,
     tp_group=None,
+    pp_group=None,
     ep_group=None,
 ) -> dict:
     """Load the weights of checkpoint dir ``ckpt`` into ``model`` (wrapper or plain
@@ -349,47 +372,45 @@ def load_model_state(
     ``fp32_param`` (the exact main copy of a bf16/fp16 run) when the checkpoint has one.
     ``tp_group``: this run's tensor-parallel group (None: no TP); each TP-sharded parameter
     gets its shard of the stored full tensor, whatever tp the checkpoint was saved at; each
-    expert parameter its experts (``ep_group``: this run's EP group), whatever the saved ep."""
+    expert parameter its experts (``ep_group``: this run's EP group), whatever the saved ep.
+    ``pp_group``: this run's pipeline group (None: no PP); this stage reads its own keys, and a
+    tied-embedding copy is read from the embedding (checkpoint_pp.py)."""
     common = read_common(ckpt)
     if model_config is not None:
         check_model_config(common.get("model_config", {}), model_config, ckpt)
     module = unwrap_model(model)
     params = named_params(module)
+    copies = shared_copies(params)  # stored as (and read from) the embedding
     sd = module.state_dict()
     template = {f"model/{k}": v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    stored = {k: f"model/{copies.get(k[6:], k[6:])}" for k in template}
     shapes = _metadata_shapes(ckpt, common)
     saved_model = {k for k in shapes if k.startswith("model/")}
-    missing, unexpected = set(template) - saved_model, saved_model - set(template)
-    if missing or unexpected:
-        raise RuntimeError(
-            f"checkpoint {ckpt} does not match the model: missing "
-            f"{sorted(k[6:] for k in missing)[:5]}, unexpected "
-            f"{sorted(k[6:] for k in unexpected)[:5]} (check the model flags, "
-            "e.g. --untie-embeddings-and-output-weights, --position-embedding-type)"
-        )
+    check_stage_keys(set(stored.values()), saved_model, pp_group, ckpt)
     for k, v in template.items():
         p = params.get(k[6:])
         shape = sharded_full_shape(p, tp_group, ep_group) if p is not None else tuple(v.shape)
-        if shapes[k][0] != shape:
+        if shapes[stored[k]][0] != shape:
             raise RuntimeError(
-                f"checkpoint {ckpt}: parameter {k[6:]} has shape {shapes[k][0]} but the "
+                f"checkpoint {ckpt}: parameter {k[6:]} has shape {shapes[stored[k]][0]} but the "
                 f"model's is {shape}; the model flags differ from the checkpoint's"
             )
     reads = {}
     for k, v in template.items():
-        main = f"optimizer/state/{k[6:]}/fp32_param"
+        main = f"optimizer/state/{stored[k][6:]}/fp32_param"
         use_main = prefer_fp32_params and v.dtype == torch.float32 and main in shapes
-        reads[main if use_main else k] = (v, params.get(k[6:]))
+        reads[main if use_main else stored[k]] = (v, params.get(k[6:]))
     read_resharded(reads, tp_group, lambda batch: _read_tensors(ckpt, common, batch), ep_group=ep_group)
     module.load_state_dict({k[6:]: v for k, v in template.items()}, strict=True)
     return common
 
 
-def load_optimizer_state(ckpt: str, optimizer, model, *, tp_group=None, ep_group=None) -> None:
+def load_optimizer_state(ckpt: str, optimizer, model, *, tp_group=None, pp_group=None, ep_group=None) -> None:
     """Load the optimizer state of ``ckpt`` into ``optimizer`` (built for ``model``).
     Tensors of FSDP2 parameters are read straight into DTensors sharded like them; state of
     a TP-sharded parameter (``tp_group``: this run's TP group) is cut to this rank's shard, of
-    an expert parameter to this rank's experts (``ep_group``)."""
+    an expert parameter to this rank's experts (``ep_group``). Only this rank's parameters'
+    state is read (any pipeline layout; a tied-embedding copy takes the embedding's)."""
     common = read_common(ckpt)
     skel = common.get("optimizer")
     if skel is None:
@@ -399,6 +420,7 @@ def load_optimizer_state(ckpt: str, optimizer, model, *, tp_group=None, ep_group
         )
     shapes = _metadata_shapes(ckpt, common)
     params = named_params(unwrap_model(model))
+    skel = own_skeleton(skel, set(params), shared_copies(params))
     reads: Dict[str, tuple] = {}
     for path, key in tensor_paths(skel):
         shape, dtype = shapes[key]
@@ -420,7 +442,7 @@ def load_optimizer_state(ckpt: str, optimizer, model, *, tp_group=None, ep_group
     optimizer.load_state_dict(join_state(skel, {k: dst for k, (dst, _) in reads.items()}))
 
 
-def load_rng_state(ckpt: str, *, rng_tracker=None, tp_group=None, ep_group=None) -> bool:
+def load_rng_state(ckpt: str, *, rng_tracker=None, tp_group=None, pp_group=None, ep_group=None) -> bool:
     """Restore this rank's RNG states (and ``rng_tracker``'s streams, when saved); False
     (nothing changed) when the checkpoint was written by a different layout -- world size,
     or tensor-parallel size (``tp_group``), whose TP ranks must share their default stream --
@@ -428,7 +450,8 @@ def load_rng_state(ckpt: str, *, rng_tracker=None, tp_group=None, ep_group=None)
     common = read_common(ckpt)
     world = dist.get_world_size() if dist.is_initialized() else 1
     path = os.path.join(ckpt, "rng", f"rank_{_rank()}.pt")
-    if not common.get("rng_saved") or not same_layout(common, world, tp_size(tp_group), group_size(ep_group)):
+    layout = (tp_size(tp_group), pp_size(pp_group), group_size(ep_group))
+    if not common.get("rng_saved") or not same_layout(common, world, *layout):
         return False
     if not os.path.isfile(path):
         return False
@@ -460,6 +483,7 @@ def load_checkpoint(
     model_config: Optional[dict] = None,
     tp_group=None,
     rng_tracker=None,
+    pp_group=None,
     ep_group=None,
 ) -> TrainState:
     """Restore everything a run needs from checkpoint dir ``ckpt``, in one place and in
@@ -472,23 +496,24 @@ def load_checkpoint(
     4. this rank's RNG states (and ``rng_tracker``'s streams) when ``load_rng`` and the
        layout (world size, tensor-parallel size) matches.
 
-    ``tp_group`` / ``ep_group``: this run's tensor- / expert-parallel groups (None: none); the
-    checkpoint may come from any tp and ep.
+    ``tp_group`` / ``pp_group`` / ``ep_group``: this run's tensor- / pipeline- / expert-parallel
+    groups (None: none); the checkpoint may come from any tp, pp and ep.
 
     Returns the counters to continue from; ``model_config`` (a ``TransformerConfig.to_dict()``)
     is checked against the checkpoint's record first, and every file is verified against the
     sizes and checksums recorded at save time (:class:`CheckpointCorruptError` names the file)."""
     verify_checkpoint(ckpt, read_common(ckpt))
-    common = load_model_state(ckpt, model, model_config=model_config, tp_group=tp_group, ep_group=ep_group)
+    groups = {"tp_group": tp_group, "pp_group": pp_group, "ep_group": ep_group}
+    common = load_model_state(ckpt, model, model_config=model_config, **groups)
     if optimizer is not None:
         if restore_optimizer:
-            load_optimizer_state(ckpt, optimizer, model, tp_group=tp_group, ep_group=ep_group)
+            load_optimizer_state(ckpt, optimizer, model, **groups)
         else:
             optimizer.reload_model_params()
     if scheduler is not None and restore_optimizer and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"], override=override_scheduler)
     rng = bool(load_rng) and load_rng_state(
-        ckpt, rng_tracker=rng_tracker, tp_group=tp_group, ep_group=ep_group
+        ckpt, rng_tracker=rng_tracker, **groups
     )
     return TrainState(
         iteration=int(common["iteration"]),

@@ -24,6 +24,7 @@ from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.models import TransformerConfig
 from megadlms.optimizer import OptimizerConfig
+from megadlms.pipeline import virtual_pipeline_size
 
 LEGACY_DEFAULT_SPLIT = "969, 30, 1"
 """Megatron's --split default when --data-path is given without one."""
@@ -57,9 +58,19 @@ class ParallelConfig:
     gradient_accumulation_fusion: Optional[bool] = None
     """Weight-gradient GEMMs accumulate straight into ``main_grad``. None: on under DDP
     (Megatron's default), off under FSDP2 (which has no ``main_grad``)."""
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    """Interleaved 1F1B: decoder layers per model chunk (exclusive with the next field)."""
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    """Interleaved 1F1B: model chunks per pipeline rank; None: 1 (or from the field above,
+    see :meth:`virtual_stages`)."""
+    decoder_first_pipeline_num_layers: Optional[int] = None
+    """Uneven split: decoder layers of the first pipeline stage."""
+    decoder_last_pipeline_num_layers: Optional[int] = None
+    """Uneven split: decoder layers of the last pipeline stage."""
 
     def __post_init__(self) -> None:
         bad = Problems("ParallelConfig")
+        self._check_pipeline(bad)
         if self.tensor_model_parallel_size == 1:
             self.sequence_parallel = False
         if self.gradient_accumulation_fusion is None:
@@ -94,6 +105,48 @@ class ParallelConfig:
             f"distributed_backend must be 'nccl' or 'gloo', got {self.distributed_backend!r}",
         )
         bad.raise_if_any()
+
+    _PIPELINE_LAYOUT = (
+        "num_layers_per_virtual_pipeline_stage",
+        "virtual_pipeline_model_parallel_size",
+        "decoder_first_pipeline_num_layers",
+        "decoder_last_pipeline_num_layers",
+    )
+
+    def _check_pipeline(self, bad: Problems) -> None:
+        bad.positive(self, *self._PIPELINE_LAYOUT, required=False)
+        bad.check(
+            self.num_layers_per_virtual_pipeline_stage is None
+            or self.virtual_pipeline_model_parallel_size is None,
+            "num_layers_per_virtual_pipeline_stage and virtual_pipeline_model_parallel_size are exclusive: "
+            "pass one",
+        )
+        if self.pipeline_model_parallel_size == 1:
+            for name in self._PIPELINE_LAYOUT:
+                bad.check(
+                    getattr(self, name) is None,
+                    f"{name} needs pipeline_model_parallel_size > 1 (got 1): drop it or raise "
+                    "pipeline_model_parallel_size",
+                )
+
+    def virtual_stages(self, num_layers: int) -> int:
+        """Model chunks per pipeline rank (1 without interleaving); Megatron derives it from
+        ``num_layers_per_virtual_pipeline_stage`` as (num_layers / pp) / that. ValueError
+        naming the fields when they do not divide."""
+        if self.virtual_pipeline_model_parallel_size is not None:
+            return self.virtual_pipeline_model_parallel_size
+        per_chunk = self.num_layers_per_virtual_pipeline_stage
+        if per_chunk is None:
+            return 1
+        pp = self.pipeline_model_parallel_size
+        uneven = self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers
+        if uneven:
+            raise ValueError(
+                "num_layers_per_virtual_pipeline_stage cannot be combined with uneven first/last stages "
+                "(decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers): pass "
+                "virtual_pipeline_model_parallel_size instead"
+            )
+        return virtual_pipeline_size(num_layers, pp, num_layers_per_virtual_pipeline_stage=per_chunk)
 
 
 @dataclass(kw_only=True)

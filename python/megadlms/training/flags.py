@@ -400,6 +400,36 @@ def _interop_args(p):
     add_flag(g, "--ckpt-convert-save", default=None, help="Root directory of the converted checkpoint.")
 
 
+def _pipeline_args(p):
+    """Pipeline-parallel layout flags beyond --pipeline-model-parallel-size and
+    --num-layers-per-virtual-pipeline-stage (Megatron's names)."""
+    g = p.add_argument_group("pipeline parallelism")
+    add_flag(
+        g,
+        "--virtual-pipeline-model-parallel-size",
+        "--num-virtual-stages-per-pipeline-rank",
+        type=int,
+        default=None,
+        dest="virtual_pipeline_model_parallel_size",
+        help="Interleaved 1F1B schedule: model chunks (virtual stages) per pipeline rank "
+        "(exclusive with --num-layers-per-virtual-pipeline-stage).",
+    )
+    add_flag(
+        g,
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="Uneven split: decoder layers on the first pipeline stage (the rest split evenly).",
+    )
+    add_flag(
+        g,
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="Uneven split: decoder layers on the last pipeline stage (the rest split evenly).",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The full Megatron-compatible parser (no validation; see :func:`parse_args`)."""
     p = argparse.ArgumentParser(
@@ -419,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
         _megadlms_args,
         _interop_args,
         moe_args,
+        _pipeline_args,
     ):
         add(p)
     return p

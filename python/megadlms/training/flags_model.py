@@ -250,7 +250,7 @@ def parallel_args(p):
         "--pipeline-model-parallel-size",
         type=int,
         default=1,
-        help="Pipeline parallel size (only 1 supported yet).",
+        help="Pipeline parallel size: the decoder layers split over this many stages (DDP only).",
     )
     add_flag(
         g,
@@ -272,7 +272,7 @@ def parallel_args(p):
         "--num-layers-per-virtual-pipeline-stage",
         type=int,
         default=None,
-        help="Interleaved pipeline schedule (not supported yet).",
+        help="Interleaved 1F1B schedule: layers per virtual pipeline stage (model chunk).",
     )
     add_flag(
         g,

@@ -7,9 +7,7 @@ to read and to review.
 
 # (dest, flag, value that means "off") -> rejected with "not supported yet" when changed.
 UNSUPPORTED = (
-    ("pipeline_model_parallel_size", "--pipeline-model-parallel-size", 1),
     ("context_parallel_size", "--context-parallel-size", 1),
-    ("num_layers_per_virtual_pipeline_stage", "--num-layers-per-virtual-pipeline-stage", None),
     ("fp8", "--fp8-format", None),
     ("recompute_granularity", "--recompute-granularity", None),
     ("recompute_activations", "--recompute-activations", False),

@@ -64,7 +64,9 @@ def checkpoint_vocab(path: Optional[str]) -> Optional[int]:
         return None
 
 
-def _load(path: str, config: RunConfig, model, optimizer, scheduler, tp) -> checkpointing.TrainState:
+def _load(
+    path: str, config: RunConfig, model, optimizer, scheduler, tp, pp_group=None
+) -> checkpointing.TrainState:
     ck = config.checkpoint
     return checkpointing.load_checkpoint(
         path,
@@ -78,17 +80,19 @@ def _load(path: str, config: RunConfig, model, optimizer, scheduler, tp) -> chec
         tp_group=None if tp is None else tp.group,
         rng_tracker=None if tp is None else tp.rng_tracker,
         ep_group=None if tp is None else tp.expert_group,
+        pp_group=pp_group,
     )
 
 
 def load_verified(
-    path: str, config: RunConfig, model, optimizer, scheduler, *, tp=None
+    path: str, config: RunConfig, model, optimizer, scheduler, *, tp=None, pp_group=None
 ) -> Tuple[str, checkpointing.TrainState]:
     """Load ``path``; with --ckpt-fallback a checkpoint that fails verification gives way to
     the newest older one that passes (every rank takes the same decision: the verdict is shared).
-    ``tp``: the model's TensorParallelContext (its group and RNG tracker)."""
+    ``tp``: the model's TensorParallelContext (its group and RNG tracker); ``pp_group``: the
+    pipeline-parallel group (None without PP)."""
     try:
-        return path, _load(path, config, model, optimizer, scheduler, tp)
+        return path, _load(path, config, model, optimizer, scheduler, tp, pp_group)
     except checkpointing.CheckpointCorruptError as exc:
         if not config.checkpoint.ckpt_fallback:
             raise
@@ -96,7 +100,7 @@ def load_verified(
         for older in checkpointing.older_checkpoints(root, it):
             _log.warning(f"{exc}\n--ckpt-fallback: trying {older}")
             try:
-                return older, _load(older, config, model, optimizer, scheduler, tp)
+                return older, _load(older, config, model, optimizer, scheduler, tp, pp_group)
             except checkpointing.CheckpointCorruptError as again:
                 exc = again
         raise checkpointing.CheckpointCorruptError(

@@ -18,7 +18,16 @@ contribute their loss and token counts, so the TP ranks of one replica -- which 
 the same loss -- count it once.
 
 The data-parallel wrapper is whatever ``builders.wrap_model`` chose; this file only uses
-the ``DataParallel`` protocol (docs/architecture.md). A failure on one rank inside the
+the ``DataParallel`` protocol (docs/architecture.md).
+
+Pipeline parallelism (``pipeline``: a ``pipeline_run.PipelineRunner``): step 2 is the
+pipeline schedule over the model chunks (each chunk synced on its own last micro-batch),
+then ``finish_grad_sync()`` on every chunk and the tied-embedding gradient sum; the loss
+lives on the last stage, whose tensor-parallel rank 0 is the loss owner. A data error on
+any rank is known to all before the schedule (it rides on the token-count all-reduce), so
+no stage waits for activations that never come; an exception inside the schedule stops its
+rank at once with that error (its pipeline peers wait in point-to-point calls it will never
+make; its exit ends their waits). A failure on one rank inside the
 forward/backward is carried by the step's reductions, so every rank stops.
 """
 
@@ -96,6 +105,7 @@ def train_step(
     bidirectional: bool = True,
     data_error: Optional[BaseException] = None,
     loss_owner: bool = True,
+    pipeline=None,
 ) -> StepOut:
     """One optimizer step over this rank's micro-batches (see the module docstring).
 
@@ -115,13 +125,18 @@ def train_step(
         local_tokens = torch.stack(
             [loss_token_count(b, c, diff_cfg).to(torch.float64) for b, c in zip(micro_batches, crops)]
         ).sum()
-    # [tokens, micro-batches] of the loss owners: the global batch's N and micro-batch count
+    # [tokens, micro-batches] of the loss owners (the global batch's N and micro-batch count),
+    # [ranks without data] under pipeline parallelism: every stage skips the schedule together
     n_micro = float(len(micro_batches)) if data_error is None else 0.0
     local_micro = torch.tensor(n_micro, dtype=torch.float64, device=local_tokens.device)
     counts = torch.stack([local_tokens, local_micro]).to(device=device)
     counts = counts if loss_owner else torch.zeros_like(counts)
+    if pipeline is not None:
+        failed = torch.tensor([float(data_error is not None)], dtype=counts.dtype, device=device)
+        counts = torch.cat([counts, failed])
     with named_collective("all-reduce of the step's loss-token count", iteration):
         dist.all_reduce(counts)
+    run_step = pipeline is None or counts[2:].sum().item() == 0
     global_tokens = counts[:1]
     # Sum mode divides by N here, once; an averaging wrapper divides by dp itself.
     dp = 1 if model.ddp_config.calculate_per_token_loss else model.comm.world_size
@@ -133,7 +148,9 @@ def train_step(
     optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step
     error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)
     try:
-        if error is None:
+        if error is None and pipeline is not None and run_step:
+            local_loss = pipeline.forward_backward(optimizer, micro_batches, diff_cfg, crops, scale, device)
+        elif error is None and pipeline is None:
             local_loss = _forward_backward(
                 model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device
             )
@@ -143,9 +160,15 @@ def train_step(
                 "forward/backward (FSDP2 all-gather / gradient bucket reduction)", iteration
             ):
                 raise
+        if pipeline is not None:
+            # the neighbouring stages wait in point-to-point calls this rank will never make:
+            # stop now with this rank's own error (its exit ends their waits)
+            raise
         error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
     with named_collective("gradient reduction (finish_grad_sync)", iteration):
         model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
+        if pipeline is not None:
+            pipeline.after_grad_sync()
 
     loss_total, nan_ranks, exit_reduced = _reduce_step(
         local_loss, error, exit_flags(), iteration, device, loss_owner

@@ -24,7 +24,7 @@ from megadlms.models import num_floating_point_operations
 from megadlms.models.moe import moe_layer_stats
 from megadlms.optimizer import get_optimizer
 
-from . import builders, checkpoint_async, checkpointing, resume
+from . import builders, checkpoint_async, checkpointing, pipeline_run, resume
 from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
 from .run_state import RunResult, SignalFlag
@@ -53,21 +53,27 @@ class Trainer:
             _log.info(f"note: {note}")
 
         self.groups, self.tp = builders.build_parallel(config, self.device, t.seed)
-        # Only tensor-parallel rank 0 of each replica counts its (shared) loss in the reductions.
-        self.loss_owner = self.groups.tp.rank == 0
-        model = builders.build_model(
-            config.model,
+        pp = self.groups.pp
+        # Only tensor-parallel rank 0 of each replica (on the last pipeline stage, which holds
+        # the loss) counts its (shared) loss in the reductions.
+        self.loss_owner = self.groups.tp.rank == 0 and pp.rank == pp.size - 1
+        build = functools.partial(
+            builders.build_model if pp.size == 1 else pipeline_run.build_chunks,
             seed=t.seed,
             device=self.device,
             core_attn_implementation=t.core_attn_implementation,
             tp=self.tp,
         )
+        model = build(config.model) if pp.size == 1 else build(config, pp.rank)
         if config.checkpoint.hf_init:  # before wrapping; a --load checkpoint still wins
             builders.init_from_hf(model, config.checkpoint.hf_init)
-        check_model_for_mode(model, config.diffusion)  # once, not per micro-batch
-        self.params_per_rank = sum(p.numel() for p in model.parameters())
-        self.num_params = _logical_params(model, self.groups.tp.size, self.tp.ep_size)
+        parts = model if pp.size > 1 else [model]
+        check_model_for_mode(parts[0], config.diffusion)  # once, not per micro-batch
+        self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
+        self.num_params = _logical_params(parts, self.groups, self.tp.ep_size)
         self.model = builders.wrap_model(model, config, self.groups)
+        self.pipeline = pipeline_run.PipelineRunner(self.groups, self.model.chunks) if pp.size > 1 else None
+        self._pp_group = pp.group if pp.size > 1 else None
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
@@ -133,14 +139,15 @@ class Trainer:
         if path is None:
             return None
         path, state = resume.load_verified(
-            path, self.config, self.model, self.optimizer, self.scheduler, tp=self.tp
+            path, self.config, self.model, self.optimizer, self.scheduler, tp=self.tp, pp_group=self._pp_group
         )
         common = state.common
         if not ck.finetune:
             if not ck.no_load_rng and not state.rng_restored:
                 _log.info(
-                    f"RNG states not restored: {path} was saved by {common.get('world_size')} ranks, this "
-                    f"run has {self.world} (the diffusion noise does not depend on them)"
+                    f"RNG states not restored: {path} was saved by {common.get('world_size')} ranks "
+                    f"({common.get('parallel', {})}), this run has {self.world} = {self.groups.describe()} "
+                    "(the diffusion noise does not depend on them)"
                 )
             self.iteration, self.consumed = state.iteration, state.consumed_samples
             self.nan_total = int(state.extra.get("nan_iterations", 0))
@@ -191,6 +198,8 @@ class Trainer:
             tp_group=self.tp.group,
             rng_tracker=self.tp.rng_tracker,
             ep_group=self.tp.expert_group,
+            pp_group=self._pp_group,
+            vp=len(self.model.chunks) if self.pipeline is not None else 1,
         )
         self.result.save_stalls.append(time.perf_counter() - t0)
         if isinstance(written, str):
@@ -302,6 +311,7 @@ class Trainer:
             device=self.device,
             packing=self._packing,
             loss_owner=self.loss_owner,
+            pipeline=self.pipeline,
         )
         self.model.train()
         return ev
@@ -333,7 +343,7 @@ class Trainer:
             self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
             device=self.device, exit_flags=exit_flags,
             bidirectional=self.config.model.attention != "causal", data_error=data_error,
-            loss_owner=self.loss_owner,
+            loss_owner=self.loss_owner, pipeline=self.pipeline,
         )  # fmt: skip
         self.iteration += 1
         self.consumed += self.gbs
@@ -398,13 +408,19 @@ class Trainer:
         return self.result
 
 
-def _logical_params(model: torch.nn.Module, tp: int, ep: int = 1) -> int:
+def _logical_params(parts, groups, ep: int = 1) -> int:
     """Parameters of the full (unsharded) model: TP shards count tp times, expert shards ep
-    times, replicas once."""
-    total = 0
-    for p in model.parameters():
-        copies = tp if getattr(p, "tensor_model_parallel", False) else 1
-        total += p.numel() * copies * (ep if getattr(p, "expert_parallel", False) else 1)
+    times, replicas once, every pipeline stage's (summed over the pipeline group), a tied
+    embedding's copy never."""
+    total, tp = 0, groups.tp.size
+    for p in (p for m in parts for p in m.parameters()):
+        if not getattr(p, "shared_embedding", False):
+            copies = tp if getattr(p, "tensor_model_parallel", False) else 1
+            total += p.numel() * copies * (ep if getattr(p, "expert_parallel", False) else 1)
+    if groups.pp.size > 1:
+        t = torch.tensor([float(total)], dtype=torch.float64)
+        dist.all_reduce(t, group=groups.pp.group)
+        total = int(t.item())
     return total
 
 

@@ -30,15 +30,23 @@ def evaluate(
     device: torch.device,
     packing: Optional[Callable[[dict], dict]] = None,
     loss_owner: bool = True,
+    pipeline=None,
 ) -> dict:
     """Validation NELBO over the first ``num_micro_batches`` of ``loader`` on every rank,
     combined over ranks (the same samples every time, so evaluations are comparable).
     ``packing``: adds the document-packing fields to each batch. ``loss_owner`` False: a
-    tensor-parallel peer, whose (equal) sums its TP rank 0 contributes."""
+    tensor-parallel peer (or a rank off the last pipeline stage), whose sums its loss owner
+    contributes. ``pipeline``: a ``pipeline_run.PipelineRunner`` (forward-only schedule)."""
     batches = (to_device(b, device) for b in islice(iter(loader), num_micro_batches))
     if packing is not None:
         batches = (packing(b) for b in batches)
-    res = validation_nelbo(model, batches, diff_cfg, num_mc_samples=num_mc_samples, seed=seed)
+    if pipeline is not None:
+        loss_sum, n = pipeline.validation_sums(
+            list(batches), diff_cfg, num_mc_samples=num_mc_samples, seed=seed
+        )
+        res = {"loss_sum": loss_sum, "num_tokens": n}
+    else:
+        res = validation_nelbo(model, batches, diff_cfg, num_mc_samples=num_mc_samples, seed=seed)
     t = torch.tensor([float(res["loss_sum"]), float(res["num_tokens"])], dtype=torch.float64, device=device)
     dist.all_reduce(t if loss_owner else t.zero_())
     loss_sum, n = t.tolist()
@@ -50,19 +58,24 @@ def params_norm(model, device: torch.device, groups=None) -> float:
     """Global L2 norm of the full parameters (collective over every rank): FSDP2's DTensor
     pieces count on every rank, tensor-parallel shards on data-parallel rank 0 of their TP
     group, expert parameters on expert-data-parallel rank 0 of their EP group, replicated
-    parameters on global rank 0 -- so each element counts once."""
+    parameters on data- and tensor-parallel rank 0 of their pipeline stage (global rank 0
+    without pipeline parallelism), a tied embedding's copy on the last stage never -- so each
+    element counts once."""
     dp_rank = groups.dp.rank if groups is not None else 0
     expert_dp_rank = groups.expert_dp.rank if groups is not None else 0
+    tp_rank = groups.tp.rank if groups is not None else dist.get_rank()
     total = torch.zeros((), dtype=torch.float64, device=device)
     for p in unwrap_model(model).parameters():
         if hasattr(p, "to_local"):
             local, counts = p.to_local(), True
+        elif getattr(p, "shared_embedding", False):
+            local, counts = p, False
         elif getattr(p, "tensor_model_parallel", False):
             local, counts = p, dp_rank == 0
         elif getattr(p, "expert_parallel", False):
             local, counts = p, expert_dp_rank == 0
         else:
-            local, counts = p, dist.get_rank() == 0
+            local, counts = p, dp_rank == 0 and tp_rank == 0
         if counts:
             total += local.detach().double().square().sum().to(device)
     dist.all_reduce(total)

@@ -1,0 +1,246 @@
+"""Pipeline parallelism in the trainer: this rank's model chunks, and the forward step the
+pipeline schedule runs for training and for validation (docs/architecture.md).
+
+* :func:`build_chunks`: the GPTModel chunks of this pipeline rank (one per virtual stage,
+  Megatron's split: ``megadlms.pipeline.stage_layers``), each initialised from the seed so
+  that its weights are bitwise the whole model's;
+* :class:`PipelineRunner`: one step's forward/backward through
+  ``megadlms.pipeline.forward_backward_pipelining`` and the tied-embedding gradient sum
+  after ``finish_grad_sync()``; a forward-only pipeline for the validation NELBO.
+
+Every stage of a pipeline group holds the same micro-batches (the same data-parallel rank)
+and computes the same model inputs from them: the masked-diffusion noise is a function of
+(seed, sample index, draw) only, so the first stage's noisy tokens, the positions a later
+stage needs for rotary / document masks and the last stage's targets, mask and p_mask all
+agree without being sent. Only the last stage computes a loss; the caller's loss owner
+(tensor-parallel rank 0 of the last stage) contributes it to the step's reductions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from megadlms.diffusion import forward_process, validation_times
+from megadlms.diffusion.loss import ar_loss, diffusion_loss, objective_inputs, token_cross_entropy_of
+from megadlms.distributed import unwrap_model
+from megadlms.models import GPTModel
+from megadlms.pipeline import (
+    allreduce_embedding_grads,
+    build_embedding_group,
+    embedding_grad_params,
+    forward_backward_pipelining,
+    model_chunks,
+    stage_layers,
+)
+
+from .config import RunConfig
+
+
+def chunk_layout(config: RunConfig, pp_rank: int):
+    """This pipeline rank's :class:`~megadlms.models.PipelineChunk` list (one per virtual stage)."""
+    par, n = config.parallel, config.model.num_layers
+    pp = par.pipeline_model_parallel_size
+    ranges = stage_layers(
+        n,
+        pp,
+        vp=par.virtual_stages(n),
+        first_stage_layers=par.decoder_first_pipeline_num_layers,
+        last_stage_layers=par.decoder_last_pipeline_num_layers,
+    )[pp_rank]
+    return model_chunks(ranges, pp_rank, pp, n)
+
+
+def build_chunks(
+    config: RunConfig, pp_rank: int, *, seed: int, device, core_attn_implementation: str, tp
+) -> List[GPTModel]:
+    """The plain GPTModel chunks of pipeline rank ``pp_rank``. Each chunk draws the whole
+    model's tensors from ``seed`` and keeps its own, so the union over all ranks is bitwise the
+    pp=1 model (and the tied embedding's copy on the last stage equals the embedding)."""
+    out = []
+    for chunk in chunk_layout(config, pp_rank):
+        torch.manual_seed(seed)
+        model = GPTModel(
+            config.model, core_attn_implementation=core_attn_implementation, tp=tp, pipeline=chunk
+        )
+        out.append(model.to(device))
+    return out
+
+
+@dataclass
+class _Inputs:
+    """One micro-batch as every stage sees it: the model's inputs and the last stage's scorer."""
+
+    tokens: torch.Tensor
+    position_ids: Optional[torch.Tensor]
+    document_ids: Optional[torch.Tensor]
+    score: Callable  # (logits, cross_entropy) -> (loss_sum, num_tokens)
+
+
+def _train_inputs(batch: dict, cfg, crop) -> _Inputs:
+    """compute_loss's pieces: the same noise, crop and targets (diffusion.loss)."""
+    if cfg.model_running_mode == "vanilla":
+        labels, mask = batch["labels"], batch.get("loss_mask")
+        return _Inputs(
+            batch["tokens"],
+            batch.get("position_ids"),
+            batch.get("document_ids"),
+            lambda logits, ce: ar_loss(logits, labels, mask, ce),
+        )
+    if "sample_idx" not in batch:
+        raise ValueError(
+            "difflm-noshift needs batch['sample_idx'] (the global sample indices that seed the noise)"
+        )
+    inputs = objective_inputs(batch, cfg, crop)
+    clean, loss_mask = inputs["clean"], inputs["loss_mask"]
+    noisy, masked, p_mask = forward_process(clean, batch["sample_idx"], cfg, loss_mask)
+    return _Inputs(
+        noisy,
+        inputs["position_ids"],
+        inputs["document_ids"],
+        lambda logits, ce: diffusion_loss(logits, clean, masked, p_mask, loss_mask, ce),
+    )
+
+
+def _valid_inputs(batch: dict, cfg, draw: int, num_mc_samples: int) -> _Inputs:
+    """validation_nelbo's pieces for Monte Carlo draw ``draw`` (diffusion.evaluation)."""
+    if cfg.model_running_mode == "vanilla":
+        return _train_inputs(batch, cfg, None)
+    inputs = objective_inputs(batch, cfg)  # no crop
+    clean, loss_mask = inputs["clean"], inputs["loss_mask"]
+    sample_idx = torch.as_tensor(batch["sample_idx"], dtype=torch.int64, device=clean.device)
+    t = validation_times(cfg.seed, sample_idx, draw, num_mc_samples)
+    noisy, masked, p_mask = forward_process(
+        clean, sample_idx, cfg, loss_mask, t=t, draw=draw + 1, p_mask_mode="sampled"
+    )
+    return _Inputs(
+        noisy,
+        inputs["position_ids"],
+        inputs["document_ids"],
+        lambda logits, ce: diffusion_loss(logits, clean, masked, p_mask, loss_mask, ce),
+    )
+
+
+def _run_chunk(chunk, inputs: _Inputs, hidden: Optional[torch.Tensor]):
+    kw = {} if inputs.document_ids is None else {"document_ids": inputs.document_ids}
+    if hidden is not None:  # a later chunk: the ids give it the (unpadded) batch shape
+        kw["hidden_states"] = hidden
+    return chunk(inputs.tokens, inputs.position_ids, **kw)
+
+
+class PipelineRunner:
+    """The trainer's pipeline: schedule, forward step and the embedding-group gradient sum.
+
+    Built once (collective: creates the embedding groups). ``chunks``: this rank's wrapped
+    chunks (``ModelChunks.chunks``)."""
+
+    def __init__(self, groups, chunks) -> None:
+        self.groups = groups
+        self.chunks = list(chunks)
+        self.embedding_group = build_embedding_group(groups)
+        self._last = [bool(unwrap_model(c).pipeline.post_process) for c in self.chunks]
+
+    def _step_fn(self, prepare: Callable[[int], _Inputs], on_loss: Callable):
+        cache: Dict[int, _Inputs] = {}
+
+        def forward_step(chunk_index: int, micro_index: int, hidden):
+            if micro_index not in cache:  # every chunk of this rank sees the same micro-batch
+                cache[micro_index] = prepare(micro_index)
+            inputs = cache[micro_index]
+            chunk = self.chunks[chunk_index]
+            out = _run_chunk(chunk, inputs, hidden)
+            if not self._last[chunk_index]:
+                return out
+            loss_sum, _ = inputs.score(out, token_cross_entropy_of(chunk))
+            return on_loss(loss_sum)
+
+        return forward_step
+
+    def forward_backward(
+        self, optimizer, micro_batches: List[dict], cfg, crops, scale, device
+    ) -> torch.Tensor:
+        """This rank's loss sum of the step (0 off the last stage); gradients accumulated in
+        every chunk's buffers, each chunk's collectives launched on its last micro-batch."""
+        step = self._step_fn(
+            lambda i: _train_inputs(micro_batches[i], cfg, crops[i]),
+            lambda loss_sum: (loss_sum * scale, loss_sum.detach().to(torch.float64)),
+        )
+        losses = forward_backward_pipelining(
+            self.chunks, micro_batches, step, pp_group=self.groups.pp, backward_loss=optimizer.scale_loss
+        )
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for loss in losses:
+            total += loss.to(device)
+        return total
+
+    def after_grad_sync(self) -> None:
+        """After every chunk's ``finish_grad_sync()``: sum the tied embedding's gradient over
+        the first and last stage (no-op when untied or on a middle stage).
+
+        With the distributed optimizer only this rank's shard of each bucket is reduced, and
+        the embedding and its copy sit at different offsets of different buckets on the two
+        stages, so their valid shards do not line up: the reduced gradient of each is first
+        completed over the shard group (each rank contributes its reduced shard, zeros
+        elsewhere), then summed over the embedding group."""
+        if self.embedding_group is None:
+            return
+        for chunk in self.chunks:
+            if getattr(chunk, "optimizer_layout", None) == "bucket_shards":
+                for param in embedding_grad_params([chunk]):
+                    _complete_sharded_grad(chunk, param)
+        allreduce_embedding_grads(self.chunks, self.embedding_group)
+
+    @torch.no_grad()
+    def validation_sums(self, batches: List[dict], cfg, *, num_mc_samples: int, seed: int):
+        """(loss sum, loss tokens) of ``validation_nelbo`` over ``batches`` with a forward-only
+        pipeline: one pipeline micro-batch per (batch, Monte Carlo draw). The loss sum is
+        non-zero only on the last stage; the token count is the same on every stage."""
+        if num_mc_samples < 1:
+            raise ValueError(f"num_mc_samples must be >= 1, got {num_mc_samples}")
+        cfg = dataclasses.replace(cfg, seed=seed) if seed != cfg.seed else cfg
+        k = 1 if cfg.model_running_mode == "vanilla" else num_mc_samples
+        micro = [(b, d) for b in batches for d in range(k)]
+        step = self._step_fn(
+            lambda i: _valid_inputs(micro[i][0], cfg, micro[i][1], k),
+            lambda loss_sum: (loss_sum, loss_sum.detach().to(torch.float64) / k),
+        )
+        was_training = [c.training for c in self.chunks]
+        for c in self.chunks:
+            c.eval()
+        try:
+            losses = forward_backward_pipelining(
+                self.chunks, micro, step, pp_group=self.groups.pp, forward_only=True
+            )
+        finally:
+            for c, mode in zip(self.chunks, was_training):
+                c.train(mode)
+        tokens = 0.0
+        for b in batches:
+            inputs = objective_inputs(b, cfg) if cfg.model_running_mode != "vanilla" else None
+            mask = b.get("loss_mask") if inputs is None else inputs["loss_mask"]
+            ref = b["labels"] if inputs is None else inputs["clean"]
+            tokens += float(ref.numel()) if mask is None else float(mask.to(torch.float64).sum())
+        return float(sum(float(x) for x in losses)), tokens
+
+
+def _complete_sharded_grad(wrapper, param: torch.nn.Parameter) -> None:
+    """Make ``param.main_grad`` the full reduced gradient on every rank of the wrapper's shard
+    group: keep the part inside this rank's reduced shard, zero the rest, sum over the group."""
+    comm = wrapper.shard_comm
+    for bucket in wrapper.grad_buckets:
+        if not any(p is param for p in bucket.params):
+            continue
+        off = bucket.offsets[next(i for i, p in enumerate(bucket.params) if p is param)]
+        lo, hi = bucket.shard_range(comm.rank, comm.world_size)
+        flat = param.main_grad.view(-1)
+        a, b = max(lo - off, 0), min(hi - off, flat.numel())
+        mine = flat[a:b].clone() if a < b else None
+        flat.zero_()
+        if mine is not None:
+            flat[a:b] = mine
+        if comm.world_size > 1:
+            comm.all_reduce(flat, "sum")
+        return

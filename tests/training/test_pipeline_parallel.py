@@ -1,0 +1,211 @@
+"""Pipeline parallelism end to end through ``megadlms.pretrain.run`` (the real CLI) on gloo
+CPU ranks (fp32, dropout 0, tiny model, mock data, 5 steps).
+
+The independent reference is the one-process run (the plain model, no collectives). Every
+layout trains the same model from the same seed on the same global batch, so its loss curve,
+grad norms, validation NELBO and final weights must match the reference within 1e-5 relative:
+
+* pp=2 with 1F1B and with the interleaved schedule (2 model chunks per rank), uneven
+  first/last stages, untied embeddings, and the tied embedding (its last-stage copy summed
+  over the embedding group); the --metrics-jsonl records carry the same lm_loss per iteration;
+* pp=2 x dp=2 (distributed optimizer) and pp=2 x tp=2 x dp=2 (8 ranks), with LLaDA's crop
+  (one per step: MegaDLMs' per-micro-batch crop depends on the data-parallel size);
+* checkpoints: a (pp=2, tp=2, dp=2) checkpoint resumes at (pp=1, tp=2, dp=4) and on one
+  process, a (pp=1, tp=2, dp=4) one at (pp=2, tp=2, dp=2), optimizer state included:
+  iterations 4-5 equal the uninterrupted run; a pp=2 checkpoint of the final weights equals
+  the one-process run's; megadlms-generate loads a PP checkpoint on one process;
+* Megatron's defaults (dropout 0.1, gradient-accumulation fusion, distributed optimizer with
+  --overlap-grad-reduce) at pp=2 x dp=2 train and resume: the resumed iterations 4-5 are
+  bitwise the uninterrupted run's (RNG restored at the same layout);
+* too few micro-batches for the schedule stop the CLI with the error naming the flags.
+
+One spawn per world size does all its runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tests.dist_utils import run_distributed
+
+TINY = (
+    "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+    "--position-embedding-type rope --normalization RMSNorm --swiglu "
+    "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 1 --global-batch-size 4 "
+    "--train-iters 5 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 1 "
+    "--weight-decay 0.1 --clip-grad 1.0 --seed 7 --mock-data --num-workers 0 --log-interval 1 "
+    "--eval-interval 5 --eval-iters 1 --difflm-eval-mc-samples 2 --difflm-varilen-prob 0.3"
+).split()
+PP2 = ["--pipeline-model-parallel-size", "2"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+VP2 = ["--num-layers-per-virtual-pipeline-stage", "1"]
+UNEVEN = ["--decoder-first-pipeline-num-layers", "1", "--decoder-last-pipeline-num-layers", "3"]
+UNTIED = ["--untie-embeddings-and-output-weights"]
+DISTOPT = ["--use-distributed-optimizer"]
+MEGATRON = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1", "--overlap-grad-reduce"] + DISTOPT
+# Data-parallel layouts: global batch 8, and LLaDA's crop (drawn once per step): MegaDLMs' crop
+# is drawn per micro-batch of a rank, so it depends on dp (the dp=1 runs above use it).
+B8 = ["--global-batch-size", "8", "--difflm-objective", "llada"]
+REL = 1e-5
+
+
+def _run(argv):
+    """One run; the vocabulary is padded to the same rows at tp 1 and 2 (Megatron pads to a
+    multiple of --make-vocab-size-divisible-by x tp), so every layout trains the same model."""
+    from megadlms.pretrain import run
+
+    divisible = "64" if "--tensor-model-parallel-size" in argv else "128"
+    return run(TINY + ["--make-vocab-size-divisible-by", divisible] + list(argv))
+
+
+def _save(tmp, name, every=5):
+    return ["--save", os.path.join(tmp, name), "--save-interval", str(every)]
+
+
+def _two_rank_world(rank, world, tmp):
+    jsonl = os.path.join(tmp, "pp2.jsonl")
+    out = {
+        "pp2": _run(PP2 + ["--metrics-jsonl", jsonl] + _save(tmp, "pp2ckpt")),
+        "pp2_vp2": _run(PP2 + VP2),
+        "pp2_uneven": _run(PP2 + UNEVEN),
+        "pp2_untied": _run(PP2 + UNTIED + ["--virtual-pipeline-model-parallel-size", "2"]),
+    }
+    try:
+        _run(PP2 + ["--global-batch-size", "1"])
+    except ValueError as exc:
+        out["too_few"] = str(exc)
+    return out
+
+
+def _four_rank_world(rank, world, tmp):
+    out = {"pp2_dp2": _run(PP2 + DISTOPT + B8)}
+    full = PP2 + MEGATRON + ["--global-batch-size", "8"]
+    out["megatron"] = _run(full)
+    out["megatron_part"] = _run(full + _save(tmp, "megatron", 100) + ["--exit-interval", "3"])
+    out["megatron_resumed"] = _run(full + ["--load", os.path.join(tmp, "megatron")])
+    return out
+
+
+def _eight_rank_world(rank, world, tmp):
+    grid = PP2 + TP2 + DISTOPT + B8
+    flat = TP2 + DISTOPT + B8
+    return {
+        "pp2_tp2_dp2": _run(grid),
+        "grid_part": _run(grid + _save(tmp, "gridckpt", 100) + ["--exit-interval", "3"]),
+        "grid_to_tp2_dp4": _run(flat + ["--load", os.path.join(tmp, "gridckpt")]),
+        "flat_part": _run(flat + _save(tmp, "flatckpt", 100) + ["--exit-interval", "3"]),
+        "flat_to_grid": _run(grid + ["--load", os.path.join(tmp, "flatckpt")]),
+    }
+
+
+def _one_process_world(rank, world, tmp):
+    return {
+        "single": _run(_save(tmp, "single")),
+        "single_b8": _run(B8),
+        "single_untied": _run(UNTIED),
+        "grid_to_single": _run(DISTOPT + B8 + ["--load", os.path.join(tmp, "gridckpt")]),
+    }
+
+
+@pytest.fixture(scope="module")
+def worlds(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("pp"))
+    two = run_distributed(_two_rank_world, 2, args=(tmp,), timeout=900)
+    four = run_distributed(_four_rank_world, 4, args=(tmp,), timeout=900)
+    eight = run_distributed(_eight_rank_world, 8, args=(tmp,), timeout=1500)
+    one = run_distributed(_one_process_world, 1, args=(tmp,), timeout=600)
+    return {"two": two, "four": four, "eight": eight, "one": one[0], "tmp": tmp}
+
+
+def _assert_curve(res, ref, its=range(1, 6)):
+    got = [res.losses[i] for i in its]
+    want = [ref.losses[i] for i in its]
+    assert got == pytest.approx(want, rel=REL), (got, want)
+
+
+@pytest.mark.parametrize(
+    "world,name,ref",
+    [
+        ("two", "pp2", "single"),
+        ("two", "pp2_vp2", "single"),
+        ("two", "pp2_uneven", "single"),
+        ("two", "pp2_untied", "single_untied"),
+        ("four", "pp2_dp2", "single_b8"),
+        ("eight", "pp2_tp2_dp2", "single_b8"),
+    ],
+)
+def test_loss_curve_matches_one_process(worlds, world, name, ref):
+    res, want = worlds[world][0][name], worlds["one"][ref]
+    _assert_curve(res, want)
+    assert [res.grad_norms[i] for i in range(1, 6)] == pytest.approx(
+        [want.grad_norms[i] for i in range(1, 6)], rel=1e-4
+    )
+    assert res.evals[5] == pytest.approx(want.evals[5], rel=REL)
+    for rank_result in worlds[world][1:]:  # every rank reports the same numbers
+        assert rank_result[name].losses == res.losses
+
+
+def test_final_weights_match_one_process(worlds):
+    """The pp=2 run's checkpoint (every stage's tensors, global names, no tied copy) holds the
+    one-process run's weights."""
+    from megadlms.training import checkpointing
+
+    tmp = worlds["tmp"]
+    a, b = (checkpointing.resolve_checkpoint(os.path.join(tmp, n)) for n in ("pp2ckpt", "single"))
+    shapes_a = checkpointing._metadata_shapes(a, checkpointing.read_common(a))
+    shapes_b = checkpointing._metadata_shapes(b, checkpointing.read_common(b))
+    assert sorted(shapes_a) == sorted(shapes_b)
+    assert not any("output_layer.weight" in k for k in shapes_a), "the tied copy is never stored"
+    keys = sorted(k for k in shapes_a if k.startswith("model/"))
+    ta = {k: torch.empty(shapes_a[k][0], dtype=shapes_a[k][1]) for k in keys}
+    tb = {k: torch.empty(shapes_b[k][0], dtype=shapes_b[k][1]) for k in keys}
+    checkpointing._read_tensors(a, checkpointing.read_common(a), ta)
+    checkpointing._read_tensors(b, checkpointing.read_common(b), tb)
+    for k in keys:
+        torch.testing.assert_close(ta[k], tb[k], rtol=1e-4, atol=1e-5, msg=k)
+    assert checkpointing.read_common(a)["parallel"] == {"tp": 1, "pp": 2, "vp": 1, "dp": 1, "world": 2}
+
+
+def test_metrics_jsonl_records_lm_loss_per_iteration(worlds):
+    with open(os.path.join(worlds["tmp"], "pp2.jsonl")) as f:
+        train = [r for r in map(json.loads, f) if r.get("event") == "train"]
+    assert [r["iteration"] for r in train] == [1, 2, 3, 4, 5]
+    want = worlds["one"]["single"].losses
+    assert [r["lm_loss"] for r in train] == pytest.approx([want[i] for i in range(1, 6)], rel=REL)
+
+
+def test_grid_checkpoint_reshards(worlds):
+    eight, one = worlds["eight"][0], worlds["one"]
+    ref = eight["pp2_tp2_dp2"]
+    assert eight["grid_part"].iteration == 3 and eight["flat_part"].iteration == 3
+    _assert_curve(eight["grid_to_tp2_dp4"], ref, its=range(4, 6))
+    _assert_curve(eight["flat_to_grid"], ref, its=range(4, 6))
+    _assert_curve(one["grid_to_single"], ref, its=range(4, 6))
+
+
+def test_megatron_defaults_train_and_resume(worlds):
+    four = worlds["four"][0]
+    full, resumed = four["megatron"], four["megatron_resumed"]
+    assert four["megatron_part"].iteration == 3 and resumed.iteration == 5
+    assert all(torch.isfinite(torch.tensor(v)) for v in full.losses.values())
+    # the same layout: RNG (dropout) restored, so the continuation is the uninterrupted run
+    assert [resumed.losses[i] for i in (4, 5)] == [full.losses[i] for i in (4, 5)]
+
+
+def test_too_few_micro_batches_is_a_cli_error(worlds):
+    msg = worlds["two"][0]["too_few"]
+    assert "--global-batch-size 1 / (--micro-batch-size 1 x --data-parallel-size 1) = 1 micro-batches" in msg
+    assert "needs at least --pipeline-model-parallel-size 2" in msg
+
+
+def test_generate_loads_the_pp_checkpoint_on_one_process(worlds, capsys):
+    from megadlms.generate import main as generate_main
+
+    capsys.readouterr()
+    argv = ["--load", os.path.join(worlds["tmp"], "pp2ckpt"), "--prompt", "In the", "--gen-length", "8"]
+    assert generate_main(argv + ["--steps", "4", "--block-length", "4"]) == 0
+    assert capsys.readouterr().out.startswith("In the")
