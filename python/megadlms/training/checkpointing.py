@@ -512,9 +512,7 @@ def load_checkpoint(
             optimizer.reload_model_params()
     if scheduler is not None and restore_optimizer and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"], override=override_scheduler)
-    rng = bool(load_rng) and load_rng_state(
-        ckpt, rng_tracker=rng_tracker, **groups
-    )
+    rng = bool(load_rng) and load_rng_state(ckpt, rng_tracker=rng_tracker, **groups)
     return TrainState(
         iteration=int(common["iteration"]),
         consumed_samples=int(common["consumed_samples"]),
