@@ -175,7 +175,7 @@ def test_ep_checkpoint_reshards_everywhere(tmp_path):
 
     for kind, fmt in VARIANTS:  # one process, no process group
         ckpt = f"{root}/{kind}_{fmt}/iter_0000002"
-        assert ck.read_common(ckpt)["parallel"] == {"tp": 1, "pp": 1, "dp": 2, "world": 2, "ep": 2}
+        assert ck.read_common(ckpt)["parallel"] == {"tp": 1, "pp": 1, "vp": 1, "dp": 2, "world": 2, "ep": 2}
         module, wrapper, opt = _build(None, "ddp", perturb=True)
         _load(ckpt, None, wrapper, opt)
         assert _exact(_full_state(module, opt, None), saved[kind, fmt]), (kind, fmt)

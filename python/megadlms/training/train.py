@@ -161,7 +161,7 @@ class Trainer:
     def _log_start(self) -> None:
         c, m = self.config, self.config.model
         _log.info(
-            f"megadlms: {type(self.model).__name__} | {self.world} rank(s) = {self.groups.describe()}, "
+            f"megadlms: {_wrapper_name(self.model)} | {self.world} rank(s) = {self.groups.describe()}, "
             f"{dist.get_backend()}, {self.device.type} | GPTModel {self.num_params / 1e6:.2f}M "
             f"params ({self.params_per_rank / 1e6:.3g}M per rank), {m.num_layers} layers, "
             f"hidden {m.hidden_size}, {m.attention} "
@@ -406,6 +406,14 @@ class Trainer:
         self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
         self.result.skipped_iterations = self.skipped_total
         return self.result
+
+
+def _wrapper_name(model) -> str:
+    """The data-parallel wrapper's class; a pipeline rank's chunks name their wrapper and count."""
+    chunks = getattr(model, "chunks", None)
+    if chunks is None:
+        return type(model).__name__
+    return f"{type(chunks[0]).__name__} x {len(chunks)} chunk(s)"
 
 
 def _logical_params(parts, groups, ep: int = 1) -> int:
