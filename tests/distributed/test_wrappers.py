@@ -35,6 +35,7 @@ def test_wrapper_classnames():
         "DistributedDataParallel",
         "TorchFullyShardedDataParallel",
         "Float16Module",
+        "ModelChunks",  # a pipeline rank's chunks (unwraps to their StageModules)
     }
 
 
