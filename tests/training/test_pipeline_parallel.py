@@ -167,7 +167,14 @@ def test_final_weights_match_one_process(worlds):
     checkpointing._read_tensors(b, checkpointing.read_common(b), tb)
     for k in keys:
         torch.testing.assert_close(ta[k], tb[k], rtol=1e-4, atol=1e-5, msg=k)
-    assert checkpointing.read_common(a)["parallel"] == {"tp": 1, "pp": 2, "vp": 1, "dp": 1, "world": 2, "ep": 1}
+    assert checkpointing.read_common(a)["parallel"] == {
+        "tp": 1,
+        "pp": 2,
+        "vp": 1,
+        "dp": 1,
+        "world": 2,
+        "ep": 1,
+    }
 
 
 def test_metrics_jsonl_records_lm_loss_per_iteration(worlds):
