@@ -67,11 +67,36 @@ def allreduce_embedding_grads(
     DDP-wrapped chunks (call AFTER every chunk's ``finish_grad_sync()``, before the optimizer
     step), ``param.grad`` of plain modules. A no-op without a group (pp == 1 or a middle
     stage) or untied embeddings. A rank of the group without a gradient yet joins with zeros,
-    so its peer never blocks."""
+    so its peer never blocks. Under the distributed optimizer (``optimizer_layout``
+    "bucket_shards") only this rank's bucket shard is reduced, at offsets that differ between
+    the two stages, so each gradient is first completed over the chunk's shard group."""
     if embedding_group is None:
         return
-    for param in embedding_grad_params(chunks):
-        grad = _grad_of(param)
-        if grad is None:
-            param.grad = grad = torch.zeros_like(param)
-        dist.all_reduce(grad, group=embedding_group)
+    for chunk in chunks:
+        for param in embedding_grad_params([chunk]):
+            if getattr(chunk, "optimizer_layout", None) == "bucket_shards":
+                _complete_sharded_grad(chunk, param)
+            grad = _grad_of(param)
+            if grad is None:
+                param.grad = grad = torch.zeros_like(param)
+            dist.all_reduce(grad, group=embedding_group)
+
+
+def _complete_sharded_grad(wrapper, param: torch.nn.Parameter) -> None:
+    """Make ``param.main_grad`` the full reduced gradient on every rank of the wrapper's shard
+    group: keep the part inside this rank's reduced shard, zero the rest, sum over the group."""
+    comm = wrapper.shard_comm
+    for bucket in wrapper.grad_buckets:
+        if not any(p is param for p in bucket.params):
+            continue
+        off = bucket.offsets[next(i for i, p in enumerate(bucket.params) if p is param)]
+        lo, hi = bucket.shard_range(comm.rank, comm.world_size)
+        flat = param.main_grad.view(-1)
+        a, b = max(lo - off, 0), min(hi - off, flat.numel())
+        mine = flat[a:b].clone() if a < b else None
+        flat.zero_()
+        if mine is not None:
+            flat[a:b] = mine
+        if comm.world_size > 1:
+            comm.all_reduce(flat, "sum")
+        return

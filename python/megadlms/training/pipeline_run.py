@@ -31,7 +31,6 @@ from megadlms.models import GPTModel
 from megadlms.pipeline import (
     allreduce_embedding_grads,
     build_embedding_group,
-    embedding_grad_params,
     forward_backward_pipelining,
     model_chunks,
     stage_layers,
@@ -184,13 +183,7 @@ class PipelineRunner:
         the embedding and its copy sit at different offsets of different buckets on the two
         stages, so their valid shards do not line up: the reduced gradient of each is first
         completed over the shard group (each rank contributes its reduced shard, zeros
-        elsewhere), then summed over the embedding group."""
-        if self.embedding_group is None:
-            return
-        for chunk in self.chunks:
-            if getattr(chunk, "optimizer_layout", None) == "bucket_shards":
-                for param in embedding_grad_params([chunk]):
-                    _complete_sharded_grad(chunk, param)
+        elsewhere), then summed over the embedding group (``allreduce_embedding_grads``)."""
         allreduce_embedding_grads(self.chunks, self.embedding_group)
 
     @torch.no_grad()
@@ -224,23 +217,3 @@ class PipelineRunner:
             ref = b["labels"] if inputs is None else inputs["clean"]
             tokens += float(ref.numel()) if mask is None else float(mask.to(torch.float64).sum())
         return float(sum(float(x) for x in losses)), tokens
-
-
-def _complete_sharded_grad(wrapper, param: torch.nn.Parameter) -> None:
-    """Make ``param.main_grad`` the full reduced gradient on every rank of the wrapper's shard
-    group: keep the part inside this rank's reduced shard, zero the rest, sum over the group."""
-    comm = wrapper.shard_comm
-    for bucket in wrapper.grad_buckets:
-        if not any(p is param for p in bucket.params):
-            continue
-        off = bucket.offsets[next(i for i, p in enumerate(bucket.params) if p is param)]
-        lo, hi = bucket.shard_range(comm.rank, comm.world_size)
-        flat = param.main_grad.view(-1)
-        a, b = max(lo - off, 0), min(hi - off, flat.numel())
-        mine = flat[a:b].clone() if a < b else None
-        flat.zero_()
-        if mine is not None:
-            flat[a:b] = mine
-        if comm.world_size > 1:
-            comm.all_reduce(flat, "sum")
-        return
