@@ -1,4 +1,5 @@
-"""Shared pytest setup: the `gpu` marker skips without CUDA; tests never need a network."""
+"""Shared pytest setup: the `gpu` marker skips without CUDA; tests never need a network;
+the multi-rank worker pool (tests/dist_utils.py) is shut down, and checked, at session end."""
 
 import os
 
@@ -15,3 +16,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _multirank_pool():
+    """Stop run_distributed's pool after the last test; a slot that then exits uncleanly
+    (e.g. SIGABRT at interpreter exit) is an error of the session."""
+    yield
+    from tests.dist_utils import shutdown_pool
+
+    bad = shutdown_pool()
+    if bad:
+        pytest.fail(
+            f"multi-rank pool slots exited uncleanly at shutdown (slot, exit code): {bad}", pytrace=False
+        )

@@ -2,84 +2,245 @@
 
     results = run_distributed(fn, world_size=2, args=(...))   # results[rank]
 
-``fn(rank, world_size, *args)`` runs after ``init_process_group("gloo")``; whatever it
-returns must be picklable (tensors are fine: results travel as ``torch.save`` bytes, so no
-shared-memory handle outlives the worker). An exception on any rank is re-raised here with
-that rank's traceback. Each call uses a fresh free port.
+``fn(rank, world_size, *args)`` runs after ``init_process_group("gloo")``; ``fn`` must be a
+module-level function (it travels by name) and whatever it returns picklable (results travel
+as ``torch.save`` bytes). An exception on any rank is re-raised here naming the rank, with
+its traceback.
+
+The ranks are slots of a pool of long-lived processes (spawning costs ~4 s of imports per
+rank): slot r serves rank r of every world of size > r, one job at a time, and the pool lives
+for the whole pytest session (tests/conftest.py shuts it down and fails the session if a slot
+then exits uncleanly). Each job runs in a process group of its own and in the state of a
+freshly spawned rank (tests/dist_worker.py lists what is reset). A failing job fails its test
+alone; a job that runs past ``timeout`` is reported with each stuck rank's stacks, and the
+pool is torn down and respawned for the next caller. ``fresh=True`` spawns a world for this
+call alone, for a job that needs what only a new process gives (an env var read at import or
+library load, a clean ``sys.modules``).
 """
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import io
 import os
-import socket
-import traceback
+import pickle
+import queue
+import shutil
+import signal
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests import dist_worker
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+SPAWN_TIMEOUT = 300.0  # start-up of new slots: not charged to a job's timeout
+GRACE = 15.0  # after one rank fails, how long the others get to report before teardown
+STOP_TIMEOUT = 30.0
 
 
-def _worker(rank, world_size, port, fn, args, queue):
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
+def _job_payload(fn, args) -> bytes:
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        out = fn(rank, world_size, *args)
-        buf = io.BytesIO()
-        torch.save(out, buf)
-        queue.put((rank, True, buf.getvalue()))
-    except BaseException:  # report, do not hang the parent
-        queue.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        return pickle.dumps((fn, tuple(args)))
+    except Exception as e:
+        raise TypeError(
+            f"run_distributed: {getattr(fn, '__qualname__', fn)!r} and its args must be picklable "
+            f"(a module-level function; tensors, numbers, strings): {e}"
+        ) from e
 
 
-def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0):
-    """Spawn ``world_size`` gloo ranks running ``fn``; return [result of rank 0, 1, ...]."""
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        # not daemonic, so a rank may start DataLoader workers; the finally below reaps them
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue), daemon=False)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results, errors = [None] * world_size, []
-    try:
-        for _ in range(world_size):
-            rank, ok, payload = queue.get(timeout=timeout)
-            if ok:
-                results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
-            else:
-                errors.append(f"rank {rank} failed:\n{payload}")
+class _Pool:
+    """Slots 0..n-1 (grown on demand), a shared result queue and the store they rendezvous on."""
+
+    def __init__(self):
+        self.ctx = mp.get_context("spawn")
+        self.procs, self.tasks = [], []
+        self.results = None
+        self.store = None
+        self.job = 0
+        self.dir = None
+
+    def _start(self) -> None:
+        self.store = dist.TCPStore(
+            dist_worker.HOST,
+            0,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=datetime.timedelta(seconds=300),
+        )
+        self.results = self.ctx.Queue()
+        self.dir = tempfile.mkdtemp(prefix="megadlms-pool-")
+
+    def grow(self, n: int) -> None:
+        if self.store is None:
+            self._start()
+        new = range(len(self.procs), n)
+        for slot in new:
+            tasks = self.ctx.Queue()
+            stacks = os.path.join(self.dir, f"slot{slot}.stacks")
+            # not daemonic, so a job may start DataLoader workers; the slot reaps them
+            p = self.ctx.Process(
+                target=dist_worker.worker_main,
+                args=(slot, self.store.port, tasks, self.results, os.getpid(), stacks),
+                daemon=False,
+            )
+            p.start()
+            self.procs.append(p)
+            self.tasks.append(tasks)
+        waiting, deadline = set(new), time.monotonic() + SPAWN_TIMEOUT
+        while waiting:
+            msg = self._get(deadline, list(waiting))
+            if msg is None:
+                self.kill()
+                raise RuntimeError(
+                    f"run_distributed: pool slots {sorted(waiting)} did not start in {SPAWN_TIMEOUT} s"
+                )
+            if msg[0] == "ready":
+                waiting.discard(msg[1])
+
+    def _get(self, deadline: float, watch: list[int]):
+        """The next message before ``deadline``, or None; ("died", slot, code) for a dead slot."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                return self.results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                pass
+            for s in watch:
+                if self.procs[s].exitcode is not None:
+                    return ("died", s, self.procs[s].exitcode)
+
+    def run(self, payload: bytes, world_size: int, timeout: float) -> list:
+        self.grow(world_size)
+        self.job += 1
+        env, cwd = dict(os.environ), os.getcwd()
+        for r in range(world_size):
+            self.tasks[r].put((self.job, r, world_size, timeout, env, cwd, payload))
+        try:
+            results, errors = self._collect(world_size, timeout)
+        except BaseException:  # interrupted (Ctrl-C, pytest-timeout): the slots are mid-job
+            self.kill()
+            raise
+        missing = [r for r in range(world_size) if r not in results and r not in errors]
+        if missing or any(self.procs[r].exitcode is not None for r in errors):
+            stuck = self._stacks(missing) if missing else ""
+            self.kill()  # a slot still inside the job cannot take the next one
+            if not errors:
+                raise RuntimeError(
+                    f"run_distributed: ranks {missing} of {world_size} did not finish within {timeout} s "
+                    f"(pool torn down; the next call respawns it){stuck}"
+                )
+            errors.update(
+                dict.fromkeys(
+                    missing, f"no report {GRACE} s after another rank failed (pool torn down){stuck}"
+                )
+            )
+        if errors:
+            raise RuntimeError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in errors.items()))
+        return [results[r] for r in range(world_size)]
+
+    def _collect(self, world_size: int, timeout: float):
+        results, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        while len(results) + len(errors) < world_size:
+            pending = [r for r in range(world_size) if r not in results and r not in errors]
+            msg = self._get(deadline, pending)
+            if msg is None:
                 break
-    finally:
-        for p in procs:
-            p.join(timeout=30 if not errors else 1)
+            if msg[0] == "died":
+                errors[msg[1]] = f"its process died (exit code {msg[2]})"
+            elif msg[0] == "done" and msg[1] == self.job:
+                _, _, rank, ok, data = msg
+                if ok:
+                    results[rank] = torch.load(io.BytesIO(data), weights_only=False)
+                else:
+                    errors[rank] = data
+            if errors:  # the rest either finish soon or wait on the failed rank: bound it
+                deadline = min(deadline, time.monotonic() + GRACE)
+        return results, errors
+
+    def _stacks(self, slots: list[int]) -> str:
+        """Ask stuck slots for their Python stacks (faulthandler on SIGUSR1) and read them."""
+        for s in slots:
+            try:
+                os.kill(self.procs[s].pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
+        out = []
+        for s in slots:
+            try:
+                with open(os.path.join(self.dir, f"slot{s}.stacks")) as f:
+                    out.append(f"\n--- rank {s} stacks ---\n{f.read()[:12000]}")
+            except OSError:
+                pass
+        return "".join(out)
+
+    def kill(self) -> None:
+        """Tear everything down now (a hung or broken job): SIGKILL each slot and its children."""
+        for p in self.procs:
+            if p.pid is not None:
+                dist_worker.kill_pids(dist_worker.process_tree(p.pid) + [p.pid])
+        for p in self.procs:
+            p.join(5)
+        self._forget()
+
+    def close(self) -> list[tuple[int, int]]:
+        """Stop every slot; return (slot, exit code) of those that did not exit with 0."""
+        for t in self.tasks:
+            t.put(None)
+        bad = []
+        for s, p in enumerate(self.procs):
+            p.join(STOP_TIMEOUT)
             if p.is_alive():
-                p.terminate()
+                bad.append((s, "alive after stop"))
+                dist_worker.kill_pids(dist_worker.process_tree(p.pid) + [p.pid])
                 p.join(5)
-    if errors:
-        raise RuntimeError("\n".join(errors))
-    # A rank that returned its result but then died (e.g. SIGABRT at interpreter exit after
-    # destroy_process_group) is a failure too: teardown must be clean.
-    bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if bad:
-        raise RuntimeError(f"ranks exited uncleanly after returning their results (rank, exit code): {bad}")
-    return results
+            elif p.exitcode != 0:
+                bad.append((s, p.exitcode))  # e.g. -6: SIGABRT at interpreter exit
+        self._forget()
+        return bad
+
+    def _forget(self) -> None:
+        for q in [*self.tasks, *([self.results] if self.results is not None else [])]:
+            q.cancel_join_thread()
+            q.close()
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        self.__init__()
+
+
+_POOL = _Pool()
+
+
+def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0, fresh: bool = False):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return [result of rank 0, 1, ...].
+
+    ``timeout`` bounds the job (start-up of new pool slots excluded). ``fresh``: spawn new
+    processes for this call instead of using the session's pool.
+    """
+    payload = _job_payload(fn, args)
+    pool = _Pool() if fresh else _POOL
+    try:
+        out = pool.run(payload, world_size, timeout)
+    finally:
+        if fresh and pool.store is not None:
+            bad = pool.close()
+            if bad:
+                raise RuntimeError(
+                    f"ranks exited uncleanly after returning their results (rank, exit code): {bad}"
+                )
+    return out
+
+
+def shutdown_pool() -> list:
+    """Stop the session's pool; (slot, exit code) of each slot that did not exit cleanly."""
+    return _POOL.close() if _POOL.procs else []
+
+
+atexit.register(shutdown_pool)  # outside pytest too (the conftest hook checks the codes)
