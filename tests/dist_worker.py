@@ -199,7 +199,8 @@ def _run_job(store, base: _Baseline, results, job, rank, world, timeout, env, cw
         store.add(f"job{job}/finished", 1)
     fn = args = out = None  # noqa: F841 (drop the job's objects before collecting)
     _destroy_groups()
-    gc.collect()
+    if multiprocessing.active_children():
+        gc.collect()  # a DataLoader iterator in a reference cycle shuts its workers down here
     base.reap_children()
     base.restore_logging()
 
