@@ -98,6 +98,11 @@ class _Pool:
                 raise RuntimeError(
                     f"run_distributed: pool slots {sorted(waiting)} did not start in {SPAWN_TIMEOUT} s"
                 )
+            if msg[0] == "died":
+                self.kill()
+                raise RuntimeError(
+                    f"run_distributed: pool slot {msg[1]} died while starting (exit code {msg[2]})"
+                )
             if msg[0] == "ready":
                 waiting.discard(msg[1])
 
