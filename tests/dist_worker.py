@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 HOST = "127.0.0.1"
+_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def child_pids(pid: int) -> list[int]:
@@ -84,6 +85,7 @@ class _Baseline:
             if isinstance(lg, logging.Logger)
         }
         self.children = set(child_pids(os.getpid()))
+        self.signals = {sig: signal.getsignal(sig) for sig in _SIGNALS}
 
     def reset(self) -> None:
         # a fresh process seeds torch, random and numpy non-deterministically: so do we
@@ -104,6 +106,9 @@ class _Baseline:
         torch.set_grad_enabled(True)
         torch.autograd.set_detect_anomaly(False)
         torch.set_default_device(None)
+        for sig, handler in self.signals.items():  # e.g. a trainer's SIGTERM handler
+            if handler is not None and signal.getsignal(sig) is not handler:
+                signal.signal(sig, handler)
         warnings.filters[:] = self.warning_filters
         sys.path[:] = self.sys_path
 

@@ -4,6 +4,7 @@ leftover child processes are reaped, and ``fresh=True`` gets processes of its ow
 
 import logging
 import os
+import signal
 import subprocess
 import time
 
@@ -39,6 +40,7 @@ def _dirty(rank, world):
     logging.getLogger("megadlms").addHandler(logging.NullHandler())
     dist.new_group([0])
     os.chdir("/")
+    signal.signal(signal.SIGTERM, lambda *a: None)
     _LEAKED.append(subprocess.Popen(["sleep", "600"]))
     return {"probe": os.environ.get("MEGADLMS_POOL_PROBE"), "pid": os.getpid(), "child": _LEAKED[-1].pid}
 
@@ -58,6 +60,7 @@ def _state(rank, world, child):
         "grad": torch.is_grad_enabled(),
         "handlers": len(logging.getLogger("megadlms").handlers),
         "cwd": os.getcwd(),
+        "sigterm": signal.getsignal(signal.SIGTERM) is signal.SIG_DFL,
         "seed": torch.initial_seed(),
         "sum": x.item(),
         "child_alive": alive,
@@ -90,6 +93,7 @@ def test_every_job_starts_from_a_fresh_rank_state(monkeypatch):
         assert (s["dtype"], s["threads"], s["deterministic"], s["grad"]) == (torch.float32, 1, False, True)
         assert s["handlers"] == 0
         assert s["cwd"] == os.getcwd()
+        assert s["sigterm"] is True
         assert s["seed"] != 1234
         assert s["sum"] == 3.0
     assert states[0]["child_alive"] is False  # the Popen the last job leaked was reaped
