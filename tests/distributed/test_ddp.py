@@ -1,6 +1,6 @@
 """Our DDP vs torch.nn.parallel.DistributedDataParallel on gloo (2 and 3 ranks).
 
-One spawned world per world size runs every scenario (spawning dominates the cost):
+One job per world size runs every scenario (on the pooled ranks of tests/dist_utils.py):
 tied weights + an unused + a frozen parameter in every model; overlap on/off x
 average_in_collective on/off x one bucket / tiny buckets; the distributed optimizer's
 reduce-scatter shard; no_sync over 4 micro-batches vs one large batch; overlap really

@@ -1,5 +1,5 @@
 """DDP and the distributed optimizer over a tensor-parallel grid, and distributed-optimizer
-instances, on 4 gloo ranks (one spawn computing every comparison).
+instances, on 4 gloo ranks (one job computing every comparison).
 
 Toy model: ColumnParallelLinear -> gelu -> RowParallelLinear (replicated bias) -> LayerNorm
 (replicated), with and without sequence parallelism (then the row bias and the norm are marked

@@ -2,7 +2,7 @@
 
 References: torch.nn.parallel.DistributedDataParallel and a single-process full-batch run
 of the same model on the same data. 2 ranks and 3 ranks (3 shards the odd dims unevenly).
-Each spawned world runs every scenario so process start-up is paid once per world size.
+One job per world size runs every scenario (on the pooled ranks of tests/dist_utils.py).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ without sequence parallelism (also on an input length tp does not divide: padded
 inside the model, exactly the unpadded result). With dropout 0.1 and the model-parallel RNG tracker the
 TP-replicated parameters stay bitwise identical across the TP ranks over 3 SGD steps.
 
-One 2-rank job computes every comparison (spawning is the slow part); each test asserts its own.
+One 2-rank job computes every comparison (a module fixture); each test asserts its own.
 """
 
 from __future__ import annotations

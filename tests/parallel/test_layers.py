@@ -2,7 +2,7 @@
 torch counterparts (nn.Linear, nn.Embedding, F.cross_entropy): forward, input grads and
 parameter grads within 1e-6 in fp32, with and without sequence parallelism.
 
-One 2-rank job computes every comparison (spawning is the slow part); each test asserts its own."""
+One 2-rank job computes every comparison (a module fixture); each test asserts its own."""
 
 from __future__ import annotations
 
