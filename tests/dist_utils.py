@@ -61,6 +61,7 @@ class _Pool:
         self.results = None
         self.store = None
         self.job = 0
+        self.last = ""
         self.dir = None
 
     def _start(self) -> None:
@@ -120,9 +121,19 @@ class _Pool:
                 if self.procs[s].exitcode is not None:
                     return ("died", s, self.procs[s].exitcode)
 
-    def run(self, payload: bytes, world_size: int, timeout: float) -> list:
+    def _check_alive(self) -> None:
+        """A slot that died between jobs (after reporting): note it against the job it last
+        ran (the session fails at shutdown) and rebuild, so this job is not blamed."""
+        dead = [(s, p.exitcode) for s, p in enumerate(self.procs) if p.exitcode is not None]
+        if dead:
+            _CASUALTIES.extend((s, code, f"died after job {self.last}") for s, code in dead)
+            self.kill()
+
+    def run(self, payload: bytes, world_size: int, timeout: float, name: str = "") -> list:
+        self._check_alive()
         self.grow(world_size)
         self.job += 1
+        self.last = name or f"#{self.job}"
         env, cwd = dict(os.environ), os.getcwd()
         for r in range(world_size):
             self.tasks[r].put((self.job, r, world_size, timeout, env, cwd, payload))
@@ -221,6 +232,7 @@ class _Pool:
 
 
 _POOL = _Pool()
+_CASUALTIES: list = []  # (slot, exit code, what it last ran) of slots that died between jobs
 
 
 def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0, fresh: bool = False):
@@ -232,7 +244,7 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0, fresh:
     payload = _job_payload(fn, args)
     pool = _Pool() if fresh else _POOL
     try:
-        out = pool.run(payload, world_size, timeout)
+        out = pool.run(payload, world_size, timeout, name=getattr(fn, "__qualname__", repr(fn)))
     finally:
         if fresh and pool.store is not None:
             bad = pool.close()
@@ -245,7 +257,10 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0, fresh:
 
 def shutdown_pool() -> list:
     """Stop the session's pool; (slot, exit code) of each slot that did not exit cleanly."""
-    return _POOL.close() if _POOL.procs else []
+    _POOL._check_alive()
+    bad = [*_CASUALTIES, *(_POOL.close() if _POOL.procs else [])]
+    _CASUALTIES.clear()
+    return bad
 
 
 atexit.register(shutdown_pool)  # outside pytest too (the conftest hook checks the codes)

@@ -6,6 +6,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -99,6 +100,11 @@ def test_every_job_starts_from_a_fresh_rank_state(monkeypatch):
     assert states[0]["child_alive"] is False  # the Popen the last job leaked was reaped
 
 
+def _exit_after_reporting(rank, world):
+    threading.Timer(0.5, os._exit, args=(7,)).start()  # the slot dies between jobs
+    return os.getpid()
+
+
 def test_a_hang_is_bounded_names_the_rank_and_the_pool_is_rebuilt():
     pool = dist_utils._Pool()  # a private pool: the session's stays warm
     try:
@@ -112,6 +118,13 @@ def test_a_hang_is_bounded_names_the_rank_and_the_pool_is_rebuilt():
         assert time.monotonic() - start < 3 + 10  # the timeout, the stack dump and the kill
         assert pool.procs == []  # torn down
         assert pool.run(dist_utils._job_payload(_pid, ()), 1, timeout=60)[0] != os.getpid()  # rebuilt
+        # a slot that dies after its report is charged to the job it ran, not to the next one
+        dying = pool.run(dist_utils._job_payload(_exit_after_reporting, ()), 1, timeout=60, name="exiter")[0]
+        while os.path.exists(f"/proc/{dying}") and pool.procs[0].exitcode is None:
+            time.sleep(0.1)
+        assert pool.run(dist_utils._job_payload(_pid, ()), 1, timeout=60)[0] not in (dying, os.getpid())
+        assert dist_utils._CASUALTIES[-1] == (0, 7, "died after job exiter")
+        dist_utils._CASUALTIES.pop()  # seen here: not a failure of the session
     finally:
         assert pool.close() == []  # and it stops cleanly
 
