@@ -23,6 +23,9 @@ import pytest
 # names the launcher (a torchrun command line, the demo script). A single helper process (a
 # compiler, a child killed mid-save) is not a rank: those tests stay in the fast tier.
 SPAWNERS = ("run_distributed",)
+# Public helpers of tests/dist_utils.py that start no ranks (test_suite_tiers checks the two
+# lists cover all of them).
+NOT_SPAWNERS: tuple = ()
 LAUNCHER_TEXT = ("torch.distributed.run", "torchrun", "demo.sh")
 
 # node id -> what it smokes (one multi-rank test per wrapper and per parallel dimension).
@@ -110,11 +113,20 @@ def _spawns(obj, seen: set) -> bool:
 
 
 def item_spawns(item) -> bool:
-    """Whether a collected test starts ranks or a launcher (itself or through its fixtures)."""
+    """Whether a collected test starts ranks or a launcher: itself, or a fixture it asks for
+    (directly or through other fixtures; autouse fixtures are not followed)."""
     roots = [getattr(item, "function", None)]
     info = getattr(item, "_fixtureinfo", None)
-    for defs in info.name2fixturedefs.values() if info else ():
-        roots += [d.func for d in defs]
+    if info is not None:
+        todo, seen = list(info.argnames), set()
+        while todo:
+            name = todo.pop()
+            defs = info.name2fixturedefs.get(name)
+            if name in seen or not defs:
+                continue
+            seen.add(name)
+            roots.append(defs[-1].func)
+            todo += list(defs[-1].argnames)
     return any(r is not None and _is_test_code(r) and _spawns(r, set()) for r in roots)
 
 
