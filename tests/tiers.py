@@ -5,8 +5,8 @@ Loaded as a pytest plugin (``-p tests.tiers``), this marks ``slow`` every collec
 starts ranks or a launcher -- found by reading its source, its fixtures' and the helpers they
 call -- unless SMOKE lists it. A new multi-rank test therefore lands in the full tier without
 anyone marking it; tests/training/test_suite_tiers.py checks that SMOKE still names real,
-multi-rank tests covering every wrapper and parallel dimension, and that every way of
-starting ranks in tests/ is one SPAWNERS knows.
+multi-rank tests covering every wrapper and parallel dimension, and that every public helper
+of tests/dist_utils.py is listed in SPAWNERS (starts ranks) or NOT_SPAWNERS.
 
 To put a test into the fast tier's smoke set, add its node id to SMOKE with what it covers.
 """
@@ -101,7 +101,7 @@ def _spawns(obj, seen: set) -> bool:
     found = _direct(tree)
     if not found:
         names = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-        glb = getattr(obj, "__globals__", None) or vars(inspect.getmodule(obj) or object())
+        glb = getattr(obj, "__globals__", None) or getattr(inspect.getmodule(obj), "__dict__", {})
         for name in sorted(names):
             ref = glb.get(name)
             if (inspect.isfunction(ref) or inspect.isclass(ref)) and _is_test_code(ref):
