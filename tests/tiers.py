@@ -34,14 +34,17 @@ SMOKE = {
     "tests/optimizer/test_distrib_optimizer.py::test_distributed_optimizer_and_checkpoints_dp2_to_dp3": {
         "wrapper:distopt"
     },
-    "tests/distributed/test_fsdp2.py::test_fsdp2_against_references[2]": {"wrapper:fsdp2"},
     # one world serves every case of test_layers.py: the sp case costs nothing more
     "tests/parallel/test_layers.py::test_column_parallel_linear[False]": {"dim:tp"},
     "tests/parallel/test_layers.py::test_column_parallel_linear[True]": {"dim:sp"},
     "tests/pipeline/test_schedules.py::test_pipeline_matches_one_process[pp2]": {"dim:pp"},
     "tests/models/test_moe_layer.py::test_moe_layer_expert_parallel_matches_one_process[2]": {"dim:ep"},
-    # the trainer through the CLI on 2 ranks: DDP sum / average modes and FSDP2
-    "tests/training/test_boundary.py::test_sum_and_average_modes_train_the_same_curve": {"cli:pretrain"},
+    # the trainer through the CLI on 2 ranks: DDP sum / average modes and FSDP2 (test_fsdp2.py's
+    # own cases are marked slow there)
+    "tests/training/test_boundary.py::test_sum_and_average_modes_train_the_same_curve": {
+        "cli:pretrain",
+        "wrapper:fsdp2",
+    },
 }
 REQUIRED = {
     "wrapper:ddp",

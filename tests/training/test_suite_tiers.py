@@ -24,7 +24,10 @@ def test_smoke_set_is_real_multirank_and_covers_every_dimension(request):
         if path not in collected_files:
             continue  # this run did not collect that file (a subset was asked for)
         item = items.get(nodeid)
-        assert item is not None, f"SMOKE entry {nodeid} is not a collected test: fix tests/tiers.py"
+        assert item is not None, (
+            f"SMOKE entry {nodeid} is not a collected test (renamed, or marked slow and deselected): "
+            "fix tests/tiers.py"
+        )
         assert tiers.item_spawns(item), f"SMOKE entry {nodeid} starts no ranks: pick a multi-rank test"
         assert "slow" not in item.keywords, f"SMOKE entry {nodeid} is marked slow: unmark it or pick another"
 
