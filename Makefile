@@ -1,6 +1,8 @@
 # megadlms — convenience targets. Everything installs itself; nothing needs a GPU.
 #   make install   venv (if none is active) + pinned CPU torch (if torch is missing) + package
-#   make test      the whole test suite (the README's test command)
+#   make test      the whole test suite (the README's test command, what CI runs)
+#   make test-fast the inner loop: every single-process test plus one multi-rank smoke per
+#                  wrapper and parallel dimension (tests/tiers.py); the rest is marked slow
 #   make demo      install + preprocess the KJV corpus + train a small DLM on 2 CPU ranks + sample
 #   make cuda-check  compile every CUDA source with nvcc (no GPU needed)
 #   make lint      ruff (lint + format check) and clang-format (check) — what CI runs
@@ -16,13 +18,15 @@ endif
 export MAX_JOBS ?= 2
 export CFLAGS ?= -g0
 PYTEST_ARGS ?=
+# tests/tiers.py marks `slow` every test that starts ranks or a launcher, except its SMOKE list
+PYTEST := $(PY) -m pytest -p tests.tiers
 
 # The install is redone only when the build inputs change (a stamp inside the venv), so
 # `make test` / `make demo` after the first run start at once.
 STAMP := $(dir $(PY)).megadlms-installed
 BUILD_INPUTS := setup.py pyproject.toml $(shell find csrc megadlm_ext -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null)
 
-.PHONY: install test demo bench cuda-check gpu-check lint format clean
+.PHONY: install test test-fast demo bench cuda-check gpu-check lint format clean
 
 $(PY):
 	python3 -m venv $(CURDIR)/.venv
@@ -37,7 +41,10 @@ $(STAMP): $(PY) $(BUILD_INPUTS)
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest tests $(PYTEST_ARGS)
+	$(PYTEST) tests $(PYTEST_ARGS)
+
+test-fast: install
+	$(PYTEST) tests -m "not slow" $(PYTEST_ARGS)
 
 demo: install
 	PY=$(PY) bash examples/demo.sh

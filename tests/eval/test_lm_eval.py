@@ -5,8 +5,6 @@ import os
 
 import pytest
 
-from tests.hf.helpers import ROPE_SWIGLU, save_tiny, tiny_config
-
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("datasets")
 
@@ -30,7 +28,7 @@ metric_list:
 """
 
 
-def test_multiple_choice_task_end_to_end(tmp_path, monkeypatch):
+def test_multiple_choice_task_end_to_end(tmp_path, monkeypatch, rope_swiglu_ckpt):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
@@ -38,21 +36,22 @@ def test_multiple_choice_task_end_to_end(tmp_path, monkeypatch):
 
     from megadlms.eval.lm_eval_adapter import MegaDLMsLM
 
-    save_tiny(tmp_path / "ck", tiny_config(**ROPE_SWIGLU))
+    ck, _ = rope_swiglu_ckpt
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     with open(tasks / "data.jsonl", "w") as f:
         f.writelines(json.dumps(d) + "\n" for d in DOCS)
     (tasks / "tiny_mc.yaml").write_text(TASK.format(data=os.path.join(tasks, "data.jsonl")))
-    args = f"pretrained={tmp_path / 'ck'},mc_samples=8,mc_batch_size=4,seed=2"
+    args = f"pretrained={ck},mc_samples=8,mc_batch_size=4,seed=2"
     out = lm_eval.simple_evaluate(
         model="megadlms",
         model_args=args,
         tasks=["tiny_mc"],
-        task_manager=TaskManager(include_path=str(tasks)),
+        # only the local task: indexing lm-eval's thousands of built-in task files takes ~30 s
+        task_manager=TaskManager(include_path=str(tasks), include_defaults=False),
         log_samples=True,
     )
-    lm = MegaDLMsLM(pretrained=str(tmp_path / "ck"), mc_samples=8, mc_batch_size=4, seed=2)
+    lm = MegaDLMsLM(pretrained=str(ck), mc_samples=8, mc_batch_size=4, seed=2)
     direct = [[lm.score(d["question"], " " + c) for c in d["choices"]] for d in DOCS]
     samples = sorted(out["samples"]["tiny_mc"], key=lambda s: s["doc_id"])
     for s, lls in zip(samples, direct):
@@ -63,7 +62,7 @@ def test_multiple_choice_task_end_to_end(tmp_path, monkeypatch):
     assert out["results"]["tiny_mc"]["acc,none"] == pytest.approx(acc)
 
 
-def test_generate_until_uses_our_sampler(tmp_path):
+def test_generate_until_uses_our_sampler(rope_swiglu_ckpt):
     import torch
     from lm_eval.api.instance import Instance
 
@@ -71,8 +70,8 @@ def test_generate_until_uses_our_sampler(tmp_path):
     from megadlms.diffusion import generate
     from megadlms.eval.lm_eval_adapter import MegaDLMsLM
 
-    ours = save_tiny(tmp_path / "ck", tiny_config(**ROPE_SWIGLU))
-    lm = MegaDLMsLM(pretrained=str(tmp_path / "ck"), gen_length=8, steps=8, block_length=4)
+    ck, ours = rope_swiglu_ckpt
+    lm = MegaDLMsLM(pretrained=str(ck), gen_length=8, steps=8, block_length=4)
     req = Instance("generate_until", {}, ("And God", {"until": []}), 0)
     text = lm.generate_until([req])[0]
     prompt = torch.tensor([ByteTokenizer().tokenize("And God")])

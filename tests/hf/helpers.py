@@ -1,5 +1,6 @@
 """Tiny megadlms checkpoints for the Hugging Face tests."""
 
+import pytest
 import torch
 
 from megadlms.data import TokenizerConfig
@@ -47,3 +48,11 @@ def save_tiny(root, cfg: TransformerConfig, fmt="torch_dist", seed=0, iteration=
         tokenizer=TokenizerConfig().to_dict(),
     )
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def rope_swiglu_ckpt(tmp_path_factory):
+    """(checkpoint dir, model): one tiny RoPE / SwiGLU / GQA checkpoint (torch_dist, seed 0)
+    shared by the tests that only read it (export, sampler, lm-eval)."""
+    root = tmp_path_factory.mktemp("rope_swiglu") / "ck"
+    return root, save_tiny(root, tiny_config(**ROPE_SWIGLU))

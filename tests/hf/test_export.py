@@ -43,9 +43,9 @@ def test_logits_match_with_and_without_attention_mask(tmp_path, arch, fmt):
         assert (got[1, :13] - hf(padded[1:2]).logits[0, :13]).abs().max() > 1e-3  # the mask mattered
 
 
-def test_files_config_tokenizer_and_bf16(tmp_path):
-    save_tiny(tmp_path / "ck", tiny_config(**ROPE_SWIGLU))
-    assert main(["--load", str(tmp_path / "ck"), "--output", str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
+def test_files_config_tokenizer_and_bf16(tmp_path, rope_swiglu_ckpt):
+    ck, _ = rope_swiglu_ckpt
+    assert main(["--load", str(ck), "--output", str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
     files = set(os.listdir(tmp_path / "hf"))
     assert {"model.safetensors", "config.json", "generation_config.json", "modeling_megadlms.py"} <= files
     assert {"tokenizer.json", "tokenizer_config.json"} <= files
@@ -60,13 +60,22 @@ def test_files_config_tokenizer_and_bf16(tmp_path):
     assert tok.decode(ByteTokenizer().tokenize(text)) == text
 
 
-def test_sharded_export_loads(tmp_path):
-    ours = save_tiny(tmp_path / "ck", tiny_config(**ROPE_SWIGLU))
-    export_hf(str(tmp_path / "ck"), str(tmp_path / "hf"), max_shard_size_mb=0)
+def test_sharded_export_loads(tmp_path, rope_swiglu_ckpt):
+    ck, ours = rope_swiglu_ckpt
+    export_hf(str(ck), str(tmp_path / "hf"), max_shard_size_mb=0)
     assert os.path.isfile(tmp_path / "hf" / "model.safetensors.index.json")
     ids = torch.randint(0, 259, (1, 9))
     with torch.no_grad():
         torch.testing.assert_close(_load(tmp_path / "hf")(ids).logits, ours(ids), rtol=0, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def rope_swiglu_hf(tmp_path_factory, rope_swiglu_ckpt):
+    """The shared checkpoint exported once (fp32, one file) and loaded in transformers."""
+    ck, ours = rope_swiglu_ckpt
+    out = tmp_path_factory.mktemp("rope_swiglu_hf")
+    export_hf(str(ck), str(out))
+    return ours, _load(out)
 
 
 @pytest.mark.parametrize(
@@ -82,10 +91,8 @@ def test_sharded_export_loads(tmp_path):
         dict(gen_length=12, steps=12, block_length=4, remasking="low_confidence", cfg_scale=1.0),
     ],
 )
-def test_generate_matches_megadlms_sampler(tmp_path, kw):
-    ours = save_tiny(tmp_path / "ck", tiny_config(**ROPE_SWIGLU))
-    export_hf(str(tmp_path / "ck"), str(tmp_path / "hf"))
-    hf = _load(tmp_path / "hf")
+def test_generate_matches_megadlms_sampler(rope_swiglu_hf, kw):
+    ours, hf = rope_swiglu_hf
     prompt = torch.tensor([list(b"And God said"), list(b"In the begin")], dtype=torch.int64)
     ref = generate(ours, prompt, mask_token_id=257, temperature=0.0, seed=3, **kw)
     got = hf.generate(prompt, temperature=0.0, seed=3, **kw)

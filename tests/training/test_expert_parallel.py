@@ -6,9 +6,13 @@ dispatcher and at (ep=1, dp=4) as on one process: the loss, the aux loss and the
 within 1e-5 relative. An (ep=2) checkpoint resumes at (ep=1, dp=4), at (ep=4) and on one
 process, an (ep=1) checkpoint at (ep=4), continuing the uninterrupted curve; the CLI rules
 (FSDP2 with experts, EP without experts, EP not dividing dp or the experts) name the flags.
+Pipeline and expert parallelism together: (pp=2 x dp=2, ep=2) with the distributed optimizer
+and overlapped reduce trains the same 5 steps as one process; its checkpoint resumes on one
+process and at (pp=1, dp=4, ep=2), continuing the uninterrupted curve.
 
 The independent reference is the one-process run (all experts local, no collectives).
-Megatron's dropout 0.1 runs at ep=2.
+Megatron's dropout 0.1 runs at ep=2. One 4-rank world and one one-process world do every
+run (the PP x EP runs share them: same model, same reference).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ TINY = (
 ).split()
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]
 EP2, EP4 = ["--expert-model-parallel-size", "2"], ["--expert-model-parallel-size", "4"]
+PP2 = ["--pipeline-model-parallel-size", "2"]
 DISTOPT = ["--use-distributed-optimizer"]
 OVERLAP = ["--overlap-grad-reduce", "--overlap-param-gather", "--ddp-bucket-size", "4000"]
 REL = 1e-5
@@ -49,6 +54,7 @@ def _run(tmp, name, argv, dropout=False):
 
 def _four(rank, world, tmp):
     ep2ck, ep1ck = os.path.join(tmp, "ep2ckpt"), os.path.join(tmp, "ep1ckpt")
+    ppck = os.path.join(tmp, "pp2ep2")
     part = ["--save-interval", "100", "--exit-interval", "3"]
     runs = {
         "ep1_dp4": [],
@@ -60,6 +66,10 @@ def _four(rank, world, tmp):
         "ep2_to_ep4": EP4 + ["--load", ep2ck],
         "ep1_part": ["--save", ep1ck] + part,
         "ep1_to_ep4": EP4 + DISTOPT + ["--load", ep1ck],
+        # pipeline x expert parallelism (tied embeddings across the two stages)
+        "pp2_ep2": PP2 + EP2 + DISTOPT + OVERLAP,
+        "pp2_ep2_part": PP2 + EP2 + DISTOPT + ["--save", ppck] + part,
+        "pp2_to_pp1_ep2_dp4": EP2 + DISTOPT + ["--load", ppck],
     }
     out = {name: _run(tmp, name, argv) for name, argv in runs.items()}
     out["dropout"] = _run(tmp, "dropout", EP2 + DISTOPT, dropout=True)
@@ -70,6 +80,7 @@ def _one(rank, world, tmp):
     return {
         "single": _run(tmp, "single", []),
         "ep2_to_single": _run(tmp, "ep2_to_single", ["--load", os.path.join(tmp, "ep2ckpt")]),
+        "pp2_ep2_to_single": _run(tmp, "pp2_ep2_to_single", ["--load", os.path.join(tmp, "pp2ep2")]),
     }
 
 
@@ -114,6 +125,15 @@ def test_checkpoint_resumes_at_another_ep(worlds, name):
 def test_ep2_checkpoint_resumes_on_one_process(worlds):
     _, one = worlds
     _assert_curve(one["ep2_to_single"], one["single"], its=range(4, 6))
+
+
+def test_pipeline_with_expert_parallelism_matches_one_process(worlds):
+    four, one = worlds
+    _assert_curve(four[0]["pp2_ep2"], one["single"])
+    assert all(r["pp2_ep2"][0].losses == four[0]["pp2_ep2"][0].losses for r in four)
+    assert four[0]["pp2_ep2_part"][0].iteration == 3
+    _assert_curve(four[0]["pp2_to_pp1_ep2_dp4"], one["single"], its=range(4, 6))
+    _assert_curve(one["pp2_ep2_to_single"], one["single"], its=range(4, 6))
 
 
 def test_megatron_dropout_trains_at_ep2(worlds):

@@ -1,8 +1,8 @@
 """Faults under the real launcher: ``torchrun`` (its default settings, ``--standalone``) on
 2 CPU ranks, a tiny model, faults injected by ``fault_launcher.py``.
 
-The reference of every interrupted run is an uninterrupted torchrun run of the same flags:
-its metrics JSONL. The interrupted run's JSONL keeps appending across restarts; every
+The reference of every interrupted run is an uninterrupted run of the same flags on 2 gloo
+ranks: its metrics JSONL. The interrupted run's JSONL keeps appending across restarts; every
 record, before and after the restart, must equal the reference's record of that iteration
 bitwise (json round-trips floats exactly), and the restart must resume from the last
 complete checkpoint (nothing before it is lost).
@@ -21,6 +21,8 @@ import sys
 import time
 
 import pytest
+
+from tests.dist_utils import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAUNCHER = os.path.join(ROOT, "tests", "training", "fault_launcher.py")
@@ -72,11 +74,18 @@ def _dir_args(tmp, name):
     return ["--save", str(tmp / name), "--metrics-jsonl", str(tmp / f"{name}.jsonl")]
 
 
+def _reference_world(rank, world, argv):
+    from megadlms.pretrain import main
+
+    return main(FLAGS + argv)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
+    """The uninterrupted run of the same flags on 2 gloo ranks in the test's worker pool (the
+    numbers do not depend on the launcher; a torchrun start would add a launch)."""
     tmp = tmp_path_factory.mktemp("reference")
-    rc, log = _torchrun(tmp, "ref", _dir_args(tmp, "ref"))
-    assert rc == 0, log[-3000:]
+    assert run_distributed(_reference_world, 2, (_dir_args(tmp, "ref"),), timeout=300) == [0, 0]
     curve = {r["iteration"]: r["lm_loss"] for r in _curve(tmp / "ref.jsonl")}
     assert sorted(curve) == list(range(1, 13))
     return curve
