@@ -138,23 +138,29 @@ def _check_cuda_majors() -> None:
 
 def _cublas_link() -> tuple:
     """(library_dirs, link args) for cuBLAS by its versioned soname (libcublas.so.N, N =
-    torch's CUDA major): pip's CUDA wheels ship no unversioned libcublas.so. The dirs
-    searched are those of the nvidia wheels, torch/lib and CUDA_HOME. When none holds
-    it, nothing is linked: torch has already loaded cuBLAS (its global deps) and the
-    symbols resolve against it when megadlm_ext._C is imported after torch."""
+    torch's CUDA major): pip's CUDA wheels ship no unversioned libcublas.so, and the soname
+    is the one torch itself loads, so at import the library torch loaded is reused.
+    Searched: $MEGADLM_CUBLAS_DIR, the nvidia wheels' lib dirs, torch/lib, CUDA_HOME."""
     from torch.utils.cpp_extension import CUDA_HOME
 
     soname = f"libcublas.so.{str(torch.version.cuda).split('.')[0]}"
-    dirs = [os.path.join(os.path.dirname(torch.__file__), "lib")]
+    dirs = [os.environ["MEGADLM_CUBLAS_DIR"]] if os.environ.get("MEGADLM_CUBLAS_DIR") else []
+    dirs.append(os.path.join(os.path.dirname(torch.__file__), "lib"))
     for site_dir in sys.path:
-        dirs += glob.glob(os.path.join(site_dir, "nvidia", "cublas", "lib"))
-        dirs += glob.glob(os.path.join(site_dir, "nvidia", "cu*", "lib"))
+        dirs += sorted(glob.glob(os.path.join(site_dir, "nvidia", "cublas", "lib")))
+        dirs += sorted(glob.glob(os.path.join(site_dir, "nvidia", "cu*", "lib")))
     if CUDA_HOME:
         dirs += [os.path.join(CUDA_HOME, "lib64"), os.path.join(CUDA_HOME, "lib")]
     for d in dirs:
         if os.path.exists(os.path.join(d, soname)):
             return [d], [f"-l:{soname}"]
-    return [], []
+    # Not linking it would leave cublasGemmEx unresolved at import (torch does not load
+    # cuBLAS into the global symbol scope), so stop here with the fix.
+    raise RuntimeError(
+        f"a CUDA build needs {soname} (the weight-gradient and grouped GEMMs) and none was found in "
+        f"{dirs}: install the nvidia cuBLAS wheel torch {torch.__version__} uses, set "
+        "MEGADLM_CUBLAS_DIR=/dir/holding/it, or build CPU-only with MEGADLM_EXT_CUDA=0"
+    )
 
 
 def _rel(pattern: str) -> list:
