@@ -415,6 +415,8 @@ def main(argv=None):
     if device.type == "cuda" and not info["cuda"]:
         raise SystemExit(f"megadlm_ext was built without CUDA ({info}); rebuild with MEGADLM_EXT_CUDA=1")
     _OUT["file"] = a.out
+    if a.out and _rank() == 0:
+        open(a.out, "w").close()  # this run's tables only
     emit(
         f"bench_gpu: device={device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
         f"torch {torch.__version__}, megadlm_ext {info}, dry_run={a.dry_run}"

@@ -49,7 +49,7 @@ def test_script_arguments_and_budget(tmp_path):
     bad = _bash(SCRIPT, "--budget", "soon")
     assert bad.returncode == 2 and "--budget needs minutes" in bad.stderr
     # A budget of 3 s: no step is started, each is a SKIP naming the budget, none fails.
-    r = _bash(SCRIPT, "--dry-run", "--budget", "0.05", env=_env(tmp_path), timeout=120)
+    r = _bash(SCRIPT, "--dry-run", "--budget", "0.05", env=_env(tmp_path), timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
     assert "SKIP  environment: budget spent" in summary and "SKIP  bench-gpu-dry-run: budget spent" in summary
