@@ -342,7 +342,11 @@ def section_mfu(device, reps, dry, peak_tflops, mbs):
 
     _init_dist(device)
     ceiling = matmul_ceiling_tflops(device, dry)
-    if device.type == "cuda":
+    if device.type == "cuda":  # the earlier sections' models (hook cycles) out of the peak
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     step, cfg, n_params, opt = _train_step_fn(device, "1b", mbs, "torch", dry)
     tokens = mbs * cfg.seq_length
