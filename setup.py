@@ -6,13 +6,16 @@ are added when torch was built with CUDA and nvcc is found; MEGADLM_EXT_CUDA=0/1
 overrides the detection (1 without a usable toolchain is an error, never a silent
 CPU-only build).
 
-Install with the torch you already have:
+Supported torch: 2.11 to 2.13 (checked below at build time: older is refused, newer is
+built with a warning). Install with the torch you already have:
     pip install --no-build-isolation -e ".[test]"
 """
 
 import glob
 import os
+import re
 import shutil
+import sys
 
 from setuptools import find_packages, setup
 
@@ -28,6 +31,37 @@ except ImportError as exc:  # pragma: no cover - build-time guard
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 VERSION = "0.1.0"
+TORCH_MIN, TORCH_TESTED = (2, 11), (2, 13)  # oldest supported, newest tested
+
+
+def _check_torch_version() -> None:
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    have = (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+    span = f"{TORCH_MIN[0]}.{TORCH_MIN[1]} to {TORCH_TESTED[0]}.{TORCH_TESTED[1]}"
+    if have < TORCH_MIN:
+        raise RuntimeError(
+            f"megadlms supports torch {span}, but torch {torch.__version__} is installed: "
+            f"upgrade it (CPU machines: pip install torch==2.13.0), then rebuild"
+        )
+    if have > TORCH_TESTED:
+        _loud(f"torch {torch.__version__} is newer than the newest tested ({span}): building anyway")
+
+
+def _loud(msg: str) -> None:
+    bar = "=" * 78
+    print(f"\n{bar}\nmegadlms setup.py: WARNING: {msg}\n{bar}\n", file=sys.stderr, flush=True)
+
+
+def _torch_cxx_std() -> list:
+    """torch's own C++ standard (TorchConfig.cmake's CXX_STANDARD: 17 up to some releases,
+    20 later) as a flag; [] lets torch's BuildExtension add its default."""
+    cfg = os.path.join(os.path.dirname(torch.__file__), "share", "cmake", "Torch", "TorchConfig.cmake")
+    try:
+        with open(cfg) as f:
+            m = re.search(r"CXX_STANDARD\s+(\d+)", f.read())
+    except OSError:
+        m = None
+    return [f"-std=c++{m.group(1)}"] if m else []
 
 
 def _want_cuda() -> bool:
@@ -36,6 +70,13 @@ def _want_cuda() -> bool:
         shutil.which("nvcc") is not None or os.environ.get("CUDA_HOME")
     )
     if flag is None:
+        if torch.version.cuda is not None and not detected:
+            _loud(
+                f"torch {torch.__version__} has CUDA {torch.version.cuda} but neither nvcc nor "
+                "CUDA_HOME was found: building megadlm_ext WITHOUT its CUDA kernels and NCCL "
+                "communicator (GPU tensors will be refused). Put nvcc on PATH or set CUDA_HOME "
+                "(or MEGADLM_EXT_CUDA=1 to make this an error; =0 to silence it)"
+            )
         return bool(detected)
     if flag not in ("0", "1"):
         raise ValueError(f"MEGADLM_EXT_CUDA must be 0 or 1, got {flag!r}")
@@ -95,15 +136,44 @@ def _check_cuda_majors() -> None:
         )
 
 
+def _cublas_link() -> tuple:
+    """(library_dirs, link args) for cuBLAS by its versioned soname (libcublas.so.N, N =
+    torch's CUDA major): pip's CUDA wheels ship no unversioned libcublas.so, and the soname
+    is the one torch itself loads, so at import the library torch loaded is reused.
+    Searched: $MEGADLM_CUBLAS_DIR, the nvidia wheels' lib dirs, torch/lib, CUDA_HOME."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    soname = f"libcublas.so.{str(torch.version.cuda).split('.')[0]}"
+    dirs = [os.environ["MEGADLM_CUBLAS_DIR"]] if os.environ.get("MEGADLM_CUBLAS_DIR") else []
+    dirs.append(os.path.join(os.path.dirname(torch.__file__), "lib"))
+    for site_dir in sys.path:
+        dirs += sorted(glob.glob(os.path.join(site_dir, "nvidia", "cublas", "lib")))
+        dirs += sorted(glob.glob(os.path.join(site_dir, "nvidia", "cu*", "lib")))
+    if CUDA_HOME:
+        dirs += [os.path.join(CUDA_HOME, "lib64"), os.path.join(CUDA_HOME, "lib")]
+    for d in dirs:
+        if os.path.exists(os.path.join(d, soname)):
+            return [d], [f"-l:{soname}"]
+    # Not linking it would leave cublasGemmEx unresolved at import (torch does not load
+    # cuBLAS into the global symbol scope), so stop here with the fix.
+    raise RuntimeError(
+        f"a CUDA build needs {soname} (the weight-gradient and grouped GEMMs) and none was found in "
+        f"{dirs}: install the nvidia cuBLAS wheel torch {torch.__version__} uses, set "
+        "MEGADLM_CUBLAS_DIR=/dir/holding/it, or build CPU-only with MEGADLM_EXT_CUDA=0"
+    )
+
+
 def _rel(pattern: str) -> list:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
 def _extension():
+    _check_torch_version()
     with_cuda = _want_cuda()
     sources = _rel("csrc/*.cpp") + _rel("csrc/cpu/*.cpp") + _rel("csrc/nccl/*.cpp")
     opt = os.environ.get("MEGADLM_EXT_OPT", "-O3")
-    cxx = [opt, "-std=c++17", "-fopenmp"]
+    std = _torch_cxx_std()
+    cxx = [opt, *std, "-fopenmp"]
     if os.environ.get("CFLAGS", "").find("-g0") >= 0:
         cxx.append("-g0")
     kwargs = dict(
@@ -114,9 +184,12 @@ def _extension():
     if with_cuda:
         sources += _rel("csrc/cuda/*.cu") + _rel("csrc/glue/*.cpp")
         _check_cuda_majors()
-        nvcc = ["-O3", "-std=c++17", "-lineinfo"] + _gencode(os.environ.get("MEGADLM_CUDA_ARCHS", "80;90"))
+        nvcc = ["-O3", *std, "-lineinfo"] + _gencode(os.environ.get("MEGADLM_CUDA_ARCHS", "80;90"))
         kwargs["define_macros"] = [("MEGADLM_WITH_CUDA", "1")]
-        kwargs["libraries"] = ["cublas"]  # the weight-gradient GEMM (csrc/cuda/wgrad_gemm.cu)
+        # cuBLAS: the weight-gradient and grouped GEMMs (csrc/cuda/wgrad_gemm.cu, grouped_gemm.cu)
+        lib_dirs, link = _cublas_link()
+        kwargs["library_dirs"] = lib_dirs
+        kwargs["extra_link_args"] = kwargs["extra_link_args"] + link
         return CUDAExtension(sources=sources, extra_compile_args={"cxx": cxx, "nvcc": nvcc}, **kwargs)
     return CppExtension(sources=sources, extra_compile_args={"cxx": cxx}, **kwargs)
 

@@ -1,22 +1,29 @@
 """GPU benchmark of the extension: one table per section, every ratio measured in this run.
 
-    python benchmarks/bench_gpu.py                     # all sections, one GPU
-    torchrun --nproc-per-node 2 benchmarks/bench_gpu.py --sections ddp
+    python benchmarks/bench_gpu.py                     # ops, ddp, mfu on one GPU
+    torchrun --nproc-per-node 2 benchmarks/bench_gpu.py --sections ddp,comm
     python benchmarks/bench_gpu.py --dry-run           # tiny sizes; runs on CPU too (CI)
 
 Sections:
   ops  each op on (a) 10,000 small tensors and (b) 200 large ones: ours vs a
-       device-to-device copy of the same bytes (ratio = our bandwidth / copy bandwidth,
-       target >= 0.85) and vs torch's foreach equivalent (ratio = speed-up; target >= 3
-       on 10k tensors); "launches" counts the extension's kernels per call (profiler).
+       device-to-device copy that moves the bytes the op moves (an op that only reads n
+       bytes is compared with a copy of n/2 bytes: n/2 read + n/2 written; ratio = our
+       bandwidth / copy bandwidth, target >= 0.85) and vs torch's foreach equivalent
+       (ratio = speed-up; target >= 3 on 10k tensors); "launches" counts the extension's
+       kernels per call (profiler).
   ddp  one training step (forward, backward, grad sync, optimizer) of our DDP with
-       --comm-backend nccl_ext vs the torch NCCL backend (ratio = torch / ours; target >= 1).
-       On one process the torch backend skips the collective (a local no-op) while
-       nccl_ext still runs NCCL: launch with torchrun on 2+ GPUs for the real comparison.
+       --comm-backend nccl_ext vs the torch NCCL backend (ratio = torch / ours; target
+       >= 1). On one rank the ratio is "n/a": torch's backend skips the collective at
+       world size 1 while nccl_ext still runs NCCL; the step times are still printed.
+  comm (2+ ranks, torchrun) all-reduce bus bandwidth of nccl_ext vs torch NCCL over
+       message sizes (busbw = bytes * 2 (n-1) / n / time, as nccl-tests defines it).
   mfu  model FLOPs utilisation of a ~1B-parameter bidirectional DLM step (bf16 params,
-       masked-token cross-entropy, DDP + Adam): achieved TFLOP/s / --peak-tflops
-       (target >= 0.40). Uses only the public API.
-Times are medians of --reps timed runs after warm-up (CUDA events on GPU).
+       masked-token cross-entropy, DDP + Adam) against the bf16 matmul ceiling measured
+       here (8192^3 products on random data; --peak-tflops overrides it), target >= 0.40;
+       the datasheet figure is printed beside it. Memory: peak allocated during the step,
+       and the optimizer state (fp32 main params + Adam moments) per rank.
+Times are medians of --reps timed runs after warm-up (CUDA events on GPU). --out FILE
+also writes the tables (rank 0) to FILE.
 """
 
 from __future__ import annotations
@@ -35,7 +42,29 @@ import torch  # noqa: E402
 
 import megadlm_ext as ext  # noqa: E402
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, SXM
+DATASHEET_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}  # dense, SXM
+_OUT = {"file": None}
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def emit(line: str = "") -> None:
+    """Print one table line on rank 0 (and append it to --out)."""
+    if _rank() != 0:
+        return
+    print(line, flush=True)
+    if _OUT["file"]:
+        with open(_OUT["file"], "a") as f:
+            f.write(line + "\n")
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def _timer(device, fn, reps, warmup=3):
@@ -83,7 +112,7 @@ def _cases(device, dry):
 
 
 def _op_rows(ts, device, reps):
-    """(op, ours_s, bytes moved, foreach name, foreach_s, launches) per op."""
+    """(op, ours_s, bytes the op moves (read + written), foreach name, foreach_s, launches)."""
     numel = sum(t.numel() for t in ts)
     flat = torch.empty(numel, device=device)
     views = list(flat.split([t.numel() for t in ts]))
@@ -100,7 +129,7 @@ def _op_rows(ts, device, reps):
         (
             "accumulate_into bf16->fp32",
             lambda: ext.accumulate_into(flat, bf),
-            b4 // 2 + 2 * b4,
+            b4 // 2 + 2 * b4,  # bf16 read, fp32 read + written
             "_foreach_add_",
             lambda: torch._foreach_add_(views, bf),
         ),
@@ -114,7 +143,7 @@ def _op_rows(ts, device, reps):
         (
             "l2_norm",
             lambda: ext.l2_norm(ts),
-            b4,
+            b4,  # read only
             "_foreach_norm+norm",
             lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))),
         ),
@@ -126,38 +155,38 @@ def _op_rows(ts, device, reps):
             lambda: bool(torch.stack(torch._foreach_norm(ts)).isfinite().all()),
         ),
     ]
-    rows = []
-    for name, ours, nbytes, fname, foreach in ops:
-        rows.append(
-            (
-                name,
-                _timer(device, ours, reps),
-                nbytes,
-                fname,
-                _timer(device, foreach, reps),
-                _launches(device, ours),
-            )
-        )
-    return rows
+    return [
+        (name, _timer(device, ours, reps), nbytes, fname, _timer(device, fe, reps), _launches(device, ours))
+        for name, ours, nbytes, fname, fe in ops
+    ]
+
+
+def _copy_seconds(device, nbytes, reps, cache):
+    """Median time of a fp32 D2D copy moving `nbytes` in all (nbytes/2 read, nbytes/2 written)."""
+    if nbytes not in cache:
+        n = max(1, nbytes // 8)
+        src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+        cache[nbytes] = _timer(device, lambda: dst.copy_(src), reps)
+    return cache[nbytes]
 
 
 def section_ops(device, reps, dry):
-    print(f"\n## ops ({device.type}; ratio vs copy = our GB/s / D2D copy GB/s of the same bytes)")
-    print("| case | op | ours ms | ours GB/s | vs copy | foreach | foreach ms | vs foreach | launches |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    emit(f"\n## ops ({device.type}; vs copy = our GB/s / GB/s of a D2D copy moving the same bytes)")
+    emit(
+        "| case | op | bytes moved | ours ms | ours GB/s | copy GB/s | vs copy | foreach | foreach ms "
+        "| vs foreach | launches |"
+    )
+    emit("|---|---|---|---|---|---|---|---|---|---|---|")
     for case, ts in _cases(device, dry).items():
-        numel = sum(t.numel() for t in ts)
-        src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
-        copy_s = _timer(device, lambda src=src, dst=dst: dst.copy_(src), reps)
-        copy_bw = 8 * numel / copy_s
+        cache = {}
         for name, ours_s, nbytes, fname, fe_s, launches in _op_rows(ts, device, reps):
+            copy_bw = nbytes / _copy_seconds(device, nbytes, reps, cache)
             bw = nbytes / ours_s
-            print(
-                f"| {case} | {name} | {ours_s * 1e3:.3f} | {bw / 1e9:.1f} | {bw / copy_bw:.2f}x | {fname} | "
-                f"{fe_s * 1e3:.3f} | {fe_s / ours_s:.2f}x | {'-' if launches is None else launches} |"
+            emit(
+                f"| {case} | {name} | {nbytes / 1e6:.1f} MB | {ours_s * 1e3:.3f} | {bw / 1e9:.1f} | "
+                f"{copy_bw / 1e9:.1f} | {bw / copy_bw:.2f}x | {fname} | {fe_s * 1e3:.3f} | "
+                f"{fe_s / ours_s:.2f}x | {'-' if launches is None else launches} |"
             )
-        base = f"{copy_s * 1e3:.3f} | {copy_bw / 1e9:.1f}"
-        print(f"| {case} | D2D copy_ (baseline) | {base} | 1.00x |  |  |  |  |")
 
 
 def _init_dist(device):
@@ -201,7 +230,7 @@ def _model(device, size, dry):
 
 
 def _train_step_fn(device, size, mbs, backend, dry):
-    """A closure running one DLM training step; returns (fn, config, parameter count)."""
+    """A closure running one DLM training step; returns (fn, config, parameter count, optimizer)."""
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig, Float16Module
     from megadlms.optimizer import OptimizerConfig, get_optimizer
 
@@ -231,63 +260,145 @@ def _train_step_fn(device, size, mbs, backend, dry):
         if not ok:
             raise RuntimeError("optimizer step skipped (non-finite gradients) in the benchmark")
 
-    return step, cfg, sum(p.numel() for p in model.parameters())
+    return step, cfg, sum(p.numel() for p in model.parameters()), opt
 
 
 def section_ddp(device, reps, dry):
     import torch.distributed as dist
 
     _init_dist(device)
-    print(f"\n## ddp step (world size {dist.get_world_size()}; ratio = torch NCCL / nccl_ext)")
-    print("| model | backend | step ms | ratio |")
-    print("|---|---|---|---|")
+    world = dist.get_world_size()
+    emit(f"\n## ddp step (world size {world}; ratio = torch NCCL step time / nccl_ext step time)")
+    emit("| model | backend | step ms | ratio |")
+    emit("|---|---|---|---|")
     backends = ("torch", "nccl_ext") if device.type == "cuda" else ("torch",)  # CPU: gloo only
     times = {}
     for backend in backends:
-        step, _, _ = _train_step_fn(device, "small", 2, backend, dry)
+        step, _, _, _ = _train_step_fn(device, "small", 2, backend, dry)
         times[backend] = _timer(device, step, reps)
         del step
         if device.type == "cuda":
             torch.cuda.empty_cache()
     model = "2L-64h (dry run)" if dry else "8L-1024h"
     for backend, t in times.items():
-        print(f"| {model} | {backend} | {t * 1e3:.2f} | {times['torch'] / t:.2f}x |")
+        ratio = f"{times['torch'] / t:.2f}x" if world > 1 else "n/a (1 rank: torch skips the collective)"
+        emit(f"| {model} | {backend} | {t * 1e3:.2f} | {ratio} |")
     if "nccl_ext" not in times:
-        print(f"| {model} | nccl_ext | needs CUDA (skipped) | |")
+        emit(f"| {model} | nccl_ext | needs CUDA (skipped) | |")
+
+
+def section_comm(device, reps, dry):
+    """All-reduce bus bandwidth, nccl_ext vs torch NCCL (2+ ranks)."""
+    import torch.distributed as dist
+
+    _init_dist(device)
+    world = dist.get_world_size()
+    emit(f"\n## all-reduce bus bandwidth (world size {world}, fp32; busbw = bytes * 2(n-1)/n / time)")
+    if world < 2 or device.type != "cuda":
+        emit("n/a: needs 2+ GPU ranks (torchrun --nproc-per-node N benchmarks/bench_gpu.py --sections comm)")
+        return
+    from megadlms.distributed.comm import NcclExtCommunicator
+
+    ours = NcclExtCommunicator(dist.group.WORLD)
+    emit("| size | torch GB/s | nccl_ext GB/s | ratio |")
+    emit("|---|---|---|---|")
+    for mb in (1, 8, 64, 256, 1024):
+        buf = torch.ones(mb * (1 << 20) // 4, device=device)
+        t_torch = _timer(device, lambda buf=buf: dist.all_reduce(buf), reps)
+        t_ours = _timer(device, lambda buf=buf: ours.all_reduce(buf), reps)
+        bus = buf.numel() * 4 * 2 * (world - 1) / world
+        emit(f"| {mb} MB | {bus / t_torch / 1e9:.1f} | {bus / t_ours / 1e9:.1f} | {t_torch / t_ours:.2f}x |")
+    ours.close()
+
+
+def matmul_ceiling_tflops(device, dry):
+    """Measured dense bf16 matmul TFLOP/s: mean of 10 products after 3 warm-ups (random data)."""
+    n = 256 if dry else 8192
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    for _ in range(3):
+        a @ b
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ b
+    _sync(device)
+    return 2 * n**3 * 10 / (time.perf_counter() - t0) / 1e12
+
+
+def _optimizer_state_bytes(opt) -> int:
+    """fp32 main params + optimizer moments held by this rank."""
+    moments = sum(
+        t.numel() * t.element_size()
+        for st in opt.inner.state.values()
+        for t in st.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
+    return moments + sum(e.main.numel() * e.main.element_size() for e in opt.layout.entries)
 
 
 def section_mfu(device, reps, dry, peak_tflops, mbs):
     from megadlms.models import num_floating_point_operations
 
     _init_dist(device)
-    step, cfg, n_params = _train_step_fn(device, "1b", mbs, "torch", dry)
+    ceiling = matmul_ceiling_tflops(device, dry)
+    if device.type == "cuda":  # the earlier sections' models (hook cycles) out of the peak
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    step, cfg, n_params, opt = _train_step_fn(device, "1b", mbs, "torch", dry)
     tokens = mbs * cfg.seq_length
     seconds = _timer(device, step, reps, warmup=2)
     flops = num_floating_point_operations(cfg, mbs, cfg.seq_length)
-    if peak_tflops is None and device.type == "cuda":
-        name = torch.cuda.get_device_name()
-        peak_tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    sheet = next((v for k, v in DATASHEET_BF16_TFLOPS.items() if k in name), None)
+    peak = peak_tflops if peak_tflops is not None else ceiling
     achieved = flops / seconds / 1e12
-    mfu = "n/a (pass --peak-tflops)" if not peak_tflops else f"{achieved / peak_tflops:.1%}"
-    print(f"\n## mfu ({n_params / 1e9:.3f}B params, bf16, micro-batch {mbs} x {cfg.seq_length} tokens)")
-    print("| step ms | tokens/s | TFLOP/s | peak TFLOP/s | MFU |")
-    print("|---|---|---|---|---|")
-    print(f"| {seconds * 1e3:.1f} | {tokens / seconds:.0f} | {achieved:.2f} | {peak_tflops or '-'} | {mfu} |")
+    emit(f"\n## mfu ({n_params / 1e9:.3f}B params, bf16, micro-batch {mbs} x {cfg.seq_length} tokens)")
+    emit(
+        "| step ms | tokens/s | TFLOP/s | matmul ceiling TFLOP/s (measured) | MFU vs ceiling | datasheet "
+        "| MFU vs datasheet |"
+    )
+    emit("|---|---|---|---|---|---|---|")
+    vs_sheet = f"{achieved / sheet:.1%}" if sheet else "-"
+    emit(
+        f"| {seconds * 1e3:.1f} | {tokens / seconds:.0f} | {achieved:.2f} | {peak:.1f}"
+        f"{' (--peak-tflops)' if peak_tflops is not None else ''} | {achieved / peak:.1%} | "
+        f"{sheet or '-'} | {vs_sheet} |"
+    )
+    emit("\n## memory (the MFU step)")
+    emit("| figure | value |")
+    emit("|---|---|")
+    peak_mem = (
+        f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB" if device.type == "cuda" else "n/a (cpu)"
+    )
+    emit(f"| peak allocated | {peak_mem} |")
+    emit(
+        "| optimizer state per rank (fp32 main params + Adam moments) | "
+        f"{_optimizer_state_bytes(opt) / 2**30:.3f} GiB |"
+    )
+    emit("| activation recompute | n/a: megadlms has no activation recompute (--recompute-* are rejected) |")
+
+
+SECTIONS = ("ops", "ddp", "comm", "mfu")
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", default="ops,ddp,mfu", help="comma list of: ops, ddp, mfu")
+    p.add_argument("--sections", default="ops,ddp,mfu", help="comma list of: " + ", ".join(SECTIONS))
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--reps", type=int, default=20, help="timed runs per measurement (median)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes (CI / CPU check of this script)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="dense bf16 peak of the GPU (MFU)")
+    p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for MFU (default: measured)")
     p.add_argument("--mbs", type=int, default=4, help="micro-batch of the MFU step")
+    p.add_argument("--out", default=None, help="also write the tables to this file (rank 0)")
     a = p.parse_args(argv)
     a.sections = [s.strip() for s in a.sections.split(",") if s.strip()]
-    bad = sorted(set(a.sections) - {"ops", "ddp", "mfu"})
+    bad = sorted(set(a.sections) - set(SECTIONS))
     if bad:
-        p.error(f"--sections: unknown {bad}; choose from ops, ddp, mfu")
+        p.error(f"--sections: unknown {bad}; choose from {', '.join(SECTIONS)}")
     if a.reps < 1:
         p.error(f"--reps must be >= 1, got {a.reps}")
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -307,7 +418,10 @@ def main(argv=None):
     info = ext.backend_info()
     if device.type == "cuda" and not info["cuda"]:
         raise SystemExit(f"megadlm_ext was built without CUDA ({info}); rebuild with MEGADLM_EXT_CUDA=1")
-    print(
+    _OUT["file"] = a.out
+    if a.out and _rank() == 0:
+        open(a.out, "w").close()  # this run's tables only
+    emit(
         f"bench_gpu: device={device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
         f"torch {torch.__version__}, megadlm_ext {info}, dry_run={a.dry_run}"
     )
@@ -315,6 +429,8 @@ def main(argv=None):
         section_ops(device, a.reps, a.dry_run)
     if "ddp" in a.sections:
         section_ddp(device, a.reps, a.dry_run)
+    if "comm" in a.sections:
+        section_comm(device, a.reps, a.dry_run)
     if "mfu" in a.sections:
         section_mfu(device, max(3, a.reps // 4), a.dry_run, a.peak_tflops, 1 if a.dry_run else a.mbs)
     import torch.distributed as dist

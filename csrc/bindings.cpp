@@ -192,6 +192,28 @@ at::Tensor l2_norm(py::handle tensors) {
   return at::scalar_tensor(float(std::sqrt(sum)), at::TensorOptions().dtype(at::kFloat));
 }
 
+// 0-d int32 tensor on the list's device: 1 if any element is NaN/Inf. No host sync on
+// CUDA (the flag stays on the device until the caller reads it).
+at::Tensor nonfinite_flag(py::handle tensors) {
+  int64_t total = 0;
+  const c10::Device device = reduce_setup(tensors, total);
+  const auto& segs = arena().segs;
+#ifdef MEGADLM_WITH_CUDA
+  if (device.is_cuda()) {
+    py::gil_scoped_release nogil;
+    return glue::cuda_run(kNonFinite, device, segs, total, 1.0f);
+  }
+#endif
+  if (!device.is_cpu())
+    throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
+  bool bad = false;
+  {
+    py::gil_scoped_release nogil;
+    bad = cpu::run(kNonFinite, segs.data(), int64_t(segs.size()), total, 1.0f).nonfinite;
+  }
+  return at::scalar_tensor(int32_t(bad), at::TensorOptions().dtype(at::kInt));
+}
+
 bool has_nonfinite(py::handle tensors) {
   int64_t total = 0;
   const c10::Device device = reduce_setup(tensors, total);
@@ -489,6 +511,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("scale_", &scale_, py::arg("tensors"), py::arg("factor"));
   m.def("l2_norm", &l2_norm, py::arg("tensors"));
   m.def("has_nonfinite", &has_nonfinite, py::arg("tensors"));
+  m.def("nonfinite_flag", &nonfinite_flag, py::arg("tensors"));
   m.def("wgrad_accumulate", &wgrad_accumulate, py::arg("main_grad"), py::arg("grad_output"),
         py::arg("input"), py::kw_only(), py::arg("alpha") = 1.0);
   m.def("grouped_gemm", &grouped_gemm, py::arg("a"), py::arg("b"), py::arg("batch_sizes"),

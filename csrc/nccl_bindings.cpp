@@ -20,14 +20,14 @@ namespace {
 class TestCommunicator {
  public:
   TestCommunicator(const py::bytes& uid, int rank, int nranks, double timeout_s, double poll_s,
-                   const std::string& ops_library, uintptr_t comm_stream) {
+                   const std::string& ops_library, uintptr_t comm_stream, int device) {
     void* h = dlopen(ops_library.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (!h) throw py::value_error("ops_library " + ops_library + ": " + dlerror());
     auto* ops = static_cast<const nccl::StreamOps*>(dlsym(h, "megadlm_test_stream_ops"));
     if (!ops)
       throw py::value_error("ops_library " + ops_library + " has no megadlm_test_stream_ops");
     comm_ = nccl::make_communicator(nccl::unique_id_from(uid), rank, nranks, timeout_s, *ops,
-                                    reinterpret_cast<void*>(comm_stream), poll_s);
+                                    reinterpret_cast<void*>(comm_stream), poll_s, device);
   }
   nccl::PyWork all_reduce(uintptr_t send, uintptr_t recv, size_t count, int dtype, int op,
                           uintptr_t stream) {
@@ -40,7 +40,7 @@ class TestCommunicator {
     return wrap(comm_->all_gather(ptr(send), ptr(recv), count, dtype, ptr(stream)), stream);
   }
   void abort(const std::string& why) { comm_->abort(why); }
-  void close() { nccl::close_without_gil(comm_); }
+  void close(double grace_s) { nccl::close_without_gil(comm_, grace_s); }
   std::string error() const { return comm_->error(); }
 
  private:
@@ -85,15 +85,16 @@ void megadlm_register_nccl(py::module_& m) {
            "Make the current stream wait for this collective (no host sync).")
       .def("is_completed", &nccl::PyWork::is_completed);
   py::class_<TestCommunicator>(m, "_NcclTestCommunicator")
-      .def(py::init<const py::bytes&, int, int, double, double, const std::string&, uintptr_t>(),
+      .def(py::init<const py::bytes&, int, int, double, double, const std::string&, uintptr_t,
+                    int>(),
            py::arg("unique_id"), py::arg("rank"), py::arg("world_size"), py::arg("timeout_s"),
-           py::arg("poll_s"), py::arg("ops_library"), py::arg("comm_stream"))
+           py::arg("poll_s"), py::arg("ops_library"), py::arg("comm_stream"), py::arg("device") = 0)
       .def("all_reduce", &TestCommunicator::all_reduce, py::arg("send"), py::arg("recv"),
            py::arg("count"), py::arg("dtype"), py::arg("op"), py::arg("stream"))
       .def("all_gather", &TestCommunicator::all_gather, py::arg("send"), py::arg("recv"),
            py::arg("count"), py::arg("dtype"), py::arg("stream"))
       .def("abort", &TestCommunicator::abort, py::arg("why"))
-      .def("close", &TestCommunicator::close)
+      .def("close", &TestCommunicator::close, py::arg("grace_s") = nccl::Communicator::kCloseGraceS)
       .def("error", &TestCommunicator::error);
 #ifdef MEGADLM_WITH_CUDA
   glue::register_nccl_communicator(m);

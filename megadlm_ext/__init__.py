@@ -104,6 +104,12 @@ def has_nonfinite(tensors) -> bool:
     return bool(_impl().has_nonfinite(tensors))
 
 
+def nonfinite_flag(tensors):
+    """0-d int32 tensor on the tensors' device, 1 if any element is NaN or +-Inf. Unlike
+    :func:`has_nonfinite` it does not sync the host: read it when the answer is needed."""
+    return _impl().nonfinite_flag(tensors)
+
+
 def wgrad_accumulate(main_grad, grad_output, input, *, alpha=1.0) -> None:
     """Gradient-accumulation fusion's weight-gradient GEMM, in place:
     ``main_grad += alpha * grad_output^T @ input``.

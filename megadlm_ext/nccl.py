@@ -19,6 +19,7 @@ reduce::
     work.wait()
     # or: comm = Communicator.from_process_group(group, device=local_rank)
 
+Communicators still open at interpreter exit are closed then (``close_at_exit``).
 Never hangs: init is non-blocking and gives up after ``timeout`` seconds (aborting the
 communicator); a watchdog thread polls NCCL's async error and the collectives'
 completion, and aborts the communicator when one fails or takes longer than
@@ -29,10 +30,13 @@ collective. On a CPU-only build ``Communicator(...)`` raises RuntimeError (use
 
 from __future__ import annotations
 
+import atexit
 import glob
+import logging
 import os
 import site
 import threading
+import weakref
 from typing import List, Optional
 
 import torch
@@ -46,6 +50,28 @@ _OPS = {"sum": 0, "avg": 4}  # ncclSum, ncclAvg
 _lock = threading.Lock()
 _state = {"tried": False, "ok": False, "error": ""}
 DEFAULT_TIMEOUT_S = 600.0  # torch's NCCL default (10 minutes)
+CLOSE_GRACE_S = 30.0  # close(): in-flight work + flush, then abort (a dead peer cannot hold it)
+EXIT_GRACE_S = 5.0  # the same at interpreter exit
+_log = logging.getLogger(__name__)
+_OPEN = weakref.WeakSet()  # communicators to close at exit (each close() is idempotent)
+
+
+def close_at_exit(comm):
+    """Close ``comm`` (anything with ``close(grace_s)``) when Python exits, if it is still
+    alive then: NCCL is flushed and destroyed (or aborted after ``EXIT_GRACE_S``) before
+    the CUDA runtime unloads. Communicator does this itself. Returns ``comm``."""
+    _OPEN.add(comm)
+    return comm
+
+
+@atexit.register
+def _close_open_communicators() -> None:
+    for comm in list(_OPEN):
+        try:
+            comm.close(EXIT_GRACE_S)
+        except Exception as exc:  # exit must go on; say what was left behind
+            _log.warning("megadlm_ext.nccl: closing a communicator at exit failed: %s", exc)
+
 
 if _C is not None:
     NcclError = _C.NcclError
@@ -160,7 +186,9 @@ class Communicator:
         timeout = _check_timeout(timeout)
         _require()
         self.rank, self.world_size, self.device = int(rank), int(world_size), int(device)
-        self._comm = _C.NcclCommunicator(bytes(unique_id), self.rank, self.world_size, self.device, timeout)
+        self._comm = close_at_exit(
+            _C.NcclCommunicator(bytes(unique_id), self.rank, self.world_size, self.device, timeout)
+        )
 
     @classmethod
     def from_process_group(
@@ -210,11 +238,13 @@ class Communicator:
         """Why the communicator failed ("" while healthy)."""
         return self._live().error()
 
-    def close(self) -> None:
-        """Flush and destroy the NCCL communicator, without the GIL (idempotent)."""
+    def close(self, grace: float = CLOSE_GRACE_S) -> None:
+        """Flush and destroy the NCCL communicator, without the GIL (idempotent). In-flight
+        collectives and the flush get ``grace`` seconds (at most the timeout); past that
+        the communicator is aborted instead (a dead peer would never let a flush finish)."""
         if getattr(self, "_comm", None) is not None:
             comm, self._comm = self._comm, None
-            comm.close()
+            comm.close(float(grace))
 
     def __enter__(self):
         return self

@@ -187,6 +187,14 @@ def l2_norm(tensors) -> torch.Tensor:
     return acc.sqrt()
 
 
+def nonfinite_flag(tensors) -> torch.Tensor:
+    tensors = check_list("tensors", tensors)
+    device = tensors[0].device if tensors else torch.device("cpu")
+    flags = [(~torch.isfinite(t)).any() for t in tensors if t.numel()]
+    bad = torch.stack(flags).any() if flags else torch.zeros((), dtype=torch.bool, device=device)
+    return bad.to(torch.int32)
+
+
 def has_nonfinite(tensors) -> bool:
     tensors = check_list("tensors", tensors)
     return any(t.numel() and not bool(torch.isfinite(t).all()) for t in tensors)

@@ -1,91 +1,148 @@
 #!/usr/bin/env bash
-# One-shot GPU check of megadlms (`make gpu-check`): on one GPU, in well under 8 minutes,
-#   1. prints the environment (GPU, driver, torch / CUDA / NCCL versions),
-#   2. builds the extension with CUDA (MEGADLM_EXT_CUDA=1),
-#   3. runs `pytest -m gpu` (kernels vs CPU, >2^31-element lists, non-default streams,
-#      CUDA-graph capture, the table cache, NCCL at world size 1, two ranks on one GPU
-#      ending in a clear error, and with 2+ GPUs the multi-rank NCCL tests),
-#   4. runs compute-sanitizer memcheck on the extension's GPU kernel tests,
-#   5. prints the GPU benchmark table (ops vs D2D copy and torch foreach with launch
-#      counts, DDP step nccl_ext vs torch NCCL, MFU of a ~1B DLM step); with 2+ GPUs the
-#      DDP section again under torchrun.
-# Every step runs under a time limit and the script goes on after a failure; the
-# summary at the end lists each step as PASS / FAIL / SKIP and the exit status is
-# non-zero if any step failed.
+# One-shot GPU check of megadlms (`make gpu-check`), made to run offline on a GPU box as
+# it is (its own python with torch, no package index) inside one total time budget
+# (default 8 minutes). Steps, most valuable first; each gets what is left of the budget
+# (up to its own cap) and is skipped, not started, when too little is left:
+#   1. environment: GPU, driver, nvcc, torch / CUDA / NCCL versions, tools found;
+#   2. build: the extension with CUDA, all cores, SASS for the GPUs present only
+#      (pip install --no-deps --no-build-isolation --no-index -e .: nothing is fetched);
+#   3. bench-gpu: the figures table (benchmarks/bench_gpu.py: ops vs a D2D copy of the
+#      same bytes and vs torch foreach, DDP step nccl_ext vs torch NCCL -- n/a on one
+#      GPU --, the ~1B DLM step's MFU against the measured bf16 matmul ceiling, memory);
+#      with 2+ GPUs the DDP step and a collective bandwidth sweep under torchrun;
+#   4. pytest-gpu: `pytest -m gpu` over the test files that hold GPU tests;
+#   5. memcheck: compute-sanitizer memcheck of the extension's kernel tests with
+#      PYTORCH_NO_CUDA_MEMORY_CACHING=1 (no profiler test: CUPTI and the sanitizer
+#      conflict); no compute-sanitizer on PATH is a SKIP.
+# Every step is logged; the summary has one PASS / FAIL / SKIP line per step, and the
+# exit status is non-zero if a step failed. Logs and summary.txt go to $OUT when set
+# (the device tool brings it back), else $LOG_DIR, else build/gpu-check.
 #
-#   tools/gpu_check.sh            # needs a CUDA GPU
-#   tools/gpu_check.sh --dry-run  # no GPU: checks this script, runs the CPU-side tests
-#                                 # of the GPU path and bench_gpu.py --dry-run on CPU
-# Environment: PY (python, default .venv/bin/python or python3), LOG_DIR (default
-# build/gpu-check), SKIP_BUILD=1 (reuse the installed build).
+#   tools/gpu_check.sh                 # needs a CUDA GPU
+#   tools/gpu_check.sh --budget 6      # total budget in minutes (default 8)
+#   tools/gpu_check.sh --dry-run       # no GPU: checks the script, the offline install
+#                                      # plan and bench_gpu.py on CPU (seconds, no build)
+# Environment: PY (python; default: the first of .venv/bin/python, python3 that imports
+# torch), GPU_CHECK_JOBS (build jobs, default nproc), MEGADLM_CUDA_ARCHS (default: the
+# visible GPUs' compute capabilities), SKIP_BUILD=1 (reuse the extension already built).
 set -u -o pipefail
 
 DRY=0
-for arg in "$@"; do
-  case "$arg" in
+BUDGET_MIN=8
+while [[ $# -gt 0 ]]; do
+  case "$1" in
     --dry-run) DRY=1 ;;
-    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
-    *) echo "gpu_check.sh: unknown argument '$arg' (use --dry-run or --help)" >&2; exit 2 ;;
+    --budget)
+      [[ $# -ge 2 && "$2" =~ ^[0-9]+([.][0-9]+)?$ ]] || {
+        echo "gpu_check.sh: --budget needs minutes, e.g. --budget 8" >&2
+        exit 2
+      }
+      BUDGET_MIN="$2"
+      shift
+      ;;
+    -h | --help)
+      sed -n '2,28p' "$0"
+      exit 0
+      ;;
+    *)
+      echo "gpu_check.sh: unknown argument '$1' (use --dry-run, --budget MIN or --help)" >&2
+      exit 2
+      ;;
   esac
+  shift
 done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
 if [[ -z "${PY:-}" ]]; then
-  if [[ -x "$ROOT/.venv/bin/python" ]]; then PY="$ROOT/.venv/bin/python"; else PY="$(command -v python3)"; fi
+  for cand in "$ROOT/.venv/bin/python" "$(command -v python3 || true)"; do
+    if [[ -n "$cand" && -x "$cand" ]] && "$cand" -c "import torch" >/dev/null 2>&1; then
+      PY="$cand"
+      break
+    fi
+  done
 fi
-LOG_DIR="${LOG_DIR:-$ROOT/build/gpu-check}"
+if [[ -z "${PY:-}" ]] || ! "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "gpu_check.sh: no python with torch found (set PY=/path/to/python)" >&2
+  exit 2
+fi
+LOG_DIR="${OUT:-${LOG_DIR:-$ROOT/build/gpu-check}}"
 mkdir -p "$LOG_DIR"
-export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+BUDGET_S=$(awk -v m="$BUDGET_MIN" 'BEGIN { printf "%d", m * 60 }')
+JOBS="${GPU_CHECK_JOBS:-$(nproc)}"  # the Makefile's MAX_JOBS=2 (shared CPU box) is not used here
 START=$SECONDS
 SUMMARY=()
 FAILED=0
 
-# step NAME LIMIT_SECONDS CMD...: run with a time limit, log to $LOG_DIR/NAME.log, echo
-# the output, record the outcome. A timeout (124/137) is reported as a hang.
+left() { echo $((BUDGET_S - (SECONDS - START))); }
+
+record() {
+  SUMMARY+=("$1")
+  echo "$1"
+}
+
+# step NAME CAP MIN CMD...: run CMD with a limit of min(CAP, budget left - 5 s), logged
+# to $LOG_DIR/NAME.log and echoed; not started (SKIP) when less than MIN s are left.
 step() {
-  local name="$1" limit="$2"
-  shift 2
-  local log="$LOG_DIR/$name.log" t0=$SECONDS rc
+  local name="$1" cap="$2" min="$3"
+  shift 3
+  local avail limit log="$LOG_DIR/$name.log" t0=$SECONDS rc
+  avail=$(($(left) - 5))
+  if [[ $avail -lt $min ]]; then
+    record "SKIP  $name: budget spent (${avail}s left, needs ${min}s; raise --budget)"
+    return 0
+  fi
+  limit=$((cap < avail ? cap : avail))
   echo
-  echo "=== [$name] $* (limit ${limit}s)"
+  echo "=== [$name] $* (limit ${limit}s, budget left $(left)s)"
   timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   local took=$((SECONDS - t0))
   if [[ $rc -eq 0 ]]; then
-    SUMMARY+=("PASS  $name (${took}s)")
+    record "PASS  $name (${took}s)"
   elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
-    SUMMARY+=("FAIL  $name: timed out after ${limit}s (hang?) -- see $log")
+    record "FAIL  $name: stopped at its ${limit}s limit (hang, or raise --budget) -- see $name.log"
     FAILED=1
   else
-    SUMMARY+=("FAIL  $name: exit $rc (${took}s) -- see $log")
+    record "FAIL  $name: exit $rc (${took}s) -- see $name.log"
     FAILED=1
   fi
   return 0
 }
 
-skip() { SUMMARY+=("SKIP  $1: $2"); echo; echo "=== [$1] skipped: $2"; }
+skip() {
+  echo
+  record "SKIP  $1: $2"
+}
 
 environment() {
-  echo "host: $(hostname)  date: $(date -u +%FT%TZ)  dry-run: $DRY"
+  echo "host: $(hostname)  date: $(date -u +%FT%TZ)  dry-run: $DRY  budget: ${BUDGET_S}s  jobs: $JOBS"
+  echo "python: $PY ($("$PY" -c 'import sys; print(sys.version.split()[0])'))"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --format=csv
   else
     echo "nvidia-smi: not found"
   fi
   if command -v nvcc >/dev/null 2>&1; then nvcc --version | tail -2; else echo "nvcc: not found"; fi
+  for tool in compute-sanitizer ncu torchrun; do
+    printf '%s: %s\n' "$tool" "$(command -v "$tool" || echo 'not found')"
+  done
   "$PY" - <<'EOF'
+import importlib.util
 import torch
-print("python torch", torch.__version__, "| torch CUDA", torch.version.cuda,
+
+print("torch", torch.__version__, "| torch CUDA", torch.version.cuda,
       "| devices", torch.cuda.device_count() if torch.cuda.is_available() else 0)
 try:
     print("torch NCCL", ".".join(map(str, torch.cuda.nccl.version())))
 except Exception as exc:  # CPU torch: no NCCL
     print("torch NCCL: n/a (%s)" % type(exc).__name__)
+for mod in ("pytest", "pytest_timeout", "hypothesis", "numpy", "transformers", "setuptools", "ninja"):
+    print(f"{mod}: {'found' if importlib.util.find_spec(mod) else 'MISSING (tests needing it skip or fail)'}")
 try:
     import megadlm_ext
-    from megadlm_ext import nccl
-    print("megadlm_ext", megadlm_ext.backend_info(), "| libnccl", nccl.version())
+    print("megadlm_ext", megadlm_ext.backend_info())
 except Exception as exc:
     print("megadlm_ext: not importable (%s)" % exc)
 EOF
@@ -100,10 +157,19 @@ self_check() {
   fi
   echo "script syntax OK"
 }
+
 # `timeout` runs programs, not shell functions: export them for `bash -c`.
 SCRIPT="$ROOT/tools/gpu_check.sh"
 export -f environment self_check
-export DRY PY SCRIPT
+export DRY PY SCRIPT BUDGET_S JOBS
+
+# The install of the project itself, offline: no dependencies, no build isolation, no index.
+INSTALL=("$PY" -m pip install --no-deps --no-build-isolation --no-index -e .)
+# Test files holding GPU tests: `pytest -m gpu` over them only, so an optional package a
+# CPU-only test module imports (missing on the box) cannot stop the collection.
+mapfile -t GPU_TESTS < <(grep -rlE "mark\.gpu|pytestmark = .*gpu" tests --include='test_*.py' | sort)
+TIMEOUT_ARGS=()
+if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then TIMEOUT_ARGS=(--timeout=240); fi
 
 NGPU=0
 if [[ $DRY -eq 0 ]]; then
@@ -114,39 +180,50 @@ if [[ $DRY -eq 0 ]]; then
   fi
 fi
 
-step environment 60 bash -c environment
-step self-check 60 bash -c self_check
+step environment 60 10 bash -c environment
+step self-check 30 5 bash -c self_check
 
 if [[ $DRY -eq 1 ]]; then
-  step cpu-tests-of-gpu-path 300 "$PY" -m pytest -q tests/ext/test_cuda_emulation.py tests/ext/test_nccl_fake.py \
-    -p no:cacheprovider
-  step bench-gpu-dry-run 300 "$PY" benchmarks/bench_gpu.py --dry-run --device cpu --reps 2
-  for s in build pytest-gpu memcheck bench-gpu multi-gpu; do skip "$s" "dry run (needs a GPU)"; done
+  # What the real run would install, resolved offline (builds nothing, installs nothing).
+  step install-plan 120 20 "${INSTALL[@]}" --dry-run
+  step bench-gpu-dry-run 180 20 "$PY" benchmarks/bench_gpu.py --dry-run --device cpu --reps 2
+  echo
+  echo "=== plan of a GPU run (budget ${BUDGET_S}s): build, cuda-build-check, bench-gpu" \
+    "[+ bench-gpu-multi at 2+ GPUs], pytest-gpu (${#GPU_TESTS[@]} files), memcheck"
+  for s in build cuda-build-check bench-gpu pytest-gpu memcheck; do skip "$s" "dry run (needs a GPU)"; done
+  command -v compute-sanitizer >/dev/null 2>&1 || echo "note: compute-sanitizer not on PATH here: memcheck would SKIP"
 else
   if [[ "${SKIP_BUILD:-0}" == 1 ]]; then
     skip build "SKIP_BUILD=1"
   else
-    step build 420 env MEGADLM_EXT_CUDA=1 MAX_JOBS="${MAX_JOBS:-$(nproc)}" "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+    ARCHS="${MEGADLM_CUDA_ARCHS:-$("$PY" -c "import torch; print(';'.join(sorted({'%d%d' % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})))")}"
+    step build 300 60 env MEGADLM_EXT_CUDA=1 MAX_JOBS="$JOBS" MEGADLM_CUDA_ARCHS="$ARCHS" CFLAGS=-g0 "${INSTALL[@]}"
   fi
-  step cuda-build-check 60 "$PY" -c "import megadlm_ext as e, megadlm_ext.nccl as n; i = e.backend_info(); \
+  step cuda-build-check 60 10 "$PY" -c "import megadlm_ext as e, megadlm_ext.nccl as n; i = e.backend_info(); \
 assert i['cuda'] and i['nccl'], i; print(i, 'libnccl', n.version())"
-  step pytest-gpu 420 "$PY" -m pytest -q -m gpu tests -p no:cacheprovider --timeout=300
-  if command -v compute-sanitizer >/dev/null 2>&1; then
-    step memcheck 420 compute-sanitizer --tool memcheck --error-exitcode 1 --target-processes all \
-      "$PY" -m pytest -q -m "gpu and not slow" tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py -p no:cacheprovider
-  else
-    SUMMARY+=("FAIL  memcheck: compute-sanitizer not on PATH (install the CUDA toolkit's sanitizer)")
-    FAILED=1
-  fi
-  step bench-gpu 420 "$PY" benchmarks/bench_gpu.py
+  step bench-gpu 240 60 "$PY" benchmarks/bench_gpu.py --out "$LOG_DIR/figures.md"
   if [[ "$NGPU" -ge 2 ]]; then
-    step multi-gpu-ddp 300 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" benchmarks/bench_gpu.py --sections ddp
+    step bench-gpu-multi 180 45 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" \
+      benchmarks/bench_gpu.py --sections ddp,comm --out "$LOG_DIR/figures-multi.md"
   else
-    skip multi-gpu "1 GPU: the multi-rank NCCL tests (in pytest-gpu) skipped themselves"
+    skip bench-gpu-multi "1 GPU: the collective sweep and DDP comparison need 2+ GPUs"
+  fi
+  step pytest-gpu 240 45 "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}" -p no:cacheprovider "${TIMEOUT_ARGS[@]}"
+  if command -v compute-sanitizer >/dev/null 2>&1; then
+    # No caching allocator: every tensor its own allocation, so an out-of-bounds access
+    # is not hidden inside a larger cached segment.
+    step memcheck 300 45 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+      --error-exitcode 1 --target-processes all "$PY" -m pytest -q -m "gpu and not slow and not profiler" \
+      tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py -p no:cacheprovider
+  else
+    skip memcheck "compute-sanitizer not on PATH (it comes with the CUDA toolkit)"
   fi
 fi
 
+{
+  echo "gpu_check summary: $((SECONDS - START))s of a ${BUDGET_S}s budget, dry-run=$DRY, logs in $LOG_DIR"
+  printf '%s\n' "${SUMMARY[@]}"
+} >"$LOG_DIR/summary.txt"
 echo
-echo "=== gpu_check summary ($((SECONDS - START)) s, logs in $LOG_DIR)"
-printf '%s\n' "${SUMMARY[@]}"
+echo "=== $(cat "$LOG_DIR/summary.txt")"
 exit $FAILED

@@ -9,9 +9,13 @@
 // 10k tensors). Entries are least-recently-used evicted past kMaxEntries / kMaxBytes.
 // An entry keeps its pinned host copy (it is the comparison copy and the immutable
 // source of the upload) and its device copy; a device copy used on another stream is
-// record_stream'ed so eviction never frees it under a running kernel. Entries used
-// while a stream is being captured into a CUDA graph are never evicted: the graph's
-// kernels keep reading them on every replay.
+// record_stream'ed so eviction never frees it under a running kernel, and waits on the
+// upload's event. A lookup returns the device tensor itself (not a raw pointer), so an
+// eviction by another thread between the lookup and the launch cannot free it. Entries
+// used while a stream is being captured into a CUDA graph are never evicted: the graph's
+// kernels keep reading them on every replay. An entry first seen under capture is
+// uploaded outside the graph (a synchronous copy on a side stream, capture mode relaxed
+// for this thread), so eager calls and other graphs that hit it read a filled table.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -19,6 +23,7 @@
 
 #include <cstring>
 #include <list>
+#include <memory>
 #include <mutex>
 
 #include "glue.h"
@@ -36,8 +41,36 @@ struct Entry {
   at::Tensor host;  // pinned bytes of the table (never modified after insertion)
   at::Tensor device_table;
   c10::cuda::CUDAStream alloc_stream;
-  bool graph = false;  // used under graph capture: kept for the graph's lifetime
+  bool graph = false;              // used under graph capture: kept for the graph's lifetime
+  std::shared_ptr<void> uploaded;  // event after the upload on alloc_stream (null: synchronous)
 };
+
+// Event recorded on `stream` after the upload (timing-free), destroyed with its entry.
+std::shared_ptr<void> record_upload(const c10::cuda::CUDAStream& stream) {
+  cudaEvent_t ev = nullptr;
+  C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  C10_CUDA_CHECK(cudaEventRecord(ev, stream.stream()));
+  return std::shared_ptr<void>(ev, [](void* e) { (void)cudaEventDestroy(cudaEvent_t(e)); });
+}
+
+// Relaxed capture mode for this thread while alive (only when `on`): pinned allocations,
+// a side-stream copy and host syncs are then allowed while another stream captures.
+struct RelaxCapture {
+  explicit RelaxCapture(bool on) : on_(on) {
+    if (on_) C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode_));
+  }
+  ~RelaxCapture() {
+    if (on_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
+  }
+  bool on_;
+  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
+};
+
+// A stream of `device` other than `busy` (the capturing one) for the out-of-graph upload.
+c10::cuda::CUDAStream side_stream(c10::Device device, const c10::cuda::CUDAStream& busy) {
+  c10::cuda::CUDAStream s = c10::cuda::getStreamFromPool(false, device.index());
+  return s == busy ? c10::cuda::getStreamFromPool(false, device.index()) : s;
+}
 
 std::mutex g_mu;
 std::list<Entry> g_entries;  // most recently used first
@@ -63,9 +96,10 @@ void evict_locked() {
   }
 }
 
-// Device copy of `segs` on `device`, valid for work queued on `stream` from now on.
-const Segment* device_table(c10::Device device, const std::vector<Segment>& segs,
-                            const c10::cuda::CUDAStream& stream) {
+// Device copy of `segs` on `device`, valid for work queued on `stream` from now on. The
+// returned tensor keeps it alive until the caller's launch is queued.
+at::Tensor device_table(c10::Device device, const std::vector<Segment>& segs,
+                        const c10::cuda::CUDAStream& stream) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
   const bool capturing = capture != cudaStreamCaptureStatusNone;
@@ -74,35 +108,45 @@ const Segment* device_table(c10::Device device, const std::vector<Segment>& segs
     if (!same(*it, device.index(), segs)) continue;
     g_entries.splice(g_entries.begin(), g_entries, it);
     Entry& e = g_entries.front();
+    if (e.alloc_stream != stream && e.uploaded) {
+      // The upload ran on alloc_stream: order this stream after it (a host wait under
+      // capture, where an outside event cannot be waited on; only at capture time).
+      if (capturing) {
+        RelaxCapture relax(true);
+        C10_CUDA_CHECK(cudaEventSynchronize(cudaEvent_t(e.uploaded.get())));
+      } else {
+        C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), cudaEvent_t(e.uploaded.get()), 0));
+      }
+    }
     if (capturing)
       e.graph = true;
     else if (e.alloc_stream != stream)
       e.device_table.record_stream(stream);
     ++g_hits;
-    return static_cast<const Segment*>(e.device_table.data_ptr());
+    return e.device_table;
   }
   ++g_misses;
   const int64_t nbytes = int64_t(segs.size() * sizeof(Segment));
-  at::Tensor host;
-  {
-    // A pinned allocation is not a stream operation, but global capture mode forbids it;
-    // relax the mode for this thread around it (a first sight of a list under capture).
-    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
-    if (capturing) C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-    host = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-    if (capturing) C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode));
-  }
+  RelaxCapture relax(capturing);  // a first sight of a list under capture
+  at::Tensor host = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
   std::memcpy(host.data_ptr(), segs.data(), size_t(nbytes));
   at::Tensor dev = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
-  if (capturing)  // a memcpy node of the graph; the entry (and `host`) is never freed
+  std::shared_ptr<void> uploaded;
+  if (capturing) {
+    // Not a memcpy node of the graph: filled now, for eager calls and every graph alike.
+    const c10::cuda::CUDAStream side = side_stream(device, stream);
     C10_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), host.data_ptr(), size_t(nbytes),
-                                   cudaMemcpyHostToDevice, stream.stream()));
-  else  // ordered on `stream` before the kernel; torch keeps `host` until the copy ran
+                                   cudaMemcpyHostToDevice, side.stream()));
+    C10_CUDA_CHECK(cudaStreamSynchronize(side.stream()));
+  } else {  // ordered on `stream` before the kernel; torch keeps `host` until the copy ran
     dev.copy_(host, /*non_blocking=*/true);
-  g_entries.push_front(Entry{device.index(), int64_t(segs.size()), host, dev, stream, capturing});
+    uploaded = record_upload(stream);
+  }
+  g_entries.push_front(
+      Entry{device.index(), int64_t(segs.size()), host, dev, stream, capturing, uploaded});
   g_bytes += nbytes;
   evict_locked();
-  return static_cast<const Segment*>(dev.data_ptr());
+  return dev;
 }
 
 }  // namespace
@@ -117,7 +161,10 @@ at::Tensor cuda_run(OpKind op, c10::Device device, const std::vector<Segment>& s
   if (op == kNonFinite) out = at::empty({}, on_dev.dtype(at::kInt));
   if (total == 0 && !out.defined()) return out;
 
-  const Segment* table = segs.empty() ? nullptr : device_table(device, segs, stream);
+  // Held until the launch is queued (stream order then protects the bytes).
+  const at::Tensor table_keep = segs.empty() ? at::Tensor() : device_table(device, segs, stream);
+  const Segment* table =
+      segs.empty() ? nullptr : static_cast<const Segment*>(table_keep.data_ptr());
   at::Tensor workspace;
   if (const int64_t wb = cuda::workspace_bytes(op))
     workspace = at::empty({wb}, on_dev.dtype(at::kByte));

@@ -42,7 +42,24 @@ int ev_query(void* e) {
 const char* err_string(int code) {
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
-const nccl::StreamOps kCudaOps{ev_create, ev_destroy, ev_record, stream_wait, ev_query, err_string};
+// The watchdog thread: bind to the communicator's device (its first CUDA call would
+// otherwise create a context on device 0), and relax its capture mode so its event
+// queries never invalidate a graph capture running on another thread.
+int thread_init(int device) {
+  const cudaError_t r = cudaSetDevice(device);
+  if (r != cudaSuccess) return int(r);
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  return int(cudaThreadExchangeStreamCaptureMode(&mode));
+}
+int stream_capturing(void* s, int* capturing) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  const cudaError_t r = cudaStreamIsCapturing(static_cast<cudaStream_t>(s), &st);
+  *capturing = st != cudaStreamCaptureStatusNone;
+  return int(r);
+}
+const nccl::StreamOps kCudaOps{ev_create,   ev_destroy,       ev_record,
+                               stream_wait, ev_query,         err_string,
+                               thread_init, stream_capturing, int(cudaErrorCudartUnloading)};
 
 class NcclCommunicator {
  public:
@@ -55,7 +72,7 @@ class NcclCommunicator {
     c10::cuda::CUDAGuard guard(
         static_cast<c10::DeviceIndex>(device));  // NCCL binds to the current device
     comm_ = nccl::make_communicator(nccl::unique_id_from(unique_id), rank, world_size, timeout_s,
-                                    kCudaOps, comm_stream_.stream(), /*poll_s=*/0.1);
+                                    kCudaOps, comm_stream_.stream(), /*poll_s=*/0.1, device);
   }
 
   nccl::PyWork all_reduce(const at::Tensor& t, int op) {
@@ -93,7 +110,10 @@ class NcclCommunicator {
   }
 
   void abort(const std::string& why) { comm_->abort(why); }
-  void close() { nccl::close_without_gil(comm_); }
+  void close(double grace_s) {
+    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));  // finalize/destroy
+    nccl::close_without_gil(comm_, grace_s);
+  }
   std::string error() const { return comm_->error(); }
   int64_t stream_id() const { return int64_t(reinterpret_cast<uintptr_t>(comm_stream_.stream())); }
 
@@ -150,7 +170,7 @@ void register_nccl_communicator(py::module_& m) {
            py::arg("op"))
       .def("all_gather", &NcclCommunicator::all_gather, py::arg("output"), py::arg("input"))
       .def("abort", &NcclCommunicator::abort, py::arg("why"))
-      .def("close", &NcclCommunicator::close)
+      .def("close", &NcclCommunicator::close, py::arg("grace_s") = nccl::Communicator::kCloseGraceS)
       .def("error", &NcclCommunicator::error)
       .def_property_readonly("stream_id", &NcclCommunicator::stream_id);
 }

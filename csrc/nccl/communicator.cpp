@@ -39,12 +39,13 @@ Work::~Work() {
 
 Communicator::Communicator(const UniqueId& id, int rank, int nranks, double timeout_s,
                            const StreamOps& ops, void* comm_stream, const Interrupted& interrupted,
-                           double poll_s)
+                           double poll_s, int device)
     : ops_(ops),
       comm_stream_(comm_stream),
       interrupted_(interrupted),
       rank_(rank),
       nranks_(nranks),
+      device_(device),
       timeout_(timeout_s),
       poll_(poll_s) {
   if (timeout_s <= 0)
@@ -73,7 +74,9 @@ std::string Communicator::where() const {
 }
 
 void Communicator::fail_locked(const std::string& why) {
-  if (error_.empty()) error_ = why;
+  // Never an empty message: an empty error_ reads as "healthy" to wait() and completed().
+  if (error_.empty())
+    error_ = why.empty() ? "the NCCL communicator was aborted on " + where() : why;
   if (comm_) {
     comm_abort(comm_);  // frees the communicator and unblocks its kernels
     comm_ = nullptr;
@@ -83,7 +86,13 @@ void Communicator::fail_locked(const std::string& why) {
 }
 
 void Communicator::wait_ready_locked(const std::string& what, bool interruptible) {
-  const auto deadline = Clock::now() + timeout_;
+  wait_ready_locked(what, interruptible, timeout_);
+}
+
+void Communicator::wait_ready_locked(const std::string& what, bool interruptible,
+                                     std::chrono::duration<double> limit,
+                                     const std::string& on_timeout) {
+  const auto deadline = Clock::now() + limit;
   std::chrono::duration<double> nap(1e-5);
   for (;;) {
     int state = kSuccess;
@@ -96,8 +105,12 @@ void Communicator::wait_ready_locked(const std::string& what, bool interruptible
       throw CommError(error_);
     }
     if (Clock::now() >= deadline) {
+      if (!on_timeout.empty()) {
+        fail_locked(on_timeout);
+        throw CommTimeout(error_);
+      }
       fail_locked(
-          "NCCL " + what + " timed out after " + seconds(timeout_) + " on " + where() +
+          "NCCL " + what + " timed out after " + seconds(limit) + " on " + where() +
           ": another rank never joined or stopped answering (did it fail after the unique-id "
           "broadcast?); the communicator was aborted. Raise --distributed-timeout-minutes if "
           "ranks are just slow to start");
@@ -129,6 +142,11 @@ std::shared_ptr<Work> Communicator::enqueue(const char* name, size_t count, int 
                              std::string(name) + " #" + std::to_string(seq) + " (" +
                                  std::to_string(count) + " elements, " + dtype_name(dtype) + ")");
   last_ = work->what;
+  if (ops_.stream_capturing) {
+    int capturing = 0;
+    check_ops(ops_.stream_capturing(stream, &capturing), "querying the stream's capture status");
+    work->captured = capturing != 0;
+  }
   // The comm stream starts after everything already queued on the caller's stream.
   void* ready = nullptr;
   check_ops(ops_.event_create(&ready), "event create");
@@ -147,7 +165,9 @@ std::shared_ptr<Work> Communicator::enqueue(const char* name, size_t count, int 
   check_ops(ops_.event_create(&work->done), "event create");
   check_ops(ops_.event_record(work->done, comm_stream_),
             "recording the collective's completion event");
-  pending_.push_back(work);
+  // A captured event must not be queried (the query fails, and in global capture mode
+  // it would invalidate the capture): the watchdog watches eager work only.
+  if (!work->captured) pending_.push_back(work);
   return work;
 }
 
@@ -172,16 +192,34 @@ std::shared_ptr<Work> Communicator::all_gather(const void* send, void* recv, siz
   });
 }
 
+void Communicator::check_healthy_locked(const char* what) {
+  if (!error_.empty()) throw CommError(error_);
+  if (!comm_) throw CommError("the NCCL communicator was closed");
+  // The watchdog polls every poll_s; ask NCCL now so a failure in between is not missed.
+  int state = kSuccess;
+  const int r = get_async_error(comm_, &state);
+  if (r != kSuccess || (state != kSuccess && state != kInProgress)) {
+    fail_locked(std::string("NCCL error on ") + where() + " seen by " + what + ": " +
+                error_string(r != kSuccess ? r : state) + " (last collective issued: " +
+                (last_.empty() ? "none" : last_) + "); the communicator was aborted");
+    throw CommError(error_);
+  }
+}
+
 void Communicator::wait(const Work& work, void* stream) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!error_.empty()) throw CommError(error_);
+  check_healthy_locked("wait()");
   check_ops(ops_.stream_wait_event(stream, work.done),
             "waiting for the collective's completion event");
 }
 
 bool Communicator::completed(const Work& work) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!error_.empty()) throw CommError(error_);
+  check_healthy_locked("is_completed()");
+  if (work.captured)
+    throw CommError("NCCL " + work.what + " was captured into a CUDA graph on " + where() +
+                    ": it completes with each replay; synchronize the replay's stream instead "
+                    "of polling is_completed()");
   const int q = ops_.event_query(work.done);
   if (q != 0 && q != 1) check_ops(q, "querying the collective's completion event");
   return q == 0;
@@ -203,7 +241,17 @@ uint64_t Communicator::issued() const {
 }
 
 void Communicator::watchdog() {
+  // Without this the thread's first CUDA call would create a context on device 0 (every
+  // rank on GPU 0), and in global capture mode its queries would break a capture.
+  const int init = ops_.thread_init ? ops_.thread_init(device_) : 0;
   std::unique_lock<std::mutex> lock(mu_);
+  if (init != 0) {
+    fail_locked("the NCCL watchdog could not bind to device " + std::to_string(device_) + " on " +
+                where() + ": " +
+                (ops_.error_string ? ops_.error_string(init) : std::to_string(init)) +
+                "; the communicator was aborted");
+    return;
+  }
   while (!stop_) {
     cv_.wait_for(lock, poll_);
     if (stop_ || !comm_) break;
@@ -220,6 +268,16 @@ void Communicator::watchdog() {
       if (q == 0) {
         pending_.pop_front();
         continue;
+      }
+      if (q != 1 && ops_.shutdown_error != 0 && q == ops_.shutdown_error) {
+        // Process exit: the CUDA runtime is unloading. Not a communicator failure, and
+        // NCCL/CUDA must not be called any more (abort/destroy would touch a dying runtime).
+        if (error_.empty())
+          error_ = "the CUDA runtime is shutting down (process exit); the NCCL communicator on " +
+                   where() + " can no longer be used";
+        unloading_ = true;
+        stop_ = true;
+        break;
       }
       if (q != 1) {
         fail_locked("CUDA error while waiting for NCCL " + pending_.front()->what + " on " +
@@ -239,7 +297,22 @@ void Communicator::watchdog() {
   }
 }
 
-void Communicator::close() {
+bool Communicator::drain_locked(Clock::time_point deadline) {
+  std::chrono::duration<double> nap(1e-5);
+  while (!pending_.empty()) {
+    const int q = ops_.event_query(pending_.front()->done);
+    if (q == 0) {
+      pending_.pop_front();
+      continue;
+    }
+    if (q != 1 && ops_.shutdown_error != 0 && q == ops_.shutdown_error) unloading_ = true;
+    if (q != 1 || Clock::now() >= deadline) return false;
+    backoff(nap, poll_);
+  }
+  return true;
+}
+
+void Communicator::close(double grace_s) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
@@ -247,13 +320,34 @@ void Communicator::close() {
   cv_.notify_all();
   if (watchdog_.joinable() && watchdog_.get_id() != std::this_thread::get_id()) watchdog_.join();
   std::lock_guard<std::mutex> lock(mu_);
-  pending_.clear();
-  if (!comm_) return;
-  // Flush queued collectives (finalize), bounded by the timeout; a stuck flush aborts.
+  if (!comm_ || unloading_) {
+    pending_.clear();
+    return;
+  }
+  const std::chrono::duration<double> grace =
+      grace_s > 0 ? std::min(timeout_, std::chrono::duration<double>(grace_s)) : timeout_;
+  const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(grace);
+  // In-flight work that does not finish within the grace period means a peer is gone
+  // (or stuck): a flush would wait for it, so abort instead.
+  if (!drain_locked(deadline)) {
+    if (unloading_) return;  // process exit: leave NCCL alone
+    const std::string what = pending_.front()->what;
+    pending_.clear();
+    fail_locked("NCCL " + what + " was still in flight when the communicator on " + where() +
+                " was closed (" + seconds(grace) +
+                " grace): aborted instead of flushed (a peer may have died)");
+    return;
+  }
+  // Flush queued collectives (finalize), bounded by what is left of the grace period.
   const int r = comm_finalize(comm_);
   if (r == kSuccess || r == kInProgress) {
     try {
-      wait_ready_locked("ncclCommFinalize", false);
+      wait_ready_locked("ncclCommFinalize", false,
+                        std::max(std::chrono::duration<double>(deadline - Clock::now()),
+                                 std::chrono::duration<double>(poll_)),
+                        "NCCL ncclCommFinalize did not finish within the " + seconds(grace) +
+                            " grace of close() on " + where() +
+                            " (a peer may have died): the communicator was aborted instead");
     } catch (const CommError&) {
       return;  // aborted by wait_ready_locked; nothing left to destroy
     }

@@ -11,7 +11,14 @@
 //   * a watchdog thread polls ncclCommGetAsyncError and the completion events; an
 //     async error, or a collective that does not finish within the timeout, aborts the
 //     communicator (ncclCommAbort) and every later call raises an error naming the
-//     rank and the collective.
+//     rank and the collective;
+//   * the watchdog binds itself to the communicator's device (thread_init) and never
+//     queries an event recorded under CUDA graph capture (such a work is not watched:
+//     the graph's replays complete it); the runtime's "shutting down" code at process
+//     exit stops it quietly instead of counting as a communicator failure;
+//   * wait()/completed() ask NCCL for an async error first, so a wait after a failure
+//     raises even before the watchdog's next poll; close() is bounded by a grace period
+//     and aborts (instead of flushing) when in-flight work or the flush does not finish.
 // Streams and events are reached through StreamOps: the CUDA runtime in CUDA builds
 // (csrc/glue/nccl_glue.cpp), a fake in the CPU tests.
 #pragma once
@@ -40,6 +47,13 @@ struct StreamOps {
   int (*stream_wait_event)(void* stream, void* event);
   int (*event_query)(void* event);
   const char* (*error_string)(int code);
+  // Run first on the watchdog thread (CUDA: set the device, relax the capture mode);
+  // may be null.
+  int (*thread_init)(int device);
+  // *capturing = 1 while `stream` is being captured into a CUDA graph; may be null.
+  int (*stream_capturing)(void* stream, int* capturing);
+  // The event_query code meaning "the runtime is unloading" (process exit); 0: none.
+  int shutdown_error;
 };
 
 // Raised for NCCL failures (async errors, aborts, refused calls) and timeouts.
@@ -66,6 +80,7 @@ struct Work {
   uint64_t seq;
   std::string what;  // "all_reduce #12 (4096 elements, bfloat16)"
   std::chrono::steady_clock::time_point issued;
+  bool captured = false;  // issued under CUDA graph capture: completed by the graph's replays
 };
 
 class Communicator {
@@ -75,8 +90,10 @@ class Communicator {
 
   // Joins the other ranks (non-blocking init, polled every `poll_s`). Throws CommTimeout
   // after `timeout_s`, CommError on an NCCL error; the communicator is aborted first.
+  // `device` is passed to ops.thread_init on the watchdog thread.
   Communicator(const UniqueId& id, int rank, int nranks, double timeout_s, const StreamOps& ops,
-               void* comm_stream, const Interrupted& interrupted, double poll_s = 0.05);
+               void* comm_stream, const Interrupted& interrupted, double poll_s = 0.05,
+               int device = 0);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -94,8 +111,11 @@ class Communicator {
   bool completed(const Work& work);
   // Abort now (idempotent); later calls raise CommError(`why`).
   void abort(const std::string& why);
-  // Stop the watchdog, flush and destroy (or abort, if it failed). Idempotent.
-  void close();
+  // Stop the watchdog, flush and destroy. In-flight work and the flush get `grace_s`
+  // (capped by the timeout; <= 0: the timeout) before the communicator is aborted
+  // instead: a dead peer cannot hold close() for the whole timeout. Idempotent.
+  void close(double grace_s = kCloseGraceS);
+  static constexpr double kCloseGraceS = 30.0;
   std::string error() const;
   int rank() const { return rank_; }
   int nranks() const { return nranks_; }
@@ -105,8 +125,15 @@ class Communicator {
   using Call = std::function<int(Comm)>;
   std::shared_ptr<Work> enqueue(const char* name, size_t count, int dtype, void* stream,
                                 const Call& call);
-  // Poll ncclCommGetAsyncError until not in progress; on error/timeout abort and throw.
+  // Poll ncclCommGetAsyncError until not in progress; on error/timeout (`limit`, default
+  // the communicator's timeout) abort and throw.
   void wait_ready_locked(const std::string& what, bool interruptible);
+  // `on_timeout`: the message when `limit` passes (default: the init's).
+  void wait_ready_locked(const std::string& what, bool interruptible,
+                         std::chrono::duration<double> limit, const std::string& on_timeout = "");
+  // Throw if the communicator failed, or if NCCL reports an async error now.
+  void check_healthy_locked(const char* what);
+  bool drain_locked(std::chrono::steady_clock::time_point deadline);
   void watchdog();
   void fail_locked(const std::string& why);  // abort under mu_
   void check_ops(int code, const char* what);
@@ -115,12 +142,13 @@ class Communicator {
   const StreamOps ops_;
   void* comm_stream_;
   Interrupted interrupted_;
-  const int rank_, nranks_;
+  const int rank_, nranks_, device_;
   const std::chrono::duration<double> timeout_, poll_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   Comm comm_ = nullptr;
   bool stop_ = false;
+  bool unloading_ = false;  // the runtime is shutting down: NCCL and CUDA are left alone
   std::string error_;
   uint64_t seq_ = 0;
   std::string last_;  // the last collective issued, for error messages

@@ -48,14 +48,15 @@ inline bool python_interrupted() {
 // interrupt re-raises the pending Python exception after the abort.
 inline std::shared_ptr<Communicator> make_communicator(const UniqueId& id, int rank, int nranks,
                                                        double timeout_s, const StreamOps& ops,
-                                                       void* comm_stream, double poll_s) {
+                                                       void* comm_stream, double poll_s,
+                                                       int device) {
   std::shared_ptr<Communicator> comm;
   bool interrupted = false;
   {
     pybind11::gil_scoped_release nogil;
     try {
       comm = std::make_shared<Communicator>(id, rank, nranks, timeout_s, ops, comm_stream,
-                                            python_interrupted, poll_s);
+                                            python_interrupted, poll_s, device);
     } catch (const CommInterrupted&) {
       interrupted = true;
     }
@@ -65,9 +66,9 @@ inline std::shared_ptr<Communicator> make_communicator(const UniqueId& id, int r
 }
 
 // Release the GIL around close(): ncclCommFinalize/Destroy may wait for the device.
-inline void close_without_gil(const std::shared_ptr<Communicator>& comm) {
+inline void close_without_gil(const std::shared_ptr<Communicator>& comm, double grace_s) {
   pybind11::gil_scoped_release nogil;
-  comm->close();
+  comm->close(grace_s);
 }
 
 inline UniqueId unique_id_from(const std::string& bytes) {

@@ -3,7 +3,9 @@
 // through fake_* functions (ctypes), plus host "streams" and "events" exported as
 // megadlm_test_stream_ops. Lets CPU-only CI run the real dlopen loader, the
 // non-blocking init with its timeout, the watchdog, abort and the stream/event
-// ordering of every collective. Not part of the package. Build:
+// ordering of every collective, CUDA-graph capture (a captured event cannot be queried,
+// as in CUDA), the runtime's "unloading" code at exit and the watchdog thread's device
+// binding. Not part of the package. Build:
 //   g++ -std=c++17 -shared -fPIC -DFAKE_VERSION=22703 fake_nccl.cpp -o libnccl.so.2
 #include <chrono>
 #include <cstdint>
@@ -23,6 +25,7 @@ enum { kSuccess = 0, kInternalError = 3, kInvalidUsage = 5, kInProgress = 7 };
 struct Stream {
   uint64_t enqueued = 0, completed = 0;
   bool held = false;
+  bool capturing = false;  // being captured into a graph (spreads through stream waits)
   void push() {
     ++enqueued;
     if (!held) completed = enqueued;
@@ -31,7 +34,12 @@ struct Stream {
 struct Event {
   Stream* stream = nullptr;
   uint64_t target = 0;
+  bool captured = false;  // recorded on a capturing stream: a query is an error
 };
+enum {
+  kCaptureQueryError = 900,
+  kUnloading = 4
+};  // cudaErrorStreamCaptureUnsupported, ...Unloading
 struct UniqueId {
   char internal[128];
 };  // passed by value, as ncclUniqueId
@@ -47,6 +55,9 @@ int g_async_error = kSuccess;  // returned by ncclCommGetAsyncError once init is
 int g_aborts = 0, g_destroys = 0, g_finalizes = 0, g_events_live = 0;
 int g_block_destroy = 0;  // 1: ncclCommDestroy waits for fake_unblock_destroy()
 int g_destroy_timed_out = 0;
+int g_finalize_polls = 0;  // ncclCommGetAsyncError reports in-progress this often after finalize
+int g_query_error = 0;     // returned by every event query when set (e.g. kUnloading)
+std::thread::id g_init_thread;
 
 void log(const std::string& s) {
   g_log += s + ";";
@@ -66,6 +77,20 @@ void fake_reset() {
   g_aborts = g_destroys = g_finalizes = 0;
   g_block_destroy = 0;
   g_destroy_timed_out = 0;
+  g_finalize_polls = 0;
+  g_query_error = 0;
+}
+void fake_set_finalize_polls(int n) {  // -1: the flush never finishes (a dead peer)
+  std::lock_guard<std::mutex> l(g_mu);
+  g_finalize_polls = n;
+}
+void fake_set_query_error(int code) {
+  std::lock_guard<std::mutex> l(g_mu);
+  g_query_error = code;
+}
+void fake_stream_capture(void* s, int on) {
+  std::lock_guard<std::mutex> l(g_mu);
+  static_cast<Stream*>(s)->capturing = on != 0;
 }
 void fake_set_init_polls(int n) {
   std::lock_guard<std::mutex> l(g_mu);
@@ -147,6 +172,7 @@ int ncclCommInitRankConfig(void** comm, int nranks, UniqueId uid, int rank, void
   c->polls_left = g_init_polls;
   c->rank = rank;
   *comm = c;
+  g_init_thread = std::this_thread::get_id();
   log("init:blocking=" + std::to_string(blocking));
   return c->polls_left == 0 ? kSuccess : kInProgress;
 }
@@ -168,9 +194,10 @@ int ncclCommAbort(void* comm) {
   delete static_cast<Comm*>(comm);
   return kSuccess;
 }
-int ncclCommFinalize(void*) {
+int ncclCommFinalize(void* comm) {
   std::lock_guard<std::mutex> l(g_mu);
   ++g_finalizes;
+  static_cast<Comm*>(comm)->polls_left = g_finalize_polls;
   log("finalize");
   return kSuccess;
 }
@@ -233,21 +260,37 @@ static int ev_record(void* e, void* s) {
   auto* ev = static_cast<Event*>(e);
   ev->stream = static_cast<Stream*>(s);
   ev->target = ev->stream->enqueued;
+  ev->captured = ev->stream->capturing;
   log("record:" + id(s));
   return 0;
 }
 static int stream_wait(void* s, void* e) {
   std::lock_guard<std::mutex> l(g_mu);
+  // Waiting on a captured event pulls the waiting stream into the capture (as in CUDA).
+  if (static_cast<Event*>(e)->captured) static_cast<Stream*>(s)->capturing = true;
   log("wait:" + id(s) + "<-" + id(static_cast<Event*>(e)->stream));
   return 0;
 }
 static int ev_query(void* e) {
   std::lock_guard<std::mutex> l(g_mu);
   auto* ev = static_cast<Event*>(e);
+  if (g_query_error) return g_query_error;
+  if (ev->captured) return kCaptureQueryError;
   return ev->stream && ev->stream->completed < ev->target ? 1 : 0;
 }
 static const char* err_string(int) {
   return "fake stream error";
+}
+static int thread_init(int device) {
+  std::lock_guard<std::mutex> l(g_mu);
+  const bool other = std::this_thread::get_id() != g_init_thread;
+  log("thread_init:" + std::to_string(device) + (other ? ":other-thread" : ":init-thread"));
+  return 0;
+}
+static int stream_capturing(void* s, int* capturing) {
+  std::lock_guard<std::mutex> l(g_mu);
+  *capturing = static_cast<Stream*>(s)->capturing ? 1 : 0;
+  return 0;
 }
 struct Ops {
   int (*c)(void**);
@@ -256,6 +299,10 @@ struct Ops {
   int (*w)(void*, void*);
   int (*q)(void*);
   const char* (*s)(int);
+  int (*ti)(int);
+  int (*sc)(void*, int*);
+  int shutdown_error;
 };
-Ops megadlm_test_stream_ops = {ev_create, ev_destroy, ev_record, stream_wait, ev_query, err_string};
+Ops megadlm_test_stream_ops = {ev_create,  ev_destroy,  ev_record,        stream_wait, ev_query,
+                               err_string, thread_init, stream_capturing, kUnloading};
 }

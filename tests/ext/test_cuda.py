@@ -45,6 +45,7 @@ def test_cuda_ops_match_cpu(flat_dtype):
         assert megadlm_ext.has_nonfinite(gpu) is True
 
 
+@pytest.mark.profiler
 def test_cuda_large_aligned_and_one_launch():
     """A 10k-tensor flatten is one element-kernel launch (profiler count)."""
     _, gpu = _lists(seed=1, n=10_000, max_numel=4096)

@@ -94,6 +94,28 @@ def test_cuda_graph_capture_and_replay():
     assert torch.equal(flat, torch.cat([t.float() for t in ts]) * 2.0)
 
 
+def test_table_first_seen_under_capture_is_filled_for_eager_calls():
+    """A table first uploaded while a graph is captured is filled outside the graph: an
+    eager call that hits it before any replay reads the right segments."""
+    ts = [torch.randn(n, device="cuda") for n in (5, 300, 4099)]
+    numel = sum(t.numel() for t in ts)
+    flat = torch.zeros(numel, device="cuda")
+    _C._cuda_clear_table_cache()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), route("compiled"):
+        megadlm_ext.accumulate_into(flat, ts)  # a miss under capture
+    torch.cuda.synchronize()
+    with route("compiled"):
+        h0 = _cache()[0]
+        megadlm_ext.accumulate_into(flat, ts)  # eager hit on that entry, no replay yet
+        assert _cache()[0] == h0 + 1
+    torch.cuda.synchronize()
+    assert torch.equal(flat, torch.cat(ts))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(flat, torch.cat(ts) * 2)
+
+
 def test_segment_table_uploaded_once_per_bucket():
     ts = [torch.randn(n, device="cuda") for n in range(1, 2000)]
     out = torch.empty(sum(t.numel() for t in ts), device="cuda")

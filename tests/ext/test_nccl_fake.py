@@ -4,8 +4,10 @@ The fake is compiled here with g++ and loaded through the real dlopen loader; th
 communicator core (csrc/nccl/communicator.cpp) is driven through _C._NcclTestCommunicator
 with the fake's host streams/events. Covers: the version check at load, non-blocking
 init with its timeout and Ctrl-C, the watchdog (async error, a collective that never
-completes), abort, the stream/event ordering of a collective and its work handle, and
-destroy without the GIL.
+completes, its device binding, CUDA-graph capture, the runtime unloading at exit), abort
+and the waits after it, the stream/event ordering of a collective and its work handle,
+close() bounded when a peer is dead, closing at interpreter exit, and destroy without
+the GIL.
 """
 
 import _thread
@@ -13,6 +15,7 @@ import ctypes
 import os
 import shutil
 import subprocess
+import sys
 import threading
 import time
 
@@ -58,6 +61,7 @@ def fake(tmp_path_factory):
     lib = ctypes.CDLL(good)  # same path: the very instance the loader opened
     lib.fake_stream_create.restype = ctypes.c_void_p
     lib.fake_stream_hold.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.fake_stream_capture.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.fake_log.restype = ctypes.c_char_p
     return lib, good
 
@@ -68,14 +72,23 @@ def lib(fake):
     return fake[0]
 
 
-def make(fake, lib, timeout=5.0, poll=0.01):
+def make(fake, lib, timeout=5.0, poll=0.01, device=0):
     comm_stream = lib.fake_stream_create()
-    c = megadlm_ext._C._NcclTestCommunicator(UID, 0, 1, timeout, poll, fake[1], comm_stream)
+    c = megadlm_ext._C._NcclTestCommunicator(UID, 0, 1, timeout, poll, fake[1], comm_stream, device)
     return c, comm_stream
 
 
-def entries(lib):
-    return [e for e in lib.fake_log().decode().split(";") if e]
+def entries(lib, all_=False):
+    """The fake's call log; without ``all_``, the watchdog thread's start is left out (its
+    timing relative to the caller's calls is not fixed)."""
+    return [e for e in lib.fake_log().decode().split(";") if e and (all_ or not e.startswith("thread_init"))]
+
+
+def _until(cond, seconds=5.0):
+    deadline = time.monotonic() + seconds
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return cond()
 
 
 def sid(ptr):
@@ -189,3 +202,112 @@ def test_close_releases_the_gil(fake, lib):
     comm.close()
     assert lib.fake_destroy_timed_out() == 0
     assert lib.fake_destroys() == 1
+
+
+def test_watchdog_binds_to_the_communicators_device(fake, lib):
+    comm, _ = make(fake, lib, device=3)
+    # the watchdog thread (not the constructing one) sets device 3 before any CUDA call
+    assert _until(lambda: "thread_init:3:other-thread" in entries(lib, all_=True)), entries(lib, True)
+    comm.close()
+
+
+def test_wait_after_an_async_error_raises_before_the_watchdog_polls(fake, lib):
+    comm, _ = make(fake, lib, poll=30.0)  # the watchdog will not look again within the test
+    compute = lib.fake_stream_create()
+    buf = (ctypes.c_float * 4)()
+    work = comm.all_reduce(ctypes.addressof(buf), ctypes.addressof(buf), 4, F32, 0, compute)
+    lib.fake_set_async_error(3)  # a peer died after the collective was issued
+    with pytest.raises(nccl.NcclError, match=r"seen by wait\(\).*internal error.*all_reduce #1"):
+        work.wait()
+    assert lib.fake_aborts() == 1
+    with pytest.raises(nccl.NcclError, match="seen by wait"):  # and every later wait
+        work.wait()
+    comm.close()
+
+
+def test_abort_without_a_reason_still_makes_waits_raise(fake, lib):
+    comm, _ = make(fake, lib)
+    compute = lib.fake_stream_create()
+    buf = (ctypes.c_float * 4)()
+    work = comm.all_reduce(ctypes.addressof(buf), ctypes.addressof(buf), 4, F32, 0, compute)
+    comm.abort("")
+    assert comm.error() == "the NCCL communicator was aborted on rank 0 of 1"
+    with pytest.raises(nccl.NcclError, match="aborted on rank 0 of 1"):
+        work.wait()
+    with pytest.raises(nccl.NcclError, match="aborted on rank 0 of 1"):
+        work.is_completed()
+    comm.close()
+
+
+def test_close_is_bounded_when_a_peer_is_dead(fake, lib):
+    # (a) the flush never finishes: close() gives up after its grace and aborts
+    comm, _ = make(fake, lib, timeout=600.0)
+    lib.fake_set_finalize_polls(-1)
+    t0 = time.monotonic()
+    comm.close(grace_s=0.3)
+    assert time.monotonic() - t0 < 3.0
+    assert (lib.fake_finalizes(), lib.fake_aborts(), lib.fake_destroys()) == (1, 1, 0)
+    assert "ncclCommFinalize did not finish within the 0.3 s grace of close() on rank 0 of 1" in comm.error()
+    # (b) a collective still in flight (its peer never joined it): abort, no flush at all
+    lib.fake_reset()
+    comm, cs = make(fake, lib, timeout=600.0)
+    lib.fake_stream_hold(cs, 1)
+    buf = (ctypes.c_float * 2)()
+    comm.all_reduce(ctypes.addressof(buf), ctypes.addressof(buf), 2, F32, 0, lib.fake_stream_create())
+    t0 = time.monotonic()
+    comm.close(grace_s=0.3)
+    assert time.monotonic() - t0 < 3.0
+    assert (lib.fake_finalizes(), lib.fake_aborts()) == (0, 1)
+    assert "all_reduce #1 (2 elements, float32) was still in flight" in comm.error()
+
+
+def test_runtime_unloading_at_exit_is_not_a_communicator_failure(fake, lib):
+    comm, cs = make(fake, lib)
+    lib.fake_stream_hold(cs, 1)  # a collective pending when the process exits
+    buf = (ctypes.c_float * 2)()
+    comm.all_reduce(ctypes.addressof(buf), ctypes.addressof(buf), 2, F32, 0, lib.fake_stream_create())
+    lib.fake_set_query_error(4)  # cudaErrorCudartUnloading from the event query
+    assert _until(lambda: comm.error() != "")
+    assert "CUDA runtime is shutting down" in comm.error()
+    comm.close()  # NCCL is left alone: no abort, no finalize, no destroy
+    assert (lib.fake_aborts(), lib.fake_finalizes(), lib.fake_destroys()) == (0, 0, 0)
+
+
+def test_watchdog_does_not_query_work_captured_into_a_graph(fake, lib):
+    comm, cs = make(fake, lib, timeout=0.3)
+    compute = lib.fake_stream_create()
+    lib.fake_stream_capture(compute, 1)  # torch.cuda.graph capture on the caller's stream
+    buf = (ctypes.c_float * 2)()
+    work = comm.all_reduce(ctypes.addressof(buf), ctypes.addressof(buf), 2, F32, 0, compute)
+    work.wait()  # device-side wait: legal under capture
+    # The fake fails a query of a captured event (as CUDA does): a watchdog query would
+    # abort. Several polls and more than the timeout later, nothing failed.
+    time.sleep(0.6)
+    assert comm.error() == "" and lib.fake_aborts() == 0
+    with pytest.raises(nccl.NcclError, match="captured into a CUDA graph"):
+        work.is_completed()
+    lib.fake_stream_capture(compute, 0)
+    lib.fake_stream_capture(cs, 0)  # capture ended
+    comm.all_reduce(ctypes.addressof(buf), ctypes.addressof(buf), 2, F32, 0, compute).wait()
+    comm.close()
+    assert (lib.fake_destroys(), lib.fake_aborts()) == (1, 0)
+
+
+def test_communicators_are_closed_at_interpreter_exit(fake):
+    """megadlm_ext.nccl closes the communicators still open when Python exits (bounded), so
+    NCCL is flushed and destroyed before the CUDA runtime unloads."""
+    code = f"""
+import atexit, ctypes
+lib = ctypes.CDLL({fake[1]!r})
+lib.fake_stream_create.restype = ctypes.c_void_p
+# registered before megadlm_ext.nccl is imported, so it runs after nccl's exit hook
+atexit.register(lambda: print("at exit:", lib.fake_finalizes(), lib.fake_destroys(), lib.fake_aborts()))
+from megadlm_ext import _C, nccl
+assert _C.nccl_load([{fake[1]!r}])[0]
+comm = _C._NcclTestCommunicator(bytes(128), 0, 1, 600.0, 0.01, {fake[1]!r}, lib.fake_stream_create())
+nccl.close_at_exit(comm)
+keep = comm  # still referenced at exit
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "at exit: 1 1 0" in r.stdout, r.stdout + r.stderr[-2000:]

@@ -101,6 +101,34 @@ def test_single_rank_overlap_on_own_stream():
         assert work.is_completed() and torch.equal(z, x)
 
 
+def test_collective_captured_into_a_cuda_graph_replays_without_a_watchdog_abort():
+    """The watchdog (bound to this device) skips the captured work: no failed event query
+    and no abort across several poll periods; replays redo the collective."""
+    import time
+
+    dev = torch.cuda.current_device()
+    with nccl.Communicator(nccl.unique_id(), 0, 1, dev, timeout=30.0) as comm:
+        x = torch.ones(1 << 16, device="cuda")
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):  # warm-up outside capture
+            comm.all_reduce(x, op="sum").wait()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            work = comm.all_reduce(x, op="sum")
+            work.wait()
+            y = x * 2.0
+        time.sleep(0.5)  # > the watchdog's poll period
+        assert comm.error() == ""
+        with pytest.raises(nccl.NcclError, match="captured into a CUDA graph"):
+            work.is_completed()
+        for _ in range(2):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, torch.full_like(x, 2.0)) and comm.error() == ""
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_multi_rank_collectives():
     world = torch.cuda.device_count()

@@ -120,7 +120,7 @@ class DistributedDataParallel(torch.nn.Module):
         # ReduceOp.AVG when asked for and available, else pre-divide by dp (same average);
         # expert buckets over expert_dp with Megatron's scale (ddp_groups.py).
         self._dense, self._expert = reduce_groups(cfg, parallel, self.comm, self.shard_comm, self.inter_comm)
-        self._nan_found: Optional[str] = None  # this rank's first NaN/Inf finding of the step
+        self._nan_flags: List[tuple] = []  # (bucket, device NaN/Inf flag) of the step, read once
 
         names: Dict[torch.nn.Parameter, str] = {}
         # names as in the unwrapped model (checkpoint and optimizer keys); tied weights once
@@ -312,19 +312,30 @@ class DistributedDataParallel(torch.nn.Module):
                 offset += g.numel()
 
     def _check_nan(self, bucket: Bucket) -> None:
-        """Record (do not raise yet) this rank's first NaN/Inf before the collective: raising
-        here would leave the other ranks waiting in this bucket's collective."""
-        if self._nan_found is not None or not ext.has_nonfinite([bucket.grad_data]):
-            return
-        for p, name in zip(bucket.params, bucket.names):
-            if ext.has_nonfinite([p.main_grad]):
+        """Queue this rank's NaN/Inf check of ``bucket`` before its collective as a device flag
+        (no host sync inside backward: buckets keep overlapping); ``_agree_on_nan`` reads the
+        flags once after the step. Raising here would leave the other ranks waiting."""
+        self._nan_flags.append((bucket, ext.nonfinite_flag([bucket.grad_data])))
+
+    def _nan_detail(self, checked) -> Optional[str]:
+        """This rank's first bucket flagged before its collective, and its first parameter whose
+        gradient is non-finite now (a local NaN/Inf survives the reduction); None if none."""
+        for bucket, flag in checked:
+            if int(flag):
                 rank = dist.get_rank() if dist.is_initialized() else 0
-                self._nan_found = (
-                    f"rank {rank} (dp rank {self.dp_rank}) found NaN/Inf in bucket {bucket.index} "
-                    f"before the data-parallel collective; first offending parameter: {name} "
-                    f"(shape {tuple(p.shape)})"
+                name, shape = next(
+                    (
+                        (n, tuple(p.shape))
+                        for p, n in zip(bucket.params, bucket.names)
+                        if ext.has_nonfinite([p.main_grad])
+                    ),
+                    ("(none non-finite after the collective)", ()),
                 )
-                return
+                return (
+                    f"rank {rank} (dp rank {self.dp_rank}) found NaN/Inf in bucket {bucket.index} "
+                    f"before the data-parallel collective; first offending parameter: {name} (shape {shape})"
+                )
+        return None
 
     def _agree_on_nan(self) -> None:
         """One flag all-reduce after the step's collectives: a NaN/Inf on any rank raises on
@@ -333,12 +344,15 @@ class DistributedDataParallel(torch.nn.Module):
         peers, whose data-parallel groups never saw it."""
         comm = self._world_comm if self._world_comm is not None else self.comm
         flags = torch.zeros(comm.world_size, dtype=torch.float32, device=self.buckets[0].grad_data.device)
-        flags[comm.rank] = float(self._nan_found is not None)
+        checked, self._nan_flags = self._nan_flags, []
+        if checked:  # device-side sum of the bucket flags: the one host sync is tolist() below
+            flags[comm.rank] = torch.stack([f for _, f in checked]).sum()
         comm.all_reduce(flags, "sum")
-        found, self._nan_found = self._nan_found, None
         ranks = [r for r, f in enumerate(flags.tolist()) if f > 0]
         if ranks:
-            detail = found or "this rank's gradients are finite; see the named rank's error"
+            detail = (
+                self._nan_detail(checked) or "this rank's gradients are finite; see the named rank's error"
+            )
             where = "rank(s)" if self._world_comm is not None else "data-parallel rank(s)"
             raise RuntimeError(
                 f"check_for_nan_in_grad: NaN/Inf gradients on {where} {ranks}; every "
@@ -405,7 +419,7 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.handle, bucket.launched, bucket.folded = None, False, False
             bucket.ready.clear()
         self._next_launch = {False: 0, True: 0}
-        self._nan_found = None
+        self._nan_flags = []
         for buf in self.buffers_:
             buf.grad_data.zero_()
         self._attach_grad_views()
