@@ -47,6 +47,28 @@ def tiny_run(tmp_path_factory):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first = (out / "crossover.csv").read_text()
+    # the report again, from the checkpoints: the DLM's cached scores dropped, so they are
+    # recomputed in fresh processes and must come out the same (the AR's are reused)
+    for f in (out / "runs" / "dlm" / "eval").iterdir():
+        f.unlink()
+    again = subprocess.run(
+        [
+            "bash",
+            os.path.join(ROOT, "examples", "crossover.sh"),
+            "--preset",
+            "tiny",
+            "--skip-train",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "training ar" not in again.stdout and len(list((out / "runs" / "dlm" / "eval").iterdir())) == 2
+    assert (out / "crossover.csv").read_text() == first
     return out
 
 

@@ -122,12 +122,15 @@ def prepare_data(p: Preset, outdir: str, py: str) -> Dict:
         min_cloze_bytes=12 + p.answer_len + 8,
         seed=p.seed,
     )
-    for name in ("train", "heldout", "cloze"):
-        data.write_jsonl(getattr(split, name), os.path.join(ddir, f"{name}.jsonl"))
+    changed = [
+        data.write_jsonl(getattr(split, n), os.path.join(ddir, f"{n}.jsonl"))
+        for n in ("train", "heldout", "cloze")
+    ]
     prefix = os.path.join(ddir, "kjv_budget")
-    cmd = [py, "-m", "megadlms.data.preprocess", "--input", os.path.join(ddir, "train.jsonl")]
-    cmd += ["--json-keys", "text", "--output-prefix", prefix, "--tokenizer-type", "ByteTokenizer"]
-    subprocess.run(cmd + ["--append-eod", "--workers", "1"], check=True, capture_output=True, timeout=600)
+    if changed[0] or not os.path.isfile(prefix + "_text_document.idx"):
+        cmd = [py, "-m", "megadlms.data.preprocess", "--input", os.path.join(ddir, "train.jsonl")]
+        cmd += ["--json-keys", "text", "--output-prefix", prefix, "--tokenizer-type", "ByteTokenizer"]
+        subprocess.run(cmd + ["--append-eod", "--workers", "1"], check=True, capture_output=True, timeout=600)
     max_prompt = p.seq_length - p.answer_len - 1
     return {
         "prefix": prefix + "_text_document",
@@ -185,12 +188,10 @@ def _shared(flags: List[str]) -> List[str]:
 def check_matched(runs: Dict[str, List[str]], outdir: str) -> Dict[str, bool]:
     """What the two runs share, read back from their flags, checkpoints and data caches."""
     ar, dlm = (_shared(runs[m]) for m in ("ar", "dlm"))
+    last = checkpoints(outdir)[-1]
     commons = {}
     for m in ("ar", "dlm"):
-        save = os.path.join(outdir, "runs", m, "save")
-        with open(os.path.join(save, "latest_checkpointed_iteration.txt")) as f:
-            last = int(f.read().strip())
-        with open(os.path.join(save, f"iter_{last:07d}", "common.json")) as f:
+        with open(os.path.join(outdir, "runs", m, "save", f"iter_{last:07d}", "common.json")) as f:
             commons[m] = json.load(f)
     idx = {
         m: sorted(glob.glob(os.path.join(outdir, "runs", m, "cache", "*index.npy"))) for m in ("ar", "dlm")
@@ -215,9 +216,21 @@ def check_matched(runs: Dict[str, List[str]], outdir: str) -> Dict[str, bool]:
     }
 
 
-def checkpoints(save_dir: str) -> List[int]:
-    """Iterations of the iter_* directories of a --save directory, ascending."""
-    return sorted(int(d[len("iter_") :]) for d in os.listdir(save_dir) if d.startswith("iter_"))
+def checkpoints(outdir: str) -> List[int]:
+    """Iterations saved by both runs (complete checkpoints only: at most each run's
+    latest_checkpointed_iteration.txt, so a run still training can be evaluated), ascending."""
+    common = None
+    for m in MODES:
+        save = os.path.join(outdir, "runs", m, "save")
+        latest = os.path.join(save, "latest_checkpointed_iteration.txt")
+        if not os.path.isfile(latest):
+            return []
+        with open(latest) as f:
+            last = int(f.read().strip())
+        its = {int(d[len("iter_") :]) for d in os.listdir(save) if d.startswith("iter_")}
+        its = {i for i in its if i <= last}
+        common = its if common is None else common & its
+    return sorted(common)
 
 
 def evaluate(outdir: str, d: Dict, p: Preset, jobs: int, threads: int) -> List[Dict]:
@@ -232,12 +245,12 @@ def evaluate(outdir: str, d: Dict, p: Preset, jobs: int, threads: int) -> List[D
     rows = []
     with cf.ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn")) as pool:
         futs = {}
-        for m in ("dlm", "ar"):  # the DLM's checkpoints are the slow ones: first
-            save = os.path.join(outdir, "runs", m, "save")
-            for it in checkpoints(save):
-                futs[m, it] = pool.submit(
-                    checkpoint_task, os.path.join(save, f"iter_{it:07d}"), threads, **kw
-                )
+        # by iteration, so the cached scores of an interrupted evaluation come in (ar, dlm) pairs
+        for it in checkpoints(outdir):
+            for m in ("dlm", "ar"):
+                ckpt = os.path.join(outdir, "runs", m, "save", f"iter_{it:07d}")
+                cache = os.path.join(outdir, "runs", m, "eval", f"iter_{it:07d}.json")
+                futs[m, it] = pool.submit(checkpoint_task, ckpt, threads, cache, **kw)
         for (m, it), fut in sorted(futs.items()):
             r, tokens = fut.result(), it * tokens_per_step
             for metric in report.METRICS:
@@ -248,7 +261,7 @@ def evaluate(outdir: str, d: Dict, p: Preset, jobs: int, threads: int) -> List[D
     return rows
 
 
-def setting_table(p: Preset, d: Dict, iters: int, preset: str) -> Dict:
+def setting_table(p: Preset, d: Dict, iters: int, preset: str, evaluated: Sequence[int]) -> Dict:
     from megadlms.models import GPTModel, TransformerConfig
 
     cfg = TransformerConfig(
@@ -262,6 +275,8 @@ def setting_table(p: Preset, d: Dict, iters: int, preset: str) -> Dict:
         "model": f"{p.num_layers} layers, hidden {p.hidden_size}, {params / 1e6:.2f}M parameters (both)",
         "unique training tokens": f"{d['train_tokens']} ({d['train_verses']} KJV verses, byte-level)",
         "epochs": f"{iters * p.global_batch_size * p.seq_length / d['train_tokens']:.1f} ({iters} steps)",
+        "evaluated": f"{len(evaluated)} checkpoints per model, the last at step {evaluated[-1]}"
+        + ("" if evaluated[-1] == iters else " (training not finished: a partial run)"),
         "tokens per step": f"{p.global_batch_size * p.seq_length} ({p.global_batch_size} x {p.seq_length})",
         "held-out loss rows": f"{d['heldout_rows'].shape[0]} x {p.seq_length} tokens, "
         f"DLM {p.nelbo_mc} MC copies",
@@ -305,10 +320,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not args.skip_train:
         print(f"== train AR and DLM: {iters} steps each, checkpoint every {save_interval}", flush=True)
         run_training(runs, out, py, args.jobs, threads)
+    if not checkpoints(out):
+        raise RuntimeError(f"{out}/runs: no checkpoint saved by both runs yet; nothing to evaluate")
     checks = check_matched(runs, out)
     print(f"== evaluate the checkpoints ({time.time() - t0:.0f} s so far)", flush=True)
     rows = evaluate(out, d, p, args.jobs, threads)
-    setting = setting_table(p, d, iters, name)
+    setting = setting_table(p, d, iters, name, checkpoints(out))
     report.write_csv(rows, os.path.join(out, "crossover.csv"))
     title = f"KJV, {setting['unique training tokens'].split(' (')[0]} unique tokens, {setting['model']}"
     report.plot(rows, os.path.join(out, "crossover.png"), chance=1 / p.cloze_choices, title=title)

@@ -9,6 +9,7 @@ counts and their summed log-likelihoods compare without length normalisation.
 from __future__ import annotations
 
 import json
+import os
 import random
 from dataclasses import dataclass
 from typing import Iterable, List, Sequence
@@ -56,10 +57,17 @@ def read_verses(path: str) -> List[str]:
         return [json.loads(line)["text"] for line in f if line.strip()]
 
 
-def write_jsonl(texts: Iterable[str], path: str) -> None:
+def write_jsonl(texts: Iterable[str], path: str) -> bool:
+    """Write one {"text": ...} line per text; False (and the file untouched) when it already
+    holds exactly that, so a rerun never rewrites data a running training reads."""
+    body = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            if f.read() == body:
+                return False
     with open(path, "w", encoding="utf-8") as f:
-        for t in texts:
-            f.write(json.dumps({"text": t}) + "\n")
+        f.write(body)
+    return True
 
 
 def _take(pool: List[str], budget: int, keep=lambda t: True) -> List[str]:

@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import time
 from typing import Dict, List, Sequence
 
@@ -119,11 +122,33 @@ def evaluate_checkpoint(
     }
 
 
-def checkpoint_task(ckpt: str, threads: int, **kwargs) -> Dict[str, float]:
-    """``evaluate_checkpoint`` in a worker process (sets its thread count; prints a line)."""
+def _settings_key(kwargs: Dict) -> str:
+    """A digest of everything the metrics depend on besides the weights."""
+    h = hashlib.sha256()
+    for k in sorted(kwargs):
+        v = kwargs[k]
+        h.update(k.encode())
+        h.update(v.numpy().tobytes() if isinstance(v, torch.Tensor) else repr(v).encode())
+    return h.hexdigest()
+
+
+def checkpoint_task(ckpt: str, threads: int, cache: str, **kwargs) -> Dict[str, float]:
+    """``evaluate_checkpoint`` in a worker process (sets its thread count; prints a line).
+    The result is kept in ``cache`` (json) with a digest of the settings and reused when they
+    match, so re-running the report (or evaluating while training) scores each checkpoint once."""
+    key = _settings_key(kwargs)
+    if os.path.isfile(cache):
+        with open(cache) as f:
+            saved = json.load(f)
+        if saved.get("settings") == key:
+            return saved["metrics"]
     torch.set_num_threads(threads)
     t0 = time.time()
     m = evaluate_checkpoint(ckpt, **kwargs)
     shown = " | ".join(f"{k} {v:.4f}" for k, v in m.items())
     print(f"   {ckpt}: {shown} ({time.time() - t0:.0f} s)", flush=True)
+    os.makedirs(os.path.dirname(cache), exist_ok=True)
+    with open(cache + ".tmp", "w") as f:
+        json.dump({"settings": key, "metrics": m}, f)
+    os.replace(cache + ".tmp", cache)
     return m
