@@ -105,7 +105,9 @@ def _reference():
             out["grads"] = {n: p.grad.clone() for n, p in net.named_parameters()}
         torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
         opt.step()
-        out["pnorms"].append(math.sqrt(sum(float(p.double().pow(2).sum()) for p in net.parameters())))
+        out["pnorms"].append(
+            math.sqrt(sum(float(p.detach().double().pow(2).sum()) for p in net.parameters()))
+        )
         out["params"].append({n: p.detach().clone() for n, p in net.named_parameters()})
         with torch.no_grad():
             out["evals"].append(net(_batch(99)[0]))
