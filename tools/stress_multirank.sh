@@ -3,12 +3,31 @@
 # died after returning its result -- e.g. SIGABRT "terminate called without an active
 # exception" at interpreter exit -- or a run past the per-run time limit).
 #
-#   tools/stress_multirank.sh [N] [PER_RUN_SECONDS] [pytest target...]
+#   tools/stress_multirank.sh [--load K] [--parallel P] [N] [PER_RUN_SECONDS] [pytest target...]
 #   tools/stress_multirank.sh 30 240 "tests/distributed/test_ddp.py::test_ddp_matches_torch_ddp[3]"
+#   tools/stress_multirank.sh --parallel 4 24 900 tests/distributed/test_ddp_experts.py
+#   tools/stress_multirank.sh --load 2 6 900 tests/distributed/test_overlap_races.py
 #
+# Loading the machine shifts the timing of every collective, which is how races between a
+# collective in flight and a read of its buffer show up (issue 21):
+#   --load K      start K busy-loop processes for the duration of the stress run (killed at
+#                 exit, also on Ctrl-C);
+#   --parallel P  run P repetitions at a time (each with its own ports and log), so the
+#                 runs load each other.
 # Exit status 0 only when every run was clean. Logs of unclean runs: $STRESS_LOG_DIR (default
 # /tmp/megadlms-stress).
 set -u
+LOAD=0
+PAR=1
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --load) LOAD=$2; shift 2 ;;
+        --parallel) PAR=$2; shift 2 ;;
+        *) break ;;
+    esac
+done
+case "$LOAD$PAR" in *[!0-9]*) echo "--load and --parallel take a count, e.g. --load 2" >&2; exit 2 ;; esac
+[ "$PAR" -ge 1 ] || { echo "--parallel must be at least 1" >&2; exit 2; }
 N=${1:-30}
 LIMIT=${2:-240}
 shift 2 2>/dev/null || shift $#
@@ -20,20 +39,55 @@ LOGS=${STRESS_LOG_DIR:-/tmp/megadlms-stress}
 mkdir -p "$LOGS"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
-bad=0
-start=$(date +%s)
-for i in $(seq 1 "$N"); do
-    log="$LOGS/run_$i.log"
+
+LOADERS=()
+pids=()
+stop_load() {
+    for pid in "${LOADERS[@]}"; do kill "$pid" 2>/dev/null; done
+    for pid in "${LOADERS[@]}"; do wait "$pid" 2>/dev/null; done
+    LOADERS=()
+}
+stop_runs() {  # interrupted: the repetitions in flight (their timeout, hence pytest) too
+    for pid in "${pids[@]}"; do pkill -TERM -P "$pid" 2>/dev/null; kill "$pid" 2>/dev/null; done
+}
+trap stop_load EXIT
+trap 'stop_runs; stop_load; exit 130' INT TERM
+for _ in $(seq 1 "$LOAD"); do
+    (while :; do :; done) &
+    LOADERS+=($!)
+done
+
+one_run() {  # one repetition; writes its verdict to $LOGS/verdict_$1
+    local i=$1 log="$LOGS/run_$1.log" rc
     timeout -k 10 "$LIMIT" "$PY" -m pytest -q -x -p no:cacheprovider "${TARGETS[@]}" >"$log" 2>&1
     rc=$?
     if [ $rc -ne 0 ] || grep -q "terminate called" "$log"; then
-        bad=$((bad + 1))
         echo "run $i: UNCLEAN (rc $rc) -> $log"
         grep -m3 -E "terminate called|exited uncleanly|Error" "$log" | sed 's/^/    /'
     else
         rm -f "$log"
         echo "run $i: clean"
-    fi
+    fi >"$LOGS/verdict_$i"
+}
+
+bad=0
+start=$(date +%s)
+i=0
+while [ $i -lt "$N" ]; do
+    first=$((i + 1))
+    pids=()
+    while [ ${#pids[@]} -lt "$PAR" ] && [ $i -lt "$N" ]; do
+        i=$((i + 1))
+        one_run $i &
+        pids+=($!)
+    done
+    wait "${pids[@]}"
+    for j in $(seq "$first" "$i"); do
+        cat "$LOGS/verdict_$j"
+        grep -q UNCLEAN "$LOGS/verdict_$j" && bad=$((bad + 1))
+        rm -f "$LOGS/verdict_$j"
+    done
 done
-echo "stress: $((N - bad))/$N clean runs of ${TARGETS[*]} in $(($(date +%s) - start)) s"
+stop_load
+echo "stress: $((N - bad))/$N clean runs of ${TARGETS[*]} (parallel $PAR, load $LOAD) in $(($(date +%s) - start)) s"
 [ $bad -eq 0 ]

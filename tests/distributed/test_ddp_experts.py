@@ -28,6 +28,7 @@ import torch
 
 from tests.dist_utils import run_distributed
 from tests.distributed.expert_toy import E, ExpertToy, H, Reference, T, batch, token_losses
+from tests.distributed.slow_comm import slow_comm
 
 LR, WD, CLIP, STEPS, WORLD = 1e-2, 0.1, 0.5, 3, 4
 
@@ -157,6 +158,13 @@ def _job(rank, world):
             extra = dict(overlap_param_gather=True) if distopt else {}
             cfg = Cfg(use_distributed_optimizer=distopt, calculate_per_token_loss=sum_mode, **small, **extra)
             out["run", distopt, sum_mode] = _train(g, cfg)
+            # the same run when every async collective completes only at its wait
+            with slow_comm() as sc:
+                try:
+                    out["slow", distopt, sum_mode] = _train(g, cfg)
+                except AssertionError as e:  # a skipped step: reported by the test
+                    out["slow", distopt, sum_mode] = {"error": str(e)}
+            out["slow", distopt, sum_mode]["comm"] = (dict(sc.launched), sc.pending())
     out["fusion"] = _train(g, Cfg(use_distributed_optimizer=True, calculate_per_token_loss=True), fusion=True)
     out["nan"] = _nan_on_rank_3(g)
     g2 = ParallelGroups.build(ep=2, num_distributed_optimizer_instances=2)
@@ -197,6 +205,25 @@ def test_ep2_dp4_matches_one_process(runs, distopt, sum_mode):
     results, refs = runs
     for res in results:
         _check(res["run", distopt, sum_mode], refs[sum_mode], sum_mode)
+
+
+@pytest.mark.parametrize("distopt", [False, True])
+@pytest.mark.parametrize("sum_mode", [True, False])
+def test_overlapped_collectives_under_slow_comm(runs, distopt, sum_mode):
+    """Issue 21: each async all-reduce / reduce-scatter / param all-gather lands only at its
+    wait (NaN before), so a step that reads an expert weight before its gather is waited
+    for (or a gradient before its reduction) fails every time, not only on a loaded machine."""
+    results, refs = runs
+    for res in results:
+        run = res["slow", distopt, sum_mode]
+        assert "error" not in run, run["error"]  # a NaN read before its gather: step skipped
+        launched, pending = run["comm"]
+        n = run["n_buckets"]
+        # every bucket reduced (and gathered) each step, dense and expert, all slow
+        want = {"reduce_scatter_tensor": STEPS * n, "all_gather_into_tensor": STEPS * n}
+        assert launched == (want if distopt else {"all_reduce": STEPS * n})
+        assert pending == 0
+        _check(run, refs[sum_mode], sum_mode)
 
 
 def test_grouped_gemm_fusion_into_expert_main_grad(runs):

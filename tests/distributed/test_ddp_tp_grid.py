@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from megadlms.parallel.groups import derived_rank_grid
 from tests.dist_utils import run_distributed
+from tests.distributed.slow_comm import slow_comm
 
 B, S, H, FF = 4, 4, 8, 16
 LR, WD, CLIP, STEPS = 1e-2, 0.1, 0.05, 3
@@ -271,6 +272,13 @@ def _job(rank, world):
         g42, False, Cfg(overlap_param_gather=True, num_distributed_optimizer_instances=2, **overlap)
     )
     out["n2_tp2"] = _train(g22n2, True, Cfg(num_distributed_optimizer_instances=2, **overlap))
+    # Issue 21: every async collective lands only at its wait (NaN before): TP x SP with
+    # overlapped reduce and gather, and instances (their async inter-instance all-reduce).
+    for key, g, sp, n in (("slow_sp", g22, True, 1), ("slow_n2", g42, False, 2)):
+        with slow_comm() as sc:
+            cfg = Cfg(overlap_param_gather=True, num_distributed_optimizer_instances=n, **overlap)
+            out[key] = _train(g, sp, cfg)
+        out[key]["comm"] = (dict(sc.launched), sc.pending())
     out["nan"] = _nan_on_tp_rank_1(g22)
     out["fp16"] = {d: _fp16_overflow_on_tp_rank_1(g22, d) for d in (False, True)}
     out["errors"] = _errors(g22)
@@ -324,6 +332,33 @@ def test_tp2_dp2_matches_one_process(runs, sp, distopt):
             assert abs(got - want) <= 1e-6 * want, (rank, got, want)
         _close(run["params"], ref["params"], 1e-5)
         assert run["sp_params"] == (["fc2.bias", "norm.bias", "norm.weight"] if sp else [])
+
+
+def test_overlap_with_tp_sp_and_instances_under_slow_comm(runs):
+    """Async collectives that complete only at their wait: TP x SP x distributed optimizer
+    matches the reference, instances match one instance; the TP/SP mappings issue no async
+    collective (nothing of theirs can be in flight), the DDP every one it launches waits."""
+    results, ref = runs
+    for res in results:
+        sp, n2 = res["slow_sp"], res["slow_n2"]
+        _close(sp["grads"], ref["grads"], 1e-6)
+        for got, want in zip(sp["norms"], ref["norms"]):
+            assert abs(got - want) <= 1e-6 * want, (got, want)
+        _close(sp["params"], ref["params"], 1e-5)
+        _close(n2["params"], res["n1"]["params"], 1e-6)
+        n_sp, n_n2 = len(sp["layout"][1]), len(n2["layout"][1])
+        assert sp["comm"] == (
+            {"reduce_scatter_tensor": STEPS * n_sp, "all_gather_into_tensor": STEPS * n_sp},
+            0,
+        )
+        assert n2["comm"] == (
+            {
+                "reduce_scatter_tensor": STEPS * n_n2,
+                "all_reduce": STEPS * n_n2,
+                "all_gather_into_tensor": STEPS * n_n2,
+            },
+            0,
+        )
 
 
 def test_tp_peers_have_identical_buffer_layouts(runs):

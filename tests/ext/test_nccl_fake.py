@@ -311,3 +311,38 @@ keep = comm  # still referenced at exit
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "at exit: 1 1 0" in r.stdout, r.stdout + r.stderr[-2000:]
+
+
+def test_slow_collectives_stay_stream_ordered(fake, lib):
+    """Issue 21 audit of the nccl_ext handshake with a slow collective (comm stream held):
+    launches return at once and nothing reports complete early; ``wait()`` does not block
+    the host but orders the compute stream after the collective (device side), so a kernel
+    queued after it cannot read the buffer in flight; a later collective starts only after
+    the compute work queued before it."""
+    comm, cs = make(fake, lib)
+    lib.fake_stream_hold(cs, 1)
+    compute = lib.fake_stream_create()
+    send, recv = (ctypes.c_float * 4)(1, 2, 3, 4), (ctypes.c_float * 4)()
+    first = comm.all_reduce(ctypes.addressof(send), ctypes.addressof(recv), 4, F32, 0, compute)
+    second = comm.all_gather(ctypes.addressof(send), ctypes.addressof(recv), 4, F32, compute)
+    assert (first.is_completed(), second.is_completed()) == (False, False)
+    t0 = time.monotonic()
+    first.wait()
+    assert time.monotonic() - t0 < 1.0  # device-side: the host is not held by the slow stream
+    assert first.is_completed() is False
+    c, s = sid(compute), sid(cs)
+    assert entries(lib)[1:] == [
+        f"record:{c}",
+        f"wait:{s}<-{c}",
+        f"allreduce:{s}",
+        f"record:{s}",
+        f"record:{c}",
+        f"wait:{s}<-{c}",
+        f"allgather:{s}",
+        f"record:{s}",
+        f"wait:{c}<-{s}",
+    ]
+    lib.fake_stream_hold(cs, 0)
+    assert (first.is_completed(), second.is_completed()) == (True, True)
+    second.wait()
+    comm.close()

@@ -8,7 +8,8 @@ every other backward of the chunk under ``chunk.no_sync()``). :class:`ModelChunk
 the trainer and the optimizer see the chunks as one wrapper:
 
 * ``no_sync`` / ``start_grad_sync`` / ``finish_grad_sync`` / ``zero_grad_buffer`` /
-  ``scale_gradients`` / ``broadcast_params`` / ``start_param_sync``: every chunk, in order;
+  ``scale_gradients`` / ``broadcast_params`` / ``start_param_sync`` / ``finish_param_sync``:
+  every chunk, in order;
 * ``named_trainable_parameters`` / ``main_grad`` / ``grad_buckets``: merged (a parameter
   lives in exactly one chunk; the bucket list is the concatenation, so a bucket's
   ``index`` is only unique within its chunk);
@@ -159,6 +160,10 @@ class ModelChunks(torch.nn.Module):
     def start_param_sync(self, *, force_sync: bool = False) -> None:
         for c in self.chunks:
             c.start_param_sync(force_sync=force_sync)
+
+    def finish_param_sync(self) -> None:
+        for c in self.chunks:
+            c.finish_param_sync()
 
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)

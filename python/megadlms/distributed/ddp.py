@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
@@ -69,18 +68,11 @@ from .comm import build_communicator, resolve_group
 from .config import DistributedDataParallelConfig
 from .ddp_groups import data_parallel_group, instance_communicators, reduce_groups
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
+from .param_gather import ParamGather
 from .wrappers import unwrap_model
 
 if TYPE_CHECKING:  # the bottom layer; imported for the annotation only
     from megadlms.parallel import ParallelGroups
-
-
-def _gather_pre_hook(module, args, buckets):
-    """Forward pre-hook: wait for the parameter all-gathers of ``module``'s buckets."""
-    for bucket in buckets:
-        if bucket.gather_handle is not None:
-            bucket.gather_handle.wait()
-            bucket.gather_handle = None
 
 
 class DistributedDataParallel(torch.nn.Module):
@@ -159,8 +151,13 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_launch = {False: 0, True: 0}
         self._attach_grad_views()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in names]
-        if cfg.use_distributed_optimizer and cfg.overlap_param_gather:
-            self._install_param_gather_hooks()
+        overlap_gather = cfg.use_distributed_optimizer and cfg.overlap_param_gather
+        self._gather = ParamGather(module, self.buckets, names, overlap_gather)
+        self._hooks += self._gather.hooks
+        # state_dict() of the wrapper or of the unwrapped module (checkpointing) never sees
+        # half-gathered parameters (param_gather.py: the invariant).
+        for m in {id(module): module, id(unwrap_model(module)): unwrap_model(module)}.values():
+            self._hooks.append(m.register_state_dict_pre_hook(lambda *a, **k: self.finish_param_sync()))
 
     # ------------------------------------------------------------------ DataParallel protocol
     @property
@@ -196,6 +193,7 @@ class DistributedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ grad sync
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         bucket = self._bucket_of[param]
+        self._gather.check_read(param)
         if bucket.launched:
             raise RuntimeError(
                 f"parameter {self.param_names[param]} got a gradient after bucket {bucket.index}'s "
@@ -386,6 +384,7 @@ class DistributedDataParallel(torch.nn.Module):
         for handle in inter:
             handle.wait()
         self._next_launch = {False: 0, True: 0}
+        self._gather.clear_reads()
         self._allreduce_sequence_parallel_grads()
         if self.ddp_config.check_for_nan_in_grad and self.buckets:
             self._agree_on_nan()
@@ -420,6 +419,7 @@ class DistributedDataParallel(torch.nn.Module):
             bucket.ready.clear()
         self._next_launch = {False: 0, True: 0}
         self._nan_flags = []
+        self._gather.clear_reads()
         for buf in self.buffers_:
             buf.grad_data.zero_()
         self._attach_grad_views()
@@ -439,43 +439,15 @@ class DistributedDataParallel(torch.nn.Module):
 
         With ``overlap_param_gather`` (and not ``force_sync``) the gathers are launched
         asynchronously in forward order and each is waited for by the forward pre-hook of
-        the first module that owns one of its parameters.
+        the first module whose forward may read one of its parameters (param_gather.py).
         """
-        if not self.ddp_config.use_distributed_optimizer:
-            return
-        self.finish_param_sync()
-        overlap = self.ddp_config.overlap_param_gather and not force_sync
-        for bucket in reversed(self.buckets):  # forward uses the last bucket first
-            lo, hi = self._shard_range(bucket)
-            shard = bucket.reduce_group.shard_comm
-            h = shard.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
-            bucket.gather_handle = h if overlap else None
+        if self.ddp_config.use_distributed_optimizer:
+            self._gather.start(force_sync=force_sync)
 
     def finish_param_sync(self) -> None:
-        """Wait for every outstanding parameter all-gather."""
-        for bucket in self.buckets:
-            if bucket.gather_handle is not None:
-                bucket.gather_handle.wait()
-                bucket.gather_handle = None
-
-    def _install_param_gather_hooks(self) -> None:
-        for mod in self.module.modules():
-            owned = {
-                self._bucket_of[p].index: self._bucket_of[p]
-                for p in mod.parameters(recurse=False)
-                if p in self._bucket_of
-            }
-            if owned:
-                hook = functools.partial(_gather_pre_hook, buckets=list(owned.values()))
-                self._hooks.append(mod.register_forward_pre_hook(hook))
-        # Parameters read outside their owner's forward are covered by this final wait, and a
-        # state_dict() of the unwrapped module (checkpointing) never sees half-gathered params.
-        self._hooks.append(self.module.register_forward_hook(lambda m, a, o: self.finish_param_sync()))
-        for m in {
-            id(self.module): self.module,
-            id(unwrap_model(self.module)): unwrap_model(self.module),
-        }.values():
-            self._hooks.append(m.register_state_dict_pre_hook(lambda *a, **k: self.finish_param_sync()))
+        """Wait for every outstanding parameter all-gather; call before reading parameters
+        outside a forward (norms, checkpoints)."""
+        self._gather.finish()
 
     # ------------------------------------------------------------------ state
     def state_dict(self, *args, **kwargs):

@@ -357,6 +357,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     def start_param_sync(self, *, force_sync: bool = False) -> None:
         """No-op: FSDP2 all-gathers parameters itself before each unit's forward."""
 
+    def finish_param_sync(self) -> None:
+        """No-op: FSDP2's own all-gathers are waited for before each unit's forward/backward,
+        and between steps the parameters are the (complete) local shards."""
+
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 

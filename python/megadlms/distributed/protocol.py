@@ -90,7 +90,13 @@ class DataParallel(Protocol):
         """``"bucket_shards"`` layout: the gradient buckets (``param_and_grad_buffer.Bucket``)."""
 
     def start_param_sync(self, *, force_sync: bool = False) -> None:
-        """``"bucket_shards"`` layout: all-gather the updated parameter shards."""
+        """``"bucket_shards"`` layout: all-gather the updated parameter shards (async with
+        ``overlap_param_gather``: forward pre-hooks wait for them)."""
+
+    def finish_param_sync(self) -> None:
+        """Wait for every parameter gather in flight. Whoever reads parameters outside a
+        forward (norms, checkpoints, evaluation helpers) calls it first: a gather in flight
+        writes them at an unknown moment (docs/ddp.md, "Overlapped collectives")."""
 
     def state_dict(self, *args, **kwargs): ...
 

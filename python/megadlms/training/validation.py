@@ -65,6 +65,9 @@ def params_norm(model, device: torch.device, groups=None) -> float:
     expert_dp_rank = groups.expert_dp.rank if groups is not None else 0
     tp_rank = groups.tp.rank if groups is not None else dist.get_rank()
     total = torch.zeros((), dtype=torch.float64, device=device)
+    finish = getattr(model, "finish_param_sync", None)
+    if finish is not None:  # an overlapped gather still writes the parameters (issue 21)
+        finish()
     for p in unwrap_model(model).parameters():
         if hasattr(p, "to_local"):
             local, counts = p.to_local(), True
