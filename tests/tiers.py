@@ -25,7 +25,7 @@ import pytest
 SPAWNERS = ("run_distributed",)
 # Public helpers of tests/dist_utils.py that start no ranks (test_suite_tiers checks the two
 # lists cover all of them).
-NOT_SPAWNERS: tuple = ()
+NOT_SPAWNERS: tuple = ("shutdown_pool",)  # stops the pool at session end; starts nothing
 LAUNCHER_TEXT = ("torch.distributed.run", "torchrun", "demo.sh")
 
 # node id -> what it smokes (one multi-rank test per wrapper and per parallel dimension).

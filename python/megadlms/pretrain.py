@@ -19,16 +19,19 @@ import torch
 import torch.distributed as dist
 
 
-def _single_process_env() -> None:
-    """Let ``python pretrain_difflm.py ...`` (no torchrun) run as a world of one."""
+def _single_process_env() -> bool:
+    """Let ``python pretrain_difflm.py ...`` (no torchrun) run as a world of one.
+
+    Returns True when this process is such a world (no torchrun variables were set)."""
     if "RANK" in os.environ:
-        return
+        return False
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
+    return True
 
 
 TIMEOUT_ENV = "MEGADLMS_DISTRIBUTED_TIMEOUT_SECONDS"
@@ -66,13 +69,18 @@ def _bootstrap_store(timeout: datetime.timedelta):
 def init_distributed(parallel) -> None:
     """Initialise the default process group from torchrun's environment
     (``parallel``: the run's ParallelConfig)."""
-    _single_process_env()
+    alone = _single_process_env()
     backend = parallel.distributed_backend
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("--distributed-backend nccl needs CUDA devices; use gloo on CPU")
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = collective_timeout(parallel)
+    # A world of one rendezvous in-process: binding the port picked above could race with
+    # another process taking it in between (EADDRINUSE when several runs start at once).
+    if alone:
+        dist.init_process_group(backend, timeout=timeout, store=dist.HashStore(), rank=0, world_size=1)
+        return
     store = _bootstrap_store(timeout)
     if store is None:
         dist.init_process_group(backend, timeout=timeout)

@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# two trainings and their evaluations end to end: outside `make test-fast`
+pytestmark = pytest.mark.slow
 
 
 def _texts(path):
