@@ -135,3 +135,23 @@ def test_fresh_world_and_unpicklable_jobs():
     assert not set(fresh) & set(pooled)
     with pytest.raises(TypeError, match="must be picklable"):
         run_distributed(lambda rank, world: rank, 2)
+
+
+def _leak_groups(rank, world):
+    """Keep two gloo groups alive past the job (as objects in reference cycles or caches do)."""
+    _LEAKED.extend([dist.new_group(), dist.new_group()])
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_slot_leaking_threads_is_recycled_cleanly(monkeypatch):
+    pool = dist_utils._Pool()  # a private pool: the session's stays warm
+    try:
+        first = pool.run(dist_utils._job_payload(_leak_groups, ()), 2, timeout=60)
+        pids = [p.pid for p in pool.procs]
+        monkeypatch.setattr(dist_utils, "MAX_SLOT_THREADS", min(first) - 1)  # the leak is past it
+        again = pool.run(dist_utils._job_payload(_leak_groups, ()), 2, timeout=60)
+        assert not set(pids) & {p.pid for p in pool.procs}  # stopped and respawned before the job
+        assert again == first  # fresh slots: the leaked threads went with the old ones
+        assert not [c for c in dist_utils._CASUALTIES if c[2].startswith("recycled")]  # clean exits
+    finally:
+        assert pool.close() == []
