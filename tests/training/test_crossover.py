@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import socket
 import subprocess
 import sys
 
@@ -41,13 +42,19 @@ def tiny_run(tmp_path_factory):
             pytest.skip(f"the crossover example needs {mod} (pip install 'megadlms[demo]')")
     out = tmp_path_factory.mktemp("crossover")
     env = dict(os.environ, PY=sys.executable, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        ["bash", os.path.join(ROOT, "examples", "crossover.sh"), "--preset", "tiny", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    # A caller with stale torchrun variables whose MASTER_PORT is taken (as after an in-process
+    # trainer run in this pytest process): each training must still be a world of its own.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(taken.getsockname()[1]))
+        proc = subprocess.run(
+            ["bash", os.path.join(ROOT, "examples", "crossover.sh"), "--preset", "tiny", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     first = (out / "crossover.csv").read_text()
     # the report again, from the checkpoints: the DLM's cached scores dropped, so they are

@@ -145,9 +145,20 @@ def prepare_data(p: Preset, outdir: str, py: str) -> Dict:
     }  # fmt: skip
 
 
+TORCHRUN_ENV = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+    "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID",
+)  # fmt: skip
+
+
 def run_training(runs: Dict[str, List[str]], outdir: str, py: str, jobs: int, threads: int) -> None:
     """Both trainings through ``python -m megadlms.pretrain``, ``jobs`` at a time."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    # Each training is a world of one: torchrun variables inherited from the caller (a shell
+    # inside a launch, or a process that ran a trainer in-process) would make both trainings
+    # rendezvous on the same MASTER_PORT (EADDRINUSE) or join a world that is not theirs.
+    for name in TORCHRUN_ENV:
+        env.pop(name, None)
     pending, live = list(runs.items()), []
     while pending or live:
         while pending and len(live) < jobs:
