@@ -1,18 +1,32 @@
 #!/usr/bin/env bash
 # Loss curves of one checkout for before/after comparisons (refactors must not move them):
-# 50 fixed-seed fp32 iterations on 2 gloo ranks with Megatron's dropout, for DDP, DDP +
-# distributed optimizer + overlap, and FSDP2; one --metrics-jsonl per run in OUTDIR.
-#   tools/loss_curves.sh REPO OUTDIR        then   python tools/compare_metrics.py DIR_A DIR_B
+# 50 fixed-seed iterations on 2 gloo ranks with Megatron's dropout 0.1, for DDP, DDP + distributed
+# optimizer + overlap, FSDP2, tp2+SP, pp2, ep2 (MoE), vanilla (AR) mode and bf16; one
+# --metrics-jsonl per run in OUTDIR.
+#   tools/loss_curves.sh REPO OUTDIR [RUN...]    then   python tools/compare_metrics.py DIR_A DIR_B
+# RUN names a subset (default: all). PORT (default 29610) is the first master port; runs in
+# parallel need disjoint ranges (8 ports each).
 set -euo pipefail
-REPO=$(cd "$1" && pwd); OUT=$2; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd)
+REPO=$(cd "$1" && pwd); OUT=$2; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); shift 2
 PY=${PY:-python}
 export PYTHONPATH=$REPO/python:$REPO OMP_NUM_THREADS=1
 BASE="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2
  --global-batch-size 8 --train-iters 50 --lr 1e-3 --mock-data --log-interval 1 --seed 1234
  --lr-warmup-iters 5 --untie-embeddings-and-output-weights"
-port=29610
-for run in "ddp:" "distopt:--use-distributed-optimizer --overlap-grad-reduce" "fsdp2:--use-torch-fsdp2"; do
+RUNS=(
+  "ddp:"
+  "distopt:--use-distributed-optimizer --overlap-grad-reduce"
+  "fsdp2:--use-torch-fsdp2"
+  "tp2sp:--tensor-model-parallel-size 2 --sequence-parallel"
+  "pp2:--pipeline-model-parallel-size 2"
+  "ep2:--num-experts 4 --expert-model-parallel-size 2"
+  "vanilla:--model-running-mode vanilla"
+  "bf16:--bf16"
+)
+port=${PORT:-29610}
+for run in "${RUNS[@]}"; do
   name=${run%%:*}; extra=${run#*:}
+  if [[ $# -gt 0 && ! " $* " == *" $name "* ]]; then port=$((port + 1)); continue; fi
   rm -f "$OUT/$name.jsonl"
   # shellcheck disable=SC2086
   (cd "$REPO" && timeout 600 "$PY" -m torch.distributed.run --nproc_per_node 2 --master_port $port \
@@ -20,4 +34,4 @@ for run in "ddp:" "distopt:--use-distributed-optimizer --overlap-grad-reduce" "f
      || { echo "$name FAILED (see $OUT/$name.log)"; exit 1; }
   port=$((port + 1))
 done
-echo "wrote $OUT/{ddp,distopt,fsdp2}.jsonl"
+echo "wrote $(ls "$OUT"/*.jsonl | xargs -n1 basename | tr '\n' ' ')"
