@@ -74,7 +74,9 @@ def _full_state(module, opt, groups) -> dict:
     params = dict(module.named_parameters())
     flat = {f"model/{n}": (p, p) for n, p in params.items()}
     for fqn, st in opt.state_dict()["state"].items():
-        flat.update({f"optimizer/{fqn}/{k}": (v, params[fqn]) for k, v in st.items() if torch.is_tensor(v)})
+        flat.update(
+            {f"optimizer/state/{fqn}/{k}": (v, params[fqn]) for k, v in st.items() if torch.is_tensor(v)}
+        )
     out = {}
     for key in sorted(flat):
         t, like = flat[key]
@@ -116,7 +118,7 @@ def _dtensor_state(module, opt, groups) -> tuple:
     for fqn, st in opt_sd["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v):
-                sd[f"optimizer/{fqn}/{k}"] = _view(v, params[fqn], groups) if v.dim() > 0 else v
+                sd[f"optimizer/state/{fqn}/{k}"] = _view(v, params[fqn], groups) if v.dim() > 0 else v
     return sd, opt_sd
 
 
@@ -146,8 +148,30 @@ def _proto_load(path: str, module, wrapper, opt, groups) -> None:
     for fqn, st in opt_sd["state"].items():
         for k, v in st.items():
             if torch.is_tensor(v) and v.dim() == 0:
-                st[k] = sd[f"optimizer/{fqn}/{k}"]
+                st[k] = sd[f"optimizer/state/{fqn}/{k}"]
     opt.load_state_dict(opt_sd)
+
+
+def _old_format_keys(path: str, cfg, groups, saved: dict) -> tuple:
+    """Load a checkpoint of today's format (the baseline's) through DTensor views: (keys read
+    bitwise, two-block keys skipped). Their stored shape is [2F, H], the view's global one
+    [2, F, H], which DCP refuses: those need a reshape on the way (or a format change)."""
+    from torch.distributed.tensor import DTensor
+
+    from megadlms.parallel.sharding import sharding_of
+
+    module, _, opt = _build(cfg, groups, seed=7)
+    params = dict(module.named_parameters())
+    sd, _ = _dtensor_state(module, opt, groups)
+    blocks = {k for k in sd if sharding_of(params[k.split("/")[-2 if "/state/" in k else -1]]).tp_blocks > 1}
+    direct = {k: v for k, v in sd.items() if k not in blocks and v.dim() > 0}
+    dcp.load(direct, checkpoint_id=path)
+    same = [
+        k
+        for k, v in direct.items()
+        if torch.equal(v.full_tensor() if isinstance(v, DTensor) else v, saved[k].view(v.shape))
+    ]
+    return len(same), len(direct), len(blocks)
 
 
 # ------------------------------------------------------------------------- baseline
@@ -232,8 +256,13 @@ def _worker(rank: int, world: int, a) -> None:
     for r in range(a.repeats):
         for kind in PATHS if r % 2 == 0 else reversed(PATHS):  # alternate who goes first
             _round(kind, cfg, layouts, trained, saved, os.path.join(a.dir, kind), res)
+    old = _old_format_keys(os.path.join(a.dir, "baseline", "iter_0000001"), cfg, layouts["tp1dp4"], saved)
     if rank == 0:
         _report(res, saved, a)
+        print(
+            f"today's format read through DTensor views at tp1dp4: {old[0]}/{old[1]} keys bitwise; "
+            f"{old[2]} two-block (SwiGLU fc1) keys need a [2F, H] -> [2, F, H] reshape"
+        )
     dist.barrier()
     dist.destroy_process_group()
 
