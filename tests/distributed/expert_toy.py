@@ -2,7 +2,7 @@
 checkpoint tests (tests/distributed/test_ddp_experts.py, tests/training/test_checkpoint_ep.py).
 
 ``ExpertToy``: dense ``fc_in`` -> gelu -> experts (ONE 3-D parameter ``experts.weight``
-[E_local, H, H] with ``allreduce = False``, ``expert_parallel = True``, ``partition_dim = 0``;
+[E_local, H, H] declared ``expert_dim = 0``;
 EP rank e holds experts [e*E/ep, (e+1)*E/ep)) added residually -> dense ``fc_out``. Tokens
 are routed by a fixed table over GLOBAL token ids (``route(step)``); the EP dispatch is an
 all-gather of the EP group's tokens (an autograd all-reduce of a zero-padded buffer, which
@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from megadlms.parallel.sharding import set_sharding
 
 H, E, T = 8, 4, 6  # hidden, experts, tokens per rank
 
@@ -62,9 +64,7 @@ class Experts(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight)
-        self.weight.allreduce = False
-        self.weight.expert_parallel = True
-        self.weight.partition_dim = 0
+        set_sharding(self.weight, expert_dim=0)
 
 
 class ExpertToy(nn.Module):

@@ -26,6 +26,7 @@ import math
 import pytest
 import torch
 
+from megadlms.parallel.sharding import sharding_of
 from tests.dist_utils import run_distributed
 from tests.distributed.expert_toy import E, ExpertToy, H, Reference, T, batch, token_losses
 from tests.distributed.slow_comm import slow_comm
@@ -73,7 +74,7 @@ def _full_grads(ddp, parallel):
         for p, off in zip(b.params, b.offsets):
             flat[p] = data[off : off + p.numel()].view(p.shape)
     return {
-        n: _expert_full(flat[p], parallel) if getattr(p, "expert_parallel", False) else flat[p].clone()
+        n: _expert_full(flat[p], parallel) if sharding_of(p).expert_dim is not None else flat[p].clone()
         for p, n in ddp.param_names.items()
     }
 
@@ -114,7 +115,7 @@ def _train(parallel, ddp_cfg, fusion=False):
         out["norms"].append(norm)
     ddp.finish_param_sync()
     out["params"] = {
-        n: _expert_full(p.detach(), parallel) if getattr(p, "expert_parallel", False) else p.detach().clone()
+        n: _expert_full(p.detach(), parallel) if sharding_of(p).expert_dim is not None else p.detach().clone()
         for p, n in ddp.param_names.items()
     }
     out["state_bytes"] = opt.state_bytes()

@@ -2,8 +2,8 @@
 instances, on 4 gloo ranks (one job computing every comparison).
 
 Toy model: ColumnParallelLinear -> gelu -> RowParallelLinear (replicated bias) -> LayerNorm
-(replicated), with and without sequence parallelism (then the row bias and the norm are marked
-``sequence_parallel``: each TP rank's gradient covers its sequence chunk only).
+(replicated), with and without sequence parallelism (then the row bias and the norm declare
+``tp_partial_grad``: each TP rank's gradient covers its sequence chunk only).
 
 Reference (independent): the same function written with torch ``nn.Linear`` / ``nn.LayerNorm``
 on one process, ``torch.optim.AdamW`` with Megatron's weight-decay groups and
@@ -30,6 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megadlms.parallel.groups import derived_rank_grid
+from megadlms.parallel.sharding import set_sharding
 from tests.dist_utils import run_distributed
 from tests.distributed.slow_comm import slow_comm
 
@@ -55,7 +56,8 @@ class _Toy(nn.Module):
             self.norm.weight.copy_(1 + 0.1 * torch.randn(H, generator=g))
             self.norm.bias.copy_(0.1 * torch.randn(H, generator=g))
         if sp:
-            self.norm.weight.sequence_parallel = self.norm.bias.sequence_parallel = True
+            set_sharding(self.norm.weight, tp_partial_grad=True)
+            set_sharding(self.norm.bias, tp_partial_grad=True)
 
     def forward(self, x):
         from megadlms.parallel import mappings

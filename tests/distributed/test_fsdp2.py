@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megadlms.parallel.sharding import ParamSharding, set_sharding, sharding_of
 from tests.dist_utils import run_distributed
 
 VOCAB, HIDDEN, LAYERS, SEQ, MICRO = 37, 20, 2, 6, 2
@@ -160,7 +161,7 @@ def fsdp_world(rank, world):
     # --- structure, attributes, names -----------------------------------------------
     base = make_model()
     base.decoder.layers[0].fc1.weight.shared = True
-    base.output_layer.weight.allreduce = False
+    set_sharding(base.output_layer.weight, expert_dim=0)
     model = TorchFullyShardedDataParallel(base)
     out["type"] = type(model).__name__
     out["unwrap_is_base"] = unwrap_model(model) is base
@@ -171,7 +172,7 @@ def fsdp_world(rank, world):
     out["root_is_fsdp"] = isinstance(base, FSDPModule)
     out["all_dtensor"] = all(isinstance(p, DTensor) for p in model.parameters())
     out["attr_shared"] = getattr(base.decoder.layers[0].fc1.weight, "shared", None)
-    out["attr_allreduce"] = getattr(base.output_layer.weight, "allreduce", None)
+    out["attr_sharding"] = sharding_of(base.output_layer.weight)
     out["avg_corrected"] = model.avg_corrected
 
     # --- gradients are averaged (value check against the full-batch gradient) -------
@@ -339,7 +340,7 @@ def test_fsdp2_against_references(world):
     assert r["unwrap_is_base"] and TorchFullyShardedDataParallel in r["classnames"]
     assert r["units"] == ["decoder.layers.0", "decoder.layers.1", "embedding", "output_layer"]
     assert not r["rotary_is_unit"] and r["root_is_fsdp"] and r["all_dtensor"]
-    assert r["attr_shared"] is True and r["attr_allreduce"] is False
+    assert r["attr_shared"] is True and r["attr_sharding"] == ParamSharding(expert_dim=0)
     # torch 2.13 gloo averages under ReduceOp.AVG: no correction needed, and the value is right
     assert r["avg_corrected"] is False
     assert r["grad_err"] < 1e-6

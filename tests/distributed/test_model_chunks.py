@@ -12,7 +12,7 @@ process, ``torch.optim.AdamW`` with Megatron's weight-decay groups and
   collectives;
 * pp=2 x dp=2 on 4 ranks (each stage one chunk, separable losses so no activations need to
   travel): the grad norm sums both stages (the model-parallel group spans tp x pp) and a
-  parameter marked ``shared_embedding`` counts zero times; clipping uses that norm.
+  parameter declared ``tied_copy`` counts zero times; clipping uses that norm.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from megadlms.parallel.sharding import set_sharding
 from tests.dist_utils import run_distributed
 
 H, LAYERS, B = 6, 4, 4
@@ -136,7 +137,7 @@ def _two_stages_dp2(rank, world):
         part = _Chunk([0, 1] if stage == 0 else [2, 3])
         if stage == 1:  # a tied-embedding copy: trained, never in the norm
             part.copy = nn.Linear(H, H, bias=False)
-            part.copy.weight.shared_embedding = True
+            set_sharding(part.copy.weight, tied_copy=True)
         model = _wrap([part], groups, distributed)
         opt = _optimizer(model, distributed)
         norms = []

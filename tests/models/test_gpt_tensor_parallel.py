@@ -26,6 +26,7 @@ from megadlms.parallel import (
     gather_full,
     model_parallel_manual_seed,
     shard_spec,
+    sharding_of,
 )
 from tests.dist_utils import run_distributed
 
@@ -94,7 +95,7 @@ def _compare_case(rank, group, name, sp):
         "names_equal": list(params) == list(ref_params)
         and list(model.state_dict()) == list(ref.state_dict()),
         "init_bitwise": all(torch.equal(_full(p, p, group), ref_params[n]) for n, p in params.items()),
-        "partial_grad_params": sorted(n for n, p in params.items() if getattr(p, "sequence_parallel", False)),
+        "partial_grad_params": sorted(n for n, p in params.items() if sharding_of(p).tp_partial_grad),
     }
     batch = _batch()
     logits = gather_full(model(batch["tokens"]).detach(), group, -1)
@@ -180,7 +181,7 @@ def _meta_case(rank, group):
     params = dict(model.named_parameters())
     return {
         "init_bitwise": all(torch.equal(_full(p, p, group), ref[n]) for n, p in params.items()),
-        "partial_grad_params": sorted(n for n, p in params.items() if getattr(p, "sequence_parallel", False)),
+        "partial_grad_params": sorted(n for n, p in params.items() if sharding_of(p).tp_partial_grad),
     }
 
 
@@ -336,7 +337,7 @@ def test_divisibility_errors(kw, field):
 def test_single_process_model_has_no_partial_grads_and_plain_cross_entropy():
     torch.manual_seed(SEED)
     model = GPTModel(_config("gqa_swiglu_rope"))
-    assert not any(getattr(p, "sequence_parallel", False) for p in model.parameters())
+    assert not any(sharding_of(p).tp_partial_grad for p in model.parameters())
     logits = model(_batch()["tokens"])
     target = _batch()["labels"]
     expect = F.cross_entropy(logits.flatten(0, 1).float(), target.flatten(), reduction="none").view(B, S)

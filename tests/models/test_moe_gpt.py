@@ -15,7 +15,7 @@ from megadlms.models import GPTModel, TransformerConfig
 from megadlms.models.config import expert_parallel_problems
 from megadlms.models.moe import moe_layer_stats, set_moe_aux_loss_scale
 from megadlms.parallel import ParallelGroups, TensorParallelContext
-from megadlms.parallel.sharding import gather_full
+from megadlms.parallel.sharding import gather_full, sharding_of
 from tests.dist_utils import run_distributed
 
 WORLD, EP, MICRO = 4, 2, 2  # micro-batches per rank
@@ -97,7 +97,7 @@ def _rank(rank, world, fields_by_name):
         grads, params = {}, {}
         for n, p in model.named_parameters():
             g = p.grad.clone()
-            if getattr(p, "expert_parallel", False):
+            if sharding_of(p).expert_dim is not None:
                 dist.all_reduce(g, group=groups.expert_dp.group)
                 g = gather_full(g, groups.ep.group, partition_dim=0)
                 params[n] = gather_full(p.detach(), groups.ep.group, partition_dim=0)

@@ -13,6 +13,7 @@ from torch import nn
 from megadlms.models import TransformerConfig
 from megadlms.models.moe import MoELayer, build_dispatcher
 from megadlms.models.transformer import MLP
+from megadlms.parallel.sharding import sharding_of
 from tests.dist_utils import run_distributed
 
 H, E, T = 8, 8, 12
@@ -105,14 +106,14 @@ def _check_case(rank, world, group, fields, shared):
     lo = rank * El
     full = dict(ref_layer.named_parameters())
     for name, p in layer.named_parameters():  # layout-independent init
-        want = full[name][lo : lo + El] if getattr(p, "expert_parallel", False) else full[name]
+        want = full[name][lo : lo + El] if sharding_of(p).expert_dim is not None else full[name]
         assert torch.equal(p.detach(), want.detach()), name
     out, xgrad, grads = _run(layer, *_inputs(rank))
     _close(out, ref_outs[rank], "output")
     _close(xgrad, ref_xgrads[rank], "input grad")
     for name, p in layer.named_parameters():
         g = grads[name]
-        if getattr(p, "expert_parallel", False):
+        if sharding_of(p).expert_dim is not None:
             want = ref_grads[name][lo : lo + El]  # the experts saw every rank's tokens
         else:
             dist.all_reduce(g, group=group)  # replicated: summed over the ranks (DDP's job)

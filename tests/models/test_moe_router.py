@@ -20,6 +20,7 @@ from megadlms.models.moe.router import (
     topk_routing,
     z_loss,
 )
+from megadlms.parallel.sharding import ParamSharding, sharding_of
 
 
 def _logits(T=12, E=6, seed=0):
@@ -211,7 +212,7 @@ def test_moe_layer_freq_builds_dense_and_moe_layers_and_roundtrips():
     assert "decoder.layers.0.mlp.linear_fc1.weight" in names
     assert names["decoder.layers.1.mlp.experts.linear_fc1.weight"].shape == (4, 4 * 16, 16)
     w = names["decoder.layers.1.mlp.experts.linear_fc2.weight"]
-    assert w.allreduce is False and w.expert_parallel and w.partition_dim == 0
+    assert sharding_of(w) == ParamSharding(expert_dim=0)
     assert TransformerConfig.from_dict(c.to_dict()) == c
 
 

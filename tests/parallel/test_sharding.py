@@ -7,7 +7,17 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megadlms.parallel.sharding import gather_full, local_from_full, mark_sharded, shard_full, shard_spec
+from megadlms.parallel.sharding import (
+    REPLICATED,
+    ParamSharding,
+    counts_once,
+    gather_full,
+    local_from_full,
+    set_sharding,
+    shard_full,
+    shard_spec,
+    sharding_of,
+)
 from tests.dist_utils import run_distributed
 
 
@@ -24,10 +34,45 @@ def test_indivisible_size_names_the_shape():
 
 
 def test_spec_and_local_from_full_single_process():
-    p = mark_sharded(torch.nn.Parameter(torch.zeros(4, 2)), 1, 2)
+    p = set_sharding(torch.nn.Parameter(torch.zeros(4, 2)), tp_dim=1, tp_blocks=2)
     assert shard_spec(p) == (1, 2) and shard_spec(torch.zeros(1)) is None
     full = torch.randn(4, 2)
     assert torch.equal(local_from_full(full, p, None), full)
+
+
+def test_set_sharding_merges_into_one_frozen_description():
+    p = torch.nn.Parameter(torch.zeros(4, 2))
+    assert sharding_of(p) is REPLICATED and not vars(p)  # undeclared: nothing attached
+    set_sharding(p, tp_dim=0)
+    set_sharding(p, tied_copy=True)  # the second call keeps tp_dim
+    assert sharding_of(p) == ParamSharding(tp_dim=0, tied_copy=True)
+    assert list(vars(p)) == ["megadlms_sharding"]  # one attribute, not one per field
+    with pytest.raises(AttributeError):
+        sharding_of(p).tp_dim = 1  # frozen: only set_sharding changes it
+    with pytest.raises(ValueError, match="not both"):
+        set_sharding(p, expert_dim=0)
+    with pytest.raises(ValueError, match="tp_blocks"):
+        ParamSharding(tp_blocks=2)
+
+
+def test_counts_once_is_one_owner_per_element():
+    # grid (tp x dp replicas) of ranks: each element of the full tensor counts exactly once.
+    tp, dp = 2, 3
+    cases = {
+        "sharded": (set_sharding(torch.nn.Parameter(torch.zeros(2)), tp_dim=0), tp),
+        "replicated": (torch.nn.Parameter(torch.zeros(2)), 1),
+        "partial": (set_sharding(torch.nn.Parameter(torch.zeros(2)), tp_partial_grad=True), 1),
+        "tied": (set_sharding(torch.nn.Parameter(torch.zeros(2)), tp_dim=0, tied_copy=True), 0),
+    }
+    for name, (p, holders) in cases.items():
+        over_dp = sum(
+            counts_once(p, tp_rank=t, dp_rank=d, expert_dp_rank=0) for t in range(tp) for d in range(dp)
+        )
+        inside_mp = sum(counts_once(p, tp_rank=t) for t in range(tp))  # dp replicas not summed
+        assert over_dp == holders and inside_mp == holders, name
+    expert = set_sharding(torch.nn.Parameter(torch.zeros(2)), expert_dim=0)
+    # experts: replicated over expert_dp, whatever the dp rank says
+    assert [counts_once(expert, tp_rank=0, dp_rank=1, expert_dp_rank=e) for e in range(2)] == [True, False]
 
 
 def _roundtrip(rank, world):

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megadlms.models import GPTModel, PipelineChunk, TransformerConfig
+from megadlms.parallel.sharding import ParamSharding, sharding_of
 from megadlms.pipeline import model_chunks, stage_layers
 
 V, S = 37, 10
@@ -59,7 +60,7 @@ def test_chunk_params_are_the_whole_models(name, pp, vp, kw):
     union = {}
     for chunk in _chunks(cfg, pp, vp, **kw):
         for n, p in chunk.named_parameters():
-            if getattr(p, "shared_embedding", False):
+            if sharding_of(p).tied_copy:
                 assert n == "output_layer.weight" and chunk.pipeline.post_process
                 assert torch.equal(p, whole["embedding.word_embeddings.weight"])
                 continue
@@ -79,7 +80,7 @@ def test_state_dict_keys_use_global_layer_numbers():
     assert keys == [["0"], ["2"], ["1"], ["3"]]
     assert chunks[0].embedding is not None and chunks[0].output_layer is None
     assert chunks[1].embedding is None and chunks[1].decoder.final_layernorm is None
-    assert chunks[3].output_layer.weight.shared_embedding is True
+    assert sharding_of(chunks[3].output_layer.weight) == ParamSharding(tp_dim=0, tied_copy=True)
     assert chunks[3].decoder.layers[0] is chunks[3].decoder.layers.by_global(3)
     assert chunks[3].decoder.layers.global_indices == [3]
 

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from megadlms.parallel.sharding import sharding_of
 from tests.dist_utils import run_distributed
 from tests.distributed.expert_toy import E, ExpertToy, H, T, batch, token_losses
 
@@ -64,7 +65,7 @@ def _step(wrapper, opt, step: int, groups) -> None:
 def _full(t, p, groups):
     import torch.distributed as dist
 
-    if groups is None or groups.ep.size == 1 or not getattr(p, "expert_parallel", False):
+    if groups is None or groups.ep.size == 1 or sharding_of(p).expert_dim is None:
         return t.detach().clone()
     parts = [torch.empty_like(t) for _ in range(groups.ep.size)]
     dist.all_gather(parts, t.detach().contiguous(), group=groups.ep.group)

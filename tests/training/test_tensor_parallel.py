@@ -18,6 +18,7 @@ import os
 
 import pytest
 
+from megadlms.parallel.sharding import sharding_of
 from tests.dist_utils import run_distributed
 
 TINY = (
@@ -62,7 +63,7 @@ def _replicated_after(argv):
     params = {
         n: p.detach().clone()
         for n, p in unwrap_model(seen["model"]).named_parameters()
-        if not getattr(p, "tensor_model_parallel", False)
+        if sharding_of(p).tp_dim is None
     }
     return res, params
 

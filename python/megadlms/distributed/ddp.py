@@ -62,7 +62,7 @@ import torch
 import torch.distributed as dist
 
 import megadlm_ext as ext
-from megadlms.parallel.sharding import is_expert_param
+from megadlms.parallel.sharding import is_expert_param, sharding_of
 
 from .comm import build_communicator, resolve_group
 from .config import DistributedDataParallelConfig
@@ -284,7 +284,7 @@ class DistributedDataParallel(torch.nn.Module):
         """The grid's extra communicators: the TP group for ``sequence_parallel`` grads (only
         when some exist) and the world for the NaN agreement."""
         tp_size = parallel.tp.size if parallel is not None else 1
-        self._sp_params = [p for p in self.param_names if getattr(p, "sequence_parallel", False)]
+        self._sp_params = [p for p in self.param_names if sharding_of(p).tp_partial_grad]
         self._tp_comm = None
         if tp_size > 1 and self._sp_params:
             self._tp_comm = build_communicator("torch", parallel.tp.group)

@@ -16,7 +16,7 @@ Pipeline parallelism (``pipeline``, docs/parallel.md): a :class:`PipelineChunk` 
 chunk — the embedding only with ``pre_process``, ``decoder.final_layernorm`` and
 ``output_layer`` only with ``post_process``, and the layers of its GLOBAL range, named by their
 global index. With tied embeddings a ``post_process`` chunk without ``pre_process`` owns
-``output_layer.weight``, a copy of the word embedding marked ``shared_embedding = True``
+``output_layer.weight``, a copy of the word embedding declared ``tied_copy`` (parallel/sharding.py)
 (its gradient is summed with the embedding's over the embedding group:
 ``megadlms.pipeline.allreduce_embedding_grads``).
 """
@@ -38,7 +38,7 @@ from megadlms.parallel import (
     vocab_parallel_cross_entropy,
 )
 from megadlms.parallel.linear_impl import linear as fused_linear
-from megadlms.parallel.sharding import mark_sharded
+from megadlms.parallel.sharding import REPLICATED, set_sharding, sharding_of
 
 from .chunk import WHOLE_MODEL, PipelineChunk
 from .config import TransformerConfig, check_tensor_parallel, expert_parallel_problems
@@ -51,18 +51,6 @@ from .transformer import (
     dropout_rng,
     init_normal_,
     init_transformer_weights,
-)
-
-# Parameter attributes of tensor parallelism (megadlms.parallel.sharding, layers).
-_TP_ATTRS = (
-    "tensor_model_parallel",
-    "partition_dim",
-    "partition_blocks",
-    "sequence_parallel",
-    "zero_out_wgrad",
-    "allreduce",  # expert parameters (moe.experts): reduced over the expert-data-parallel group
-    "expert_parallel",
-    "shared_embedding",
 )
 
 
@@ -128,7 +116,7 @@ class OutputLayer(nn.Module):
             self.register_parameter("weight", None)
         else:
             local = torch.empty(config.vocab_size // tp.size, config.hidden_size, dtype=config.params_dtype)
-            self.weight = mark_sharded(nn.Parameter(local), partition_dim=0)
+            self.weight = set_sharding(nn.Parameter(local), tp_dim=0)
 
     def forward(self, x_BSH: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
         w = self.weight if self.weight is not None else weight
@@ -214,7 +202,7 @@ class GPTModel(nn.Module):
             tied_here = self.share_embeddings_and_output_weights and pre
             self.output_layer = OutputLayer(config, tied=tied_here, tp=tp)
             if self.has_shared_embedding_copy:
-                self.output_layer.weight.shared_embedding = True
+                set_sharding(self.output_layer.weight, tied_copy=True)
         else:
             self.output_layer = None
         if self.share_embeddings_and_output_weights and pre and post and tp.gradient_accumulation_fusion:
@@ -258,15 +246,17 @@ class GPTModel(nn.Module):
 
     def _apply(self, fn, recurse=True):
         # ``to_empty`` (meta -> device) and some conversions replace the Parameter objects,
-        # which would drop the tensor-parallel attributes the layers set (the shard rule that
-        # reset_parameters and checkpoints read, the partial-grad marks DDP reads): carry them.
-        marks = {
-            n: {a: getattr(p, a) for a in _TP_ATTRS if hasattr(p, a)} for n, p in self.named_parameters()
-        }
+        # which would drop what the layers declared: the sharding description (read by
+        # reset_parameters, checkpoints, norms, DDP) and Megatron's ``zero_out_wgrad`` mark
+        # (read by the fused weight-gradient path): carry both over by name.
+        marks = {n: (sharding_of(p), getattr(p, "zero_out_wgrad", None)) for n, p in self.named_parameters()}
         out = super()._apply(fn, recurse)
         for name, param in self.named_parameters():
-            for attr, value in marks.get(name, {}).items():
-                setattr(param, attr, value)
+            sharding, zero_out_wgrad = marks.get(name, (REPLICATED, None))
+            if sharding is not REPLICATED:
+                set_sharding(param, **dataclasses.asdict(sharding))
+            if zero_out_wgrad is not None:
+                param.zero_out_wgrad = zero_out_wgrad
         return out
 
     def token_cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

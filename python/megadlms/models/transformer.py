@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadlms.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelContext
-from megadlms.parallel.sharding import full_shape, local_from_full, shard_spec
+from megadlms.parallel.sharding import full_shape, local_from_full, set_sharding, shard_spec
 
 from .config import ATTENTION_KINDS, TransformerConfig
 from .moe import MoELayer
@@ -68,14 +68,14 @@ def build_norm(config: TransformerConfig, size: int, grad_is_partial: bool = Fal
     """LayerNorm or RMSNorm over the last dim, created in ``config.params_dtype``.
 
     ``grad_is_partial``: each TP rank sees only part of the norm's input (its sequence chunk,
-    or its heads), so its parameters are marked ``sequence_parallel`` (all-reduce over TP)."""
+    or its heads), so its parameters are declared ``tp_partial_grad`` (all-reduce over TP)."""
     if config.normalization == "RMSNorm":
         norm = nn.RMSNorm(size, eps=config.norm_epsilon, dtype=config.params_dtype)
     else:
         norm = nn.LayerNorm(size, eps=config.norm_epsilon, dtype=config.params_dtype)
     if grad_is_partial:
         for param in norm.parameters():
-            param.sequence_parallel = True
+            set_sharding(param, tp_partial_grad=True)
     return norm
 
 

@@ -6,13 +6,13 @@ parallelism) tells the optimizer two things:
 * which local gradients count in the global norm: every tensor-parallel shard once (it is a
   different piece of the full tensor on each TP rank) and every TP-replicated parameter once
   (on TP rank 0 only) — Megatron's ``param_is_not_tensor_parallel_duplicate`` — and the
-  last pipeline stage's copy of a tied embedding (``shared_embedding``) never. The local
+  last pipeline stage's copy of a tied embedding (``tied_copy``) never. The local
   squared norms are then summed over the model-parallel group (``parallel.mp``: the tp x pp
   ranks of this rank's dp coordinate), after the data-parallel shard sum of the layout;
 * which ranks must agree on a skip: all of them (one all-reduce over the world), since TP
   peers hold different shards and may see an overflow the others do not.
 
-With expert parallelism (``parallel.ep.size`` > 1) expert parameters (``allreduce = False``)
+With expert parallelism (``parallel.ep.size`` > 1) expert parameters (``expert_dim`` set)
 differ across the EP group and are replicated (or sharded) only over ``expert_dp``, while dense
 ones are replicated (or sharded) over ``dp``: the norm is then ONE sum over the world in which
 each element counts once -- a replicated dense gradient on dp rank 0 only, a replicated
@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megadlms.parallel.sharding import is_expert_param
+from megadlms.parallel.sharding import counts_once
 
 
 class GridReductions:
@@ -50,14 +50,17 @@ class GridReductions:
         """True for a TP shard, and for a replicated parameter on TP rank 0 only. With expert
         parallelism and a ``replicated`` (not sharded) gradient, also only on the first rank of
         the group it is replicated over (dp for dense, expert_dp for expert parameters). Never
-        the last pipeline stage's copy of a tied embedding (``shared_embedding``: its gradient
-        equals the first stage's, which counts)."""
-        if getattr(param, "shared_embedding", False):
-            return False
-        counted = bool(getattr(param, "tensor_model_parallel", False)) or self.tp_rank == 0
-        if self.expert_parallel and replicated:
-            counted = counted and (self.expert_dp_rank if is_expert_param(param) else self.dp_rank) == 0
-        return counted
+        the last pipeline stage's copy of a tied embedding (``tied_copy``: its gradient equals
+        the first stage's, which counts). The rule is ``sharding.counts_once``'s."""
+        # Only the world-wide sum of expert parallelism runs over data-parallel replicas; the
+        # norm_sum of the others stays inside the model-parallel group.
+        over_replicas = self.expert_parallel and replicated
+        return counts_once(
+            param,
+            tp_rank=self.tp_rank,
+            dp_rank=self.dp_rank if over_replicas else None,
+            expert_dp_rank=self.expert_dp_rank if over_replicas else None,
+        )
 
     def norm_sum(self, data_parallel_sum=None):
         """The all-reduce of a squared norm: over the world with expert parallelism (see the

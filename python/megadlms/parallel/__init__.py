@@ -20,10 +20,22 @@ from megadlms.parallel.layers import (
     normal_init,
 )
 from megadlms.parallel.random import MODEL_PARALLEL_RNG, RNGStatesTracker, model_parallel_manual_seed
-from megadlms.parallel.sharding import gather_full, local_from_full, mark_sharded, shard_full, shard_spec
+from megadlms.parallel.sharding import (
+    REPLICATED,
+    ParamSharding,
+    counts_once,
+    gather_full,
+    local_from_full,
+    set_sharding,
+    shard_full,
+    shard_spec,
+    sharding_of,
+)
 
 __all__ = [
     "MODEL_PARALLEL_RNG",
+    "REPLICATED",
+    "ParamSharding",
     "Axis",
     "ColumnParallelLinear",
     "ParallelGroups",
@@ -34,14 +46,16 @@ __all__ = [
     "allreduce_sequence_parallel_grads",
     "check_instances",
     "check_sizes",
+    "counts_once",
     "derived_rank_grid",
     "gather_full",
     "local_from_full",
-    "mark_sharded",
     "model_parallel_manual_seed",
     "normal_init",
     "shard_full",
     "shard_spec",
     "rank_grid",
+    "set_sharding",
+    "sharding_of",
     "vocab_parallel_cross_entropy",
 ]

@@ -12,10 +12,10 @@ the given ``torch.Generator`` (every rank draws the same numbers) and keeps its 
 concatenated shards equal the unsharded layer's init at any tp. The full tensor exists for
 a moment on every rank during ``__init__``.
 
-Sharded parameters carry ``tensor_model_parallel = True`` and ``partition_dim``; replicated
-parameters whose gradient is only partial under sequence parallelism (the row-parallel bias)
-carry ``sequence_parallel = True`` — :func:`allreduce_sequence_parallel_grads` sums those over
-the TP group after backward. Activations are ``[B, S, H]``; ``seq_dim`` (default 1) is the
+Every parameter built here declares its sharding (``sharding.set_sharding``): ``tp_dim`` for
+the shards; ``tp_partial_grad`` for a replicated parameter whose gradient is only partial
+under sequence parallelism (the row-parallel bias) — :func:`allreduce_sequence_parallel_grads`
+sums those over the TP group after backward. Activations are ``[B, S, H]``; ``seq_dim`` (default 1) is the
 dim that sequence parallelism splits.
 """
 
@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from megadlms.parallel import linear_impl, mappings
 from megadlms.parallel.mappings import Group, group_rank, group_size
-from megadlms.parallel.sharding import mark_sharded, shard_full
+from megadlms.parallel.sharding import set_sharding, shard_full, sharding_of
 
 InitMethod = Callable[[torch.Tensor, Optional[torch.Generator]], None]
 
@@ -72,16 +72,16 @@ def _sharded_parameter(
     full = torch.empty(full_shape, dtype=dtype, device=device)
     init_method(full, generator)
     shard = shard_full(full, group_rank(group), group_size(group), partition_dim, partition_blocks)
-    return mark_sharded(nn.Parameter(shard), partition_dim, partition_blocks)
+    return set_sharding(nn.Parameter(shard), tp_dim=partition_dim, tp_blocks=partition_blocks)
 
 
 def allreduce_sequence_parallel_grads(module: nn.Module, tp_group: Group) -> None:
-    """Sum over the TP group the grads of replicated parameters marked ``sequence_parallel``
+    """Sum over the TP group the grads of replicated parameters declared ``tp_partial_grad``
     (each rank saw only its sequence chunk). Call after backward, before the optimizer."""
     if group_size(tp_group) == 1:
         return
     for param in module.parameters():
-        if getattr(param, "sequence_parallel", False) and param.grad is not None:
+        if sharding_of(param).tp_partial_grad and param.grad is not None:
             torch.distributed.all_reduce(param.grad, group=tp_group)
 
 
@@ -135,7 +135,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = None
         if bias:
             bias_ = torch.zeros(self.output_size_per_partition, dtype=dtype, device=device)
-            self.bias = mark_sharded(nn.Parameter(bias_), 0, partition_blocks)
+            self.bias = set_sharding(nn.Parameter(bias_), tp_dim=0, tp_blocks=partition_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -195,7 +195,7 @@ class RowParallelLinear(nn.Module):
         if bias:
             # Replicated; under sequence parallelism each rank's grad covers only its chunk.
             self.bias = nn.Parameter(torch.zeros(output_size, dtype=dtype, device=device))
-            self.bias.sequence_parallel = sequence_parallel
+            set_sharding(self.bias, tp_partial_grad=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -1,20 +1,30 @@
-"""How a tensor-parallel parameter's LOCAL shard relates to its FULL logical tensor.
+"""How a parameter's LOCAL tensor relates to the model's FULL logical tensor: one declared
+description (:class:`ParamSharding`) per parameter, set with :func:`set_sharding` where the
+parameter is built and read with :func:`sharding_of` by everyone else (checkpoints, the
+optimizer's grad norm, the params norm, DDP's sequence-parallel grads, parameter counting).
 
-A sharded parameter carries ``tensor_model_parallel = True``, ``partition_dim`` (the dim
-that is split) and ``partition_blocks`` (default 1). The full tensor is cut along
-``partition_dim`` into ``partition_blocks`` equal blocks and every block into ``tp`` equal
-chunks; rank ``r`` holds chunk ``r`` of every block, concatenated in block order. One block
-is Megatron's plain split (linear_qkv in the grouped layout, linear_proj, the embedding);
-two blocks is SwiGLU's fused ``linear_fc1 = [gate | up]``, whose shard must pair rank r's
-gate rows with rank r's up rows (Megatron's ``partition_stride``).
+Tensor parallelism: the full tensor is cut along ``tp_dim`` into ``tp_blocks`` equal blocks
+and every block into ``tp`` equal chunks; rank ``r`` holds chunk ``r`` of every block,
+concatenated in block order. One block is Megatron's plain split (linear_qkv in the grouped
+layout, linear_proj, the embedding); two blocks is SwiGLU's fused ``linear_fc1 = [gate | up]``,
+whose shard must pair rank r's gate rows with rank r's up rows (Megatron's
+``partition_stride``). :func:`shard_full` and :func:`gather_full` are the one definition of
+that rule: the models use :func:`shard_full` for layout-independent initialisation,
+checkpoints use :func:`gather_full` to store full logical shapes and :func:`shard_full` to
+load them at any tp.
 
-These two functions are the one definition of that rule: the models use :func:`shard_full`
-for layout-independent initialisation, checkpoints use :func:`gather_full` to store full
-logical shapes and :func:`shard_full` to load them at any tp.
+Expert parallelism: EP rank e holds experts [e*E/ep, (e+1)*E/ep) along ``expert_dim``; the full
+tensor is the concatenation over the EP group in rank order.
+
+The description replaces Megatron's loose attributes (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``, ``allreduce``, ``sequence_parallel``,
+``shared_embedding``): nothing in torch reads them, so none is kept.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
@@ -22,20 +32,87 @@ import torch.distributed as dist
 
 from .mappings import Group, group_rank, group_size
 
+_ATTR = "megadlms_sharding"
+"""The one attribute a parameter carries; read and written only here (fsdp2.py copies every
+attribute of a parameter it replaces, models/gpt.py's ``_apply`` carries it explicitly)."""
+
+
+@dataclass(frozen=True)
+class ParamSharding:
+    """How one parameter is split over the parallel grid (frozen: change it with
+    :func:`set_sharding`, which replaces it).
+
+    Attributes:
+        tp_dim: the dim split over the tensor-parallel group; None when replicated over TP.
+        tp_blocks: equal blocks along ``tp_dim``, each split over TP (2: SwiGLU's [gate | up]).
+        expert_dim: the dim split over the expert-parallel group (this rank's experts). Such a
+            parameter's gradient is reduced over the expert-data-parallel group, not over dp
+            (DDP's expert buffers; Megatron marks it ``allreduce = False``).
+        tp_partial_grad: replicated over TP, but each TP rank's gradient covers only its part
+            of the input (its sequence chunk under sequence parallelism, its heads for a
+            per-head norm): summed over TP after backward (Megatron's ``sequence_parallel``).
+        tied_copy: the last pipeline stage's copy of the tied word embedding. It equals the
+            first stage's embedding, which is the one tensor stored in checkpoints and counted
+            in norms; its gradient is summed with it over the embedding group.
+    """
+
+    tp_dim: Optional[int] = None
+    tp_blocks: int = 1
+    expert_dim: Optional[int] = None
+    tp_partial_grad: bool = False
+    tied_copy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tp_blocks < 1 or (self.tp_blocks > 1 and self.tp_dim is None):
+            raise ValueError(f"ParamSharding: tp_blocks {self.tp_blocks} needs tp_dim set and tp_blocks >= 1")
+        if self.tp_dim is not None and self.expert_dim is not None:
+            raise ValueError("ParamSharding: split over TP (tp_dim) or over EP (expert_dim), not both")
+        if self.tp_dim is not None and self.tp_partial_grad:
+            raise ValueError("ParamSharding: tp_partial_grad is for TP-replicated parameters: drop tp_dim")
+
+
+REPLICATED = ParamSharding()
+"""The description of a parameter nobody declared: the same full tensor on every rank."""
+
+
+def sharding_of(tensor: torch.Tensor) -> ParamSharding:
+    """The declared :class:`ParamSharding` of ``tensor`` (:data:`REPLICATED` when none was set)."""
+    return getattr(tensor, _ATTR, REPLICATED)
+
+
+def set_sharding(param: torch.Tensor, **changes) -> torch.Tensor:
+    """Declare (part of) how ``param`` is sharded: the fields in ``changes`` replace those of
+    its current description, the others stay. Returns ``param``."""
+    setattr(param, _ATTR, dataclasses.replace(sharding_of(param), **changes))
+    return param
+
+
+def counts_once(
+    param: torch.Tensor, *, tp_rank: int, dp_rank: Optional[int] = None, expert_dp_rank: Optional[int] = None
+) -> bool:
+    """Whether this rank's local ``param`` (or its gradient) counts in a sum over ranks that must
+    count every element of the full model once (grad norm, params norm, parameter count).
+
+    An FSDP2 DTensor's local piece is a different part on every rank: it counts. A tied copy
+    never (the first stage's embedding counts). A TP-replicated tensor counts on TP rank 0
+    only. ``dp_rank`` / ``expert_dp_rank`` given: the sum also runs over data-parallel
+    replicas, so the tensor counts only on the first rank of the group it is replicated over
+    (expert_dp for expert parameters, dp for the others). Omit them when the sum does not run
+    over replicas or every dp rank holds a different shard (the distributed optimizer)."""
+    if hasattr(param, "to_local"):
+        return True
+    sharding = sharding_of(param)
+    if sharding.tied_copy or (sharding.tp_dim is None and tp_rank != 0):
+        return False
+    if dp_rank is None:
+        return True
+    return (expert_dp_rank if sharding.expert_dim is not None else dp_rank) == 0
+
 
 def shard_spec(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
-    """``(partition_dim, partition_blocks)`` of a tensor-parallel parameter, None if replicated."""
-    if not getattr(tensor, "tensor_model_parallel", False):
-        return None
-    return int(tensor.partition_dim), int(getattr(tensor, "partition_blocks", 1))
-
-
-def mark_sharded(param: torch.Tensor, partition_dim: int, partition_blocks: int = 1) -> torch.Tensor:
-    """Attach the sharding attributes to ``param`` (returns it)."""
-    param.tensor_model_parallel = True
-    param.partition_dim = partition_dim
-    param.partition_blocks = partition_blocks
-    return param
+    """``(tp_dim, tp_blocks)`` of a tensor-parallel parameter, None if replicated over TP."""
+    sharding = sharding_of(tensor)
+    return None if sharding.tp_dim is None else (sharding.tp_dim, sharding.tp_blocks)
 
 
 def full_shape(tensor: torch.Tensor, tp: int) -> Tuple[int, ...]:
@@ -92,16 +169,12 @@ def local_from_full(full: torch.Tensor, like: torch.Tensor, group: Group) -> tor
 
 
 def is_expert_param(tensor: torch.Tensor) -> bool:
-    """An expert parameter (Megatron's mark ``allreduce = False``): its gradient is reduced
-    over the expert-data-parallel group, not the data-parallel group (DDP's expert buffers)."""
-    return getattr(tensor, "allreduce", True) is False
+    """An expert parameter: its gradient is reduced over the expert-data-parallel group, not the
+    data-parallel group (DDP's expert buffers)."""
+    return sharding_of(tensor).expert_dim is not None
 
 
 def expert_shard_dim(tensor: torch.Tensor) -> Optional[int]:
-    """The dim along which an expert-parallel parameter (``expert_parallel = True``) holds this
-    EP rank's experts (``partition_dim``, 0 for the experts' [E_local, ...] weights); None
-    for any other parameter. EP rank e holds experts [e*E/ep, (e+1)*E/ep): the full tensor is
-    the concatenation over the EP group in rank order."""
-    if not getattr(tensor, "expert_parallel", False):
-        return None
-    return int(getattr(tensor, "partition_dim", 0))
+    """The dim along which an expert-parallel parameter holds this EP rank's experts (0 for the
+    experts' [E_local, ...] weights); None for any other parameter."""
+    return sharding_of(tensor).expert_dim

@@ -2,7 +2,7 @@
 
 With tied input/output embeddings and pp > 1 the first stage holds
 ``embedding.word_embeddings.weight`` and the last stage a copy, ``output_layer.weight``
-(``shared_embedding = True``, initialised equal: models/gpt.py). Both get a gradient; after
+(its sharding declares ``tied_copy``, initialised equal: models/gpt.py). Both get a gradient; after
 every chunk's ``finish_grad_sync()`` the two are summed over the embedding group (first and
 last rank of each pipeline group, Megatron's ``embedding group``), so both copies take the
 same optimizer step and stay equal.

@@ -24,6 +24,8 @@ from typing import Callable, Dict, List, Optional, Set
 import torch
 import torch.distributed as dist
 
+from megadlms.parallel.sharding import sharding_of
+
 EMBEDDING = "embedding.word_embeddings.weight"
 """The tensor a tied-embedding copy is stored as (and read from)."""
 
@@ -35,7 +37,7 @@ def pp_size(pp_group) -> int:
 
 def shared_copies(params: Dict[str, torch.nn.Parameter]) -> Dict[str, str]:
     """{name of a tied-embedding copy on this rank: the name it is stored under}."""
-    return {n: EMBEDDING for n, p in params.items() if getattr(p, "shared_embedding", False)}
+    return {n: EMBEDDING for n, p in params.items() if sharding_of(p).tied_copy}
 
 
 def stage_owner(rank: int, world: int, pp: int, spread: bool) -> Callable[[int], bool]:

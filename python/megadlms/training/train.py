@@ -23,6 +23,7 @@ from megadlms.diffusion import check_model_for_mode
 from megadlms.models import num_floating_point_operations
 from megadlms.models.moe import moe_layer_stats
 from megadlms.optimizer import get_optimizer
+from megadlms.parallel.sharding import counts_once
 
 from . import builders, checkpoint_async, checkpointing, pipeline_run, resume
 from .config import RunConfig
@@ -70,7 +71,7 @@ class Trainer:
         parts = model if pp.size > 1 else [model]
         check_model_for_mode(parts[0], config.diffusion)  # once, not per micro-batch
         self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
-        self.num_params = _logical_params(parts, self.groups, self.tp.ep_size)
+        self.num_params = _logical_params(parts, self.groups)
         self.model = builders.wrap_model(model, config, self.groups)
         self.pipeline = pipeline_run.PipelineRunner(self.groups, self.model.chunks) if pp.size > 1 else None
         self._pp_group = pp.group if pp.size > 1 else None
@@ -416,18 +417,14 @@ def _wrapper_name(model) -> str:
     return f"{type(chunks[0]).__name__} x {len(chunks)} chunk(s)"
 
 
-def _logical_params(parts, groups, ep: int = 1) -> int:
-    """Parameters of the full (unsharded) model: TP shards count tp times, expert shards ep
-    times, replicas once, every pipeline stage's (summed over the pipeline group), a tied
-    embedding's copy never."""
-    total, tp = 0, groups.tp.size
-    for p in (p for m in parts for p in m.parameters()):
-        if not getattr(p, "shared_embedding", False):
-            copies = tp if getattr(p, "tensor_model_parallel", False) else 1
-            total += p.numel() * copies * (ep if getattr(p, "expert_parallel", False) else 1)
-    if groups.pp.size > 1:
+def _logical_params(parts, groups) -> int:
+    """Parameters of the full (unsharded) model (collective over the world): each element once,
+    by the rule of the grad and params norms (``sharding.counts_once``)."""
+    ranks = {"tp_rank": groups.tp.rank, "dp_rank": groups.dp.rank, "expert_dp_rank": groups.expert_dp.rank}
+    total = sum(p.numel() for m in parts for p in m.parameters() if counts_once(p, **ranks))
+    if groups.world_size > 1:  # the shards and stages live on different ranks
         t = torch.tensor([float(total)], dtype=torch.float64)
-        dist.all_reduce(t, group=groups.pp.group)
+        dist.all_reduce(t)
         total = int(t.item())
     return total
 

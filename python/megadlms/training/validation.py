@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from megadlms.diffusion import validation_nelbo
 from megadlms.distributed import unwrap_model
+from megadlms.parallel.sharding import counts_once
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -69,17 +70,9 @@ def params_norm(model, device: torch.device, groups=None) -> float:
     if finish is not None:  # an overlapped gather still writes the parameters (issue 21)
         finish()
     for p in unwrap_model(model).parameters():
-        if hasattr(p, "to_local"):
-            local, counts = p.to_local(), True
-        elif getattr(p, "shared_embedding", False):
-            local, counts = p, False
-        elif getattr(p, "tensor_model_parallel", False):
-            local, counts = p, dp_rank == 0
-        elif getattr(p, "expert_parallel", False):
-            local, counts = p, expert_dp_rank == 0
-        else:
-            local, counts = p, dp_rank == 0 and tp_rank == 0
-        if counts:
+        # the sum runs over the world, so data-parallel replicas count on their first rank only
+        if counts_once(p, tp_rank=tp_rank, dp_rank=dp_rank, expert_dp_rank=expert_dp_rank):
+            local = p.to_local() if hasattr(p, "to_local") else p
             total += local.detach().double().square().sum().to(device)
     dist.all_reduce(total)
     return math.sqrt(total.item())

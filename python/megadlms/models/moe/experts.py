@@ -5,9 +5,9 @@ expert (megadlms.ops.grouped_gemm), whatever the tokens per expert (0 included);
 ``gradient_accumulation_fusion`` (the model context's, as the TP linears) the weight gradient
 goes straight into DDP's ``main_grad``.
 
-Expert parameters carry ``allreduce = False`` (Megatron's mark: not reduced over the whole
-data-parallel group), ``expert_parallel = True`` and ``partition_dim = 0``: the full tensor is
-[E, ...] in global expert order and EP rank e holds the experts [e*El, (e+1)*El).
+Expert parameters are declared ``expert_dim = 0`` (parallel/sharding.py): the full tensor is
+[E, ...] in global expert order, EP rank e holds the experts [e*El, (e+1)*El), and the gradient
+is reduced over the expert-data-parallel group, not the whole data-parallel group.
 """
 
 from __future__ import annotations
@@ -17,16 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadlms.ops.grouped_gemm import grouped_matmul
-
-EXPERT_ATTRS = ("allreduce", "expert_parallel", "partition_dim")
+from megadlms.parallel.sharding import set_sharding
 
 
 def mark_expert(param: torch.Tensor) -> torch.Tensor:
-    """Attach the expert-parallel marks to ``param`` (returns it)."""
-    param.allreduce = False
-    param.expert_parallel = True
-    param.partition_dim = 0
-    return param
+    """Declare ``param`` split over the expert-parallel group along dim 0 (returns it)."""
+    return set_sharding(param, expert_dim=0)
 
 
 def init_expert_normal_(param: torch.Tensor, std: float, ep_rank: int, ep: int) -> None:
