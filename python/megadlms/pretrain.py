@@ -95,7 +95,7 @@ def run(argv: Optional[Sequence[str]] = None):
     Uses the default process group when one exists (tests call this from spawned
     ranks); otherwise creates it from the environment and destroys it afterwards.
     """
-    from megadlms.training.arguments import parse_config
+    from megadlms.config import parse_config
     from megadlms.training.logging_utils import setup_logging
     from megadlms.training.train import pretrain
 
@@ -142,7 +142,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(argv if argv is not None else sys.argv[1:])
     except ValueError as exc:  # bad flags / data / checkpoint: the message names the fix
-        from megadlms.training.arguments import flag_message
+        from megadlms.config import flag_message
 
         if os.environ.get("RANK", "0") == "0":
             tb = exc.__traceback__

@@ -13,14 +13,14 @@ import shlex
 
 import pytest
 
-from megadlms.distributed import DistributedDataParallelConfig
-from megadlms.optimizer import OptimizerConfig
-from megadlms.training.arguments import (
+from megadlms.config import (
     build_parser,
     fsdp_mixed_precision,
     parse_args,
     parse_config,
 )
+from megadlms.distributed import DistributedDataParallelConfig
+from megadlms.optimizer import OptimizerConfig
 
 GPT_MODEL_ARGS = """
     --seq-length 64 --attention-backend flash --attention-softmax-in-fp32

@@ -36,7 +36,9 @@ from megadlms.optimizer import OptimizerConfig
 from megadlms.parallel.groups import check_instances
 from megadlms.pipeline import stage_layers
 
-from .config import (
+from .flags import build_parser
+from .megatron_compat import UNSUPPORTED, WANDB_DESTS, WITHOUT_EFFECT
+from .run_config import (
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -45,8 +47,6 @@ from .config import (
     RunConfig,
     TrainingConfig,
 )
-from .flags import build_parser
-from .megatron_compat import UNSUPPORTED, WANDB_DESTS, WITHOUT_EFFECT
 
 __all__ = ["build_parser", "build_run_config", "parse_args", "parse_config", "validate_args"]
 

@@ -1,6 +1,6 @@
 """The run's configuration as one tree of typed dataclasses (docs/architecture.md).
 
-``megadlms.training.arguments.build_run_config`` turns the parsed flags into a
+``megadlms.config.build_run_config`` turns the parsed flags into a
 :class:`RunConfig` once, at start-up; nothing below ``training/`` sees argparse. Each
 dataclass owns its derived defaults (``__post_init__``) and checks its own fields,
 reporting every problem at once by FIELD name (:mod:`megadlms.config_errors`); the CLI

@@ -1,4 +1,4 @@
-"""Build the run's pieces from the :class:`~megadlms.training.config.RunConfig`, once.
+"""Build the run's pieces from the :class:`~megadlms.config.RunConfig`, once.
 
 Each builder takes the part of the config it needs and returns a plain object (model,
 wrapper, optimizer, schedule, datasets, loaders). The wrapper class is chosen in
@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from megadlms.config import DataConfig, LRScheduleConfig, RunConfig, padded_vocab_size
 from megadlms.data import build_pretraining_data_loader, build_pretraining_datasets
 from megadlms.distributed import (
     DistributedDataParallel,
@@ -24,8 +25,6 @@ from megadlms.models import GPTModel, TransformerConfig
 from megadlms.optimizer import OptimizerConfig
 from megadlms.optimizer.lr_scheduler import OptimizerParamScheduler
 from megadlms.parallel import ParallelGroups, TensorParallelContext, model_parallel_manual_seed
-
-from .config import DataConfig, LRScheduleConfig, RunConfig, padded_vocab_size
 
 __all__ = [
     "build_datasets",
@@ -89,9 +88,8 @@ def build_model(
 def init_from_hf(model: torch.nn.Module, hf_dir: str) -> dict:
     """--hf-init: copy a Hugging Face Llama/Qwen2 model into the plain ``model``; an
     architecture mismatch is an error naming the flags (megadlms.hf.importer)."""
+    from megadlms.config import flag_message
     from megadlms.hf.importer import init_from_hf as _init
-
-    from .arguments import flag_message
 
     try:
         return _init(model, hf_dir)

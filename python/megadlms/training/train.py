@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.config import RunConfig
 from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
 from megadlms.models import num_floating_point_operations
@@ -25,7 +26,6 @@ from megadlms.models.moe import moe_layer_stats
 from megadlms.optimizer import get_optimizer
 
 from . import builders, checkpoint_async, checkpointing, pipeline_run, resume
-from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
 from .run_state import RunResult, SignalFlag
 from .step import StepOut, train_step
@@ -440,7 +440,7 @@ def pretrain(config) -> RunResult:
     """Train one run from a :class:`RunConfig` (or a parsed ``argparse.Namespace``, turned
     into one here); see :class:`Trainer`."""
     if isinstance(config, argparse.Namespace):
-        from .arguments import build_run_config
+        from megadlms.config import build_run_config
 
         config = build_run_config(config, dist.get_world_size())
     return Trainer(config).train()
