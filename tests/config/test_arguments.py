@@ -185,7 +185,7 @@ RULES = [
         "fsdp2_fp16",
         FSDP + ["--fp16"],
         2,
-        ["--use-torch-fsdp2 is incompatible with --fp16: use --bf16 or drop --use-torch-fsdp2"],
+        ["--use-torch-fsdp2 is incompatible with --fp16, which needs loss scaling: use --bf16"],
         FSDP + ["--bf16"],
     ),
     ("fp16_bf16", ["--fp16", "--bf16"], 2, ["--fp16 and --bf16 are exclusive"], ["--bf16"]),

@@ -18,13 +18,13 @@ Files: ``flags.py`` / ``flags_model.py`` / ``flags_moe.py`` the parser's flag gr
 
 from .arguments import (
     build_run_config,
-    flag_message,
     fsdp_mixed_precision,
     parse_args,
     parse_config,
     validate_args,
 )
 from .flags import build_parser
+from .messages import flag_message
 from .run_config import (
     CheckpointConfig,
     DataConfig,

@@ -19,15 +19,13 @@ from typing import List, Optional, Tuple
 import torch
 
 from megadlms.config_errors import Problems
-from megadlms.data import TokenizerConfig
+from megadlms.data import DEFAULT_SPLIT, TokenizerConfig, data_source_problems
 from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.models import TransformerConfig
 from megadlms.optimizer import OptimizerConfig
 from megadlms.pipeline import virtual_pipeline_size
 
-LEGACY_DEFAULT_SPLIT = "969, 30, 1"
-"""Megatron's --split default when --data-path is given without one."""
 CKPT_FORMATS = ("torch_dist", "torch")
 
 
@@ -266,16 +264,17 @@ class DataConfig:
             "reset_attention_mask needs reset_position_ids too (MegaDLMs packs documents only with both)",
         )
         if self.split is None:
-            self.split = LEGACY_DEFAULT_SPLIT
-        sources = [
-            bool(self.mock_data),
-            bool(self.data_path),
-            bool(self.train_data_path or self.valid_data_path or self.test_data_path),
-        ]
-        if sum(sources) > 1:
-            bad.add("use one data source: mock_data, data_path, or train_data_path/valid_data_path")
-        elif sum(sources) == 0:
-            bad.add("no training data: pass data_path PREFIX (or train_data_path PREFIX) or mock_data")
+            self.split = DEFAULT_SPLIT
+        # the data layer owns the source rule (one source, the train split gets data)
+        for problem in data_source_problems(
+            mock=self.mock_data,
+            data_path=self.data_path,
+            train_data_path=self.train_data_path,
+            valid_data_path=self.valid_data_path,
+            test_data_path=self.test_data_path,
+            split=self.split,
+        ):
+            bad.add(problem)
         bad.check(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
         bad.raise_if_any()
 
