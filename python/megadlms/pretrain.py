@@ -89,6 +89,23 @@ def init_distributed(parallel) -> None:
         dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world)
 
 
+def hf_initializer(hf_dir: str):
+    """--hf-init: a function copying the Hugging Face Llama/Qwen2 model in ``hf_dir`` into the
+    plain model the trainer built; an architecture mismatch is an error naming the flags.
+
+    Made here, at the top: ``hf/`` sits above ``training/``, which only calls it."""
+    from megadlms.config import flag_message
+    from megadlms.hf.importer import init_from_hf
+
+    def init(model) -> None:
+        try:
+            init_from_hf(model, hf_dir)
+        except ValueError as exc:  # the importer names config fields; say them as flags
+            raise ValueError(flag_message(str(exc))) from exc
+
+    return init
+
+
 def run(argv: Optional[Sequence[str]] = None):
     """Parse ``argv``, train, return the :class:`~megadlms.training.train.RunResult`.
 
@@ -112,7 +129,8 @@ def run(argv: Optional[Sequence[str]] = None):
 
             result = convert_checkpoint(config)
         else:
-            result = pretrain(config)
+            hf_dir = config.checkpoint.hf_init
+            result = pretrain(config, init_model=hf_initializer(hf_dir) if hf_dir else None)
         ok = True
         return result
     finally:
