@@ -221,7 +221,7 @@ RULES = [
         "dp_size",
         ["--data-parallel-size", "4"],
         2,
-        ["--data-parallel-size 4 != world size 2", "launch 4 ranks"],
+        ["--data-parallel-size 4 != world size 2", "pass --data-parallel-size 2 or leave it unset"],
         ["--data-parallel-size", "2"],
     ),
     (

@@ -24,6 +24,7 @@ from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.models import TransformerConfig
 from megadlms.optimizer import OptimizerConfig
+from megadlms.parallel.groups import check_sizes
 from megadlms.pipeline import virtual_pipeline_size
 
 CKPT_FORMATS = ("torch_dist", "torch")
@@ -73,29 +74,16 @@ class ParallelConfig:
             self.sequence_parallel = False
         if self.gradient_accumulation_fusion is None:
             self.gradient_accumulation_fusion = not self.use_torch_fsdp2
-        bad.positive(self, "world_size", "distributed_timeout_minutes")
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if tp < 1 or pp < 1 or self.world_size % (tp * pp):
-            bad.add(
-                f"world size {self.world_size} is not divisible by tensor_model_parallel_size {tp} x "
-                f"pipeline_model_parallel_size {pp}: change --nproc_per_node/--nnodes or the parallel sizes"
-            )
-        else:
-            dp = self.world_size // (tp * pp)
-            if self.data_parallel_size is None:
-                self.data_parallel_size = dp
-            bad.check(
-                self.data_parallel_size == dp,
-                f"data_parallel_size {self.data_parallel_size} != world size {self.world_size} / "
-                f"(tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}) = {dp}: "
-                f"drop data_parallel_size or launch {self.data_parallel_size * tp * pp} ranks",
-            )
-            ep = self.expert_model_parallel_size
-            bad.check(
-                ep >= 1 and dp % ep == 0,
-                f"expert_model_parallel_size {ep} does not divide data_parallel_size {dp}: expert groups "
-                "are carved out of the data-parallel ranks (expert-data-parallel size = dp / ep)",
-            )
+        bad.positive(self, "distributed_timeout_minutes")
+        tp, pp, ep = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.expert_model_parallel_size,
+        )
+        try:  # the parallel layer's rule: dp = world / (tp x pp) is derived there, for groups too
+            self.data_parallel_size = check_sizes(self.world_size, tp, pp, ep, self.data_parallel_size)
+        except ValueError as exc:
+            bad.add(str(exc))
         if self.distributed_backend is None:
             self.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
         bad.check(
