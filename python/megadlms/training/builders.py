@@ -133,6 +133,7 @@ def build_datasets(
         data_path=data.data_path,
         train_data_path=data.train_data_path,
         valid_data_path=data.valid_data_path,
+        test_data_path=data.test_data_path,
         split=data.split,
         seq_length=seq_length,
         seed=seed,
