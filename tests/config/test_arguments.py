@@ -524,3 +524,11 @@ def test_library_errors_name_fields_and_the_cli_names_flags():
     msg = str(exc.value)
     assert "--attention-dropout must be in [0, 1)" in msg and "--hidden-dropout must be in [0, 1)" in msg
     assert "2 problems" in msg
+
+
+def test_flag_message_rewords_fields_once():
+    from megadlms.config import flag_message
+
+    once = flag_message("use_torch_fsdp2 is incompatible with fp16: use bf16 (lr_decay_iters, split)")
+    assert once == "--use-torch-fsdp2 is incompatible with --fp16: use --bf16 (--lr-decay-iters, --split)"
+    assert flag_message(once) == once  # the CLI rewords the whole error again: no "----fp16"

@@ -42,12 +42,15 @@ def _field_flags() -> Dict[str, str]:
 
 
 _FIELD_FLAGS = _field_flags()
-# Longest names first, so "lr_decay_iters" is matched before "lr"; \b keeps words whole.
+# Longest names first, so "lr_decay_iters" is matched before "lr"; \b keeps words whole, and
+# (?<!-) leaves a name that is already a flag alone, so rewording twice (the library's message,
+# then the CLI's whole error) cannot turn "--fp16" into "----fp16".
 _FIELD_RE = re.compile(
-    r"\b(" + "|".join(sorted(map(re.escape, _FIELD_FLAGS), key=len, reverse=True)) + r")\b"
+    r"(?<!-)\b(" + "|".join(sorted(map(re.escape, _FIELD_FLAGS), key=len, reverse=True)) + r")\b"
 )
 
 
 def flag_message(message: str) -> str:
-    """A config error worded with field names, reworded with the flags that set them."""
+    """A config error worded with field names, reworded with the flags that set them
+    (idempotent: a message already worded with flags is returned unchanged)."""
     return _FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], message)
