@@ -98,9 +98,9 @@ def _ours(a, metrics):
 
 def _plain(a):
     """The reference loop: torch DDP, torch AdamW, clip_grad_norm_, same data and loss."""
+    from megadlms.config import parse_config
     from megadlms.diffusion import compute_loss
     from megadlms.training import builders
-    from megadlms.training.arguments import parse_config
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = parse_config(_argv(a, os.devnull), world_size=world)

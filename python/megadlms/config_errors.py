@@ -2,7 +2,7 @@
 
 Each ``__post_init__`` collects its problems in a :class:`Problems` and raises one
 :class:`ConfigError` listing them. Messages name the dataclass FIELD (``hidden_size``),
-never a command-line flag: the CLI layer (``megadlms.training.arguments``) maps field
+never a command-line flag: the CLI layer (``megadlms.config``) maps field
 names back to flags when it reports them (docs/architecture.md, "Configuration").
 """
 

@@ -89,13 +89,30 @@ def init_distributed(parallel) -> None:
         dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world)
 
 
+def hf_initializer(hf_dir: str):
+    """--hf-init: a function copying the Hugging Face Llama/Qwen2 model in ``hf_dir`` into the
+    plain model the trainer built; an architecture mismatch is an error naming the flags.
+
+    Made here, at the top: ``hf/`` sits above ``training/``, which only calls it."""
+    from megadlms.config import flag_message
+    from megadlms.hf.importer import init_from_hf
+
+    def init(model) -> None:
+        try:
+            init_from_hf(model, hf_dir)
+        except ValueError as exc:  # the importer names config fields; say them as flags
+            raise ValueError(flag_message(str(exc))) from exc
+
+    return init
+
+
 def run(argv: Optional[Sequence[str]] = None):
     """Parse ``argv``, train, return the :class:`~megadlms.training.train.RunResult`.
 
     Uses the default process group when one exists (tests call this from spawned
     ranks); otherwise creates it from the environment and destroys it afterwards.
     """
-    from megadlms.training.arguments import parse_config
+    from megadlms.config import parse_config
     from megadlms.training.logging_utils import setup_logging
     from megadlms.training.train import pretrain
 
@@ -112,7 +129,8 @@ def run(argv: Optional[Sequence[str]] = None):
 
             result = convert_checkpoint(config)
         else:
-            result = pretrain(config)
+            hf_dir = config.checkpoint.hf_init
+            result = pretrain(config, init_model=hf_initializer(hf_dir) if hf_dir else None)
         ok = True
         return result
     finally:
@@ -142,7 +160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(argv if argv is not None else sys.argv[1:])
     except ValueError as exc:  # bad flags / data / checkpoint: the message names the fix
-        from megadlms.training.arguments import flag_message
+        from megadlms.config import flag_message
 
         if os.environ.get("RANK", "0") == "0":
             tb = exc.__traceback__

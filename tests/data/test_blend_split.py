@@ -156,7 +156,7 @@ def test_unweighted_blend_per_split_paths_and_mock(tmp_path):
 def test_flag_errors(tmp_path):
     a = _doc_id_corpus(tmp_path, "a", 5, base=0)
     common = dict(seq_length=8, seed=1, train_samples=4, tokenizer=TOK)
-    with pytest.raises(ValueError, match="no data"):
+    with pytest.raises(ValueError, match="no training data"):
         build_pretraining_datasets(**common)
     with pytest.raises(ValueError, match="cannot be combined"):
         build_pretraining_datasets(data_path=[a], train_data_path=[a], **common)

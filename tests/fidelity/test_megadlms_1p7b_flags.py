@@ -172,8 +172,8 @@ def _argv(tmp, tokenizer, train, valid, mask_id):
 
 
 def _world(rank, world, argv):
+    from megadlms.config import parse_config
     from megadlms.pretrain import run
-    from megadlms.training.arguments import parse_config
 
     cfg = parse_config(argv, world_size=world).with_tokenizer(
         parse_config(argv, world_size=world).data.tokenizer.build()

@@ -240,7 +240,7 @@ def test_async_save_fallback_and_disk_full_on_two_ranks(tmp_path):
 
 
 def test_reliability_flags_parse_into_the_config():
-    from megadlms.training.arguments import parse_config
+    from megadlms.config import parse_config
 
     base = ["--num-layers", "1", "--hidden-size", "8", "--num-attention-heads", "2", "--seq-length", "8",
             "--micro-batch-size", "1", "--train-iters", "2", "--lr", "1e-3", "--mock-data"]  # fmt: skip

@@ -23,7 +23,7 @@ import os
 
 import pytest
 
-from megadlms.training.arguments import parse_config
+from megadlms.config import parse_config
 from tests.dist_utils import run_distributed
 
 TINY = (

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.training.test_arguments import seed_fsdp2
+from tests.config.test_arguments import seed_fsdp2
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -163,7 +163,7 @@ def test_example_1p7b_script_flags_parse(fsdp2):
     optimizer, or FSDP2) at 8 GPUs: its printed command parses and validates."""
     import shlex
 
-    from megadlms.training.arguments import parse_args
+    from megadlms.config import parse_args
 
     env = dict(os.environ, DRY_RUN="1", USE_FSDP2=fsdp2, GPUS_PER_NODE="8", NUM_NODES="1")
     out = subprocess.run(

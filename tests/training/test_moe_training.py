@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from megadlms.training.arguments import parse_config
+from megadlms.config import parse_config
 from tests.dist_utils import run_distributed
 
 # LLaDA's objective draws its crop once per step: the loss curve does not depend on dp.

@@ -240,7 +240,7 @@ def test_reference_commands_behave_as_documented(tmp_path, capsys):
     """The seed's DDP + TP=2 command launched on one process stops with the layout error
     naming the flags (exit status 2, before any process group exists)."""
     from megadlms.pretrain import main
-    from tests.training.test_arguments import seed_ddp_tp2
+    from tests.config.test_arguments import seed_ddp_tp2
 
     assert main(seed_ddp_tp2()) == 2
     err = capsys.readouterr().err

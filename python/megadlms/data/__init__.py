@@ -5,7 +5,7 @@ datasets with ``build_pretraining_datasets`` and feeds them through ``Pretrainin
 """
 
 from .blended_dataset import BlendedDataset, build_blending_indices
-from .builder import build_pretraining_datasets, parse_blend, parse_split
+from .builder import DEFAULT_SPLIT, build_pretraining_datasets, data_source_problems, parse_blend, parse_split
 from .corpus import kjv_jsonl_path
 from .gpt_dataset import GPTDataset, MockGPTDataset
 from .indexed_dataset import DTYPE_CODES, IndexedDataset, IndexedDatasetBuilder
@@ -24,7 +24,9 @@ __all__ = [
     "BlendedDataset",
     "MockGPTDataset",
     "build_blending_indices",
+    "DEFAULT_SPLIT",
     "build_pretraining_datasets",
+    "data_source_problems",
     "parse_blend",
     "parse_split",
     "PretrainingSampler",

@@ -27,6 +27,8 @@ from .gpt_dataset import GPTDataset, MockGPTDataset
 from .indexed_dataset import IndexedDataset
 
 SPLIT_NAMES = ("train", "valid", "test")
+DEFAULT_SPLIT = "969, 30, 1"
+"""Megatron's --split default when data_path is given without one."""
 _SURPLUS = 0.005
 
 
@@ -102,13 +104,153 @@ def _sizes_per_dataset(weights: Sequence[float], sizes: Sequence[int]) -> List[L
     return [[int(math.ceil(math.ceil(n * w) * (1 + _SURPLUS))) for n in sizes] for w in weights]
 
 
+def data_source_problems(
+    *,
+    mock: bool = False,
+    data_path: Optional[Sequence[str]] = None,
+    train_data_path: Optional[Sequence[str]] = None,
+    valid_data_path: Optional[Sequence[str]] = None,
+    test_data_path: Optional[Sequence[str]] = None,
+    split: str = DEFAULT_SPLIT,
+) -> List[str]:
+    """The data-source rule, worded with field names: exactly one source (mock data, one blend
+    split by ``split``, or one blend per split), and the train split gets data from it. Opens
+    no file, so the CLI checks it before launch; :func:`build_pretraining_datasets` raises it."""
+    per_split = (train_data_path, valid_data_path, test_data_path)
+    # an empty list (a bare --data-path) is no source, as no flag at all
+    sources = [bool(mock), bool(data_path), any(bool(p) for p in per_split)]
+    if sum(sources) > 1:
+        return [
+            "use one data source: mock_data, data_path, or train_data_path/valid_data_path/"
+            "test_data_path (they cannot be combined)"
+        ]
+    if sum(sources) == 0:
+        return ["no training data: pass data_path PREFIX (or train_data_path PREFIX) or mock_data"]
+    if sources[2] and not train_data_path:
+        return [
+            "valid_data_path / test_data_path without train_data_path: the train split has no data; "
+            "pass train_data_path PREFIX too"
+        ]
+    out = []
+    blends = [("data_path", data_path)] if data_path else []
+    blends += [
+        (f, p) for f, p in zip(("train_data_path", "valid_data_path", "test_data_path"), per_split) if p
+    ]
+    for flag, blend in blends:
+        try:  # the blend's syntax (weights and prefixes): no file is opened
+            parse_blend(blend, flag)
+        except ValueError as exc:
+            out.append(str(exc))
+    if data_path:
+        try:
+            if parse_split(split)[0] == 0:
+                out.append(
+                    f"split {split!r} gives the train split no share of data_path: "
+                    "make its first number positive"
+                )
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def _eod_of(tokenizer, eod_mask_loss: bool):
+    """The tokenizer's eod id; it only feeds eod_mask_loss, so a tokenizer without one is fine
+    otherwise (None)."""
+    try:
+        return tokenizer.eod
+    except RuntimeError:
+        if eod_mask_loss:
+            raise
+        return None
+
+
+def _mock_datasets(sizes, tokenizer, *, seq_length, seed, eod, eod_mask_loss):
+    try:
+        mask = tokenizer.mask
+    except RuntimeError:  # AR (vanilla) runs need no mask token
+        mask = None
+    return tuple(
+        MockGPTDataset(
+            n,
+            seq_length=seq_length,
+            seed=seed,
+            vocab_size=tokenizer.vocab_size,
+            eod=eod,
+            mask=mask,
+            eod_mask_loss=eod_mask_loss,
+            stream=i,  # each split draws its own stream: train, valid and test differ
+        )
+        if n > 0
+        else None
+        for i, n in enumerate(sizes)
+    )
+
+
+class _SplitBuilder:
+    """Builds the dataset of one split from a blend; each prefix is opened once for all splits."""
+
+    def __init__(self, sizes: Sequence[int], data_cache_path: Optional[str], **common) -> None:
+        self.sizes, self.cache, self.common = sizes, data_cache_path, common
+        self.opened = {}
+
+    def open(self, prefix: str) -> IndexedDataset:
+        if prefix not in self.opened:
+            self.opened[prefix] = IndexedDataset(prefix)
+        return self.opened[prefix]
+
+    def build(self, blend, flag: str, i: int, doc_ranges_of):
+        """Split ``i`` from ``blend`` = (prefixes, weights); ``doc_ranges_of(dataset)`` gives
+        the split's document ids (None: no share). None when the split wants no samples."""
+        prefixes, weights = blend
+        n, name = self.sizes[i], SPLIT_NAMES[i]
+        if n == 0:
+            return None
+        if len(prefixes) == 1:
+            ds = self.open(prefixes[0])
+            docs = doc_ranges_of(ds)
+            return None if docs is None else self._gpt(ds, docs, n, name)
+        if weights is None:
+            return self._unweighted(prefixes, flag, n, name, doc_ranges_of)
+        want = _sizes_per_dataset(weights, self.sizes)
+        parts = []
+        for p, w in zip(prefixes, want):
+            docs = doc_ranges_of(self.open(p))
+            if docs is None:
+                return None
+            parts.append(self._gpt(self.open(p), docs, w[i], name))
+        return self._blend(parts, weights, n, name)
+
+    def _unweighted(self, prefixes, flag, n, name, doc_ranges_of):
+        """Megatron: one epoch of each dataset, weighted by its size."""
+        ranges = [doc_ranges_of(self.open(p)) for p in prefixes]
+        if any(r is None for r in ranges):
+            return None
+        parts = [self._gpt(self.open(p), r, None, name) for p, r in zip(prefixes, ranges)]
+        total = sum(len(d) for d in parts)
+        if n > total:
+            raise ValueError(
+                f"{flag} (unweighted blend): {total} {name} samples in one epoch, "
+                f"fewer than the {n} wanted; give weights ('W1 P1 W2 P2 ...')"
+            )
+        return self._blend(parts, [len(d) for d in parts], n, name)
+
+    def _gpt(self, ds, docs, n, name):
+        return GPTDataset(ds, docs, n, split_name=name, data_cache_path=self.cache, **self.common)
+
+    def _blend(self, parts, weights, n, name):
+        description = "|".join(d.description for d in parts)
+        return BlendedDataset(
+            parts, weights, n, name=name, data_cache_path=self.cache, description=description
+        )
+
+
 def build_pretraining_datasets(
     *,
     data_path: Optional[Sequence[str]] = None,
     train_data_path: Optional[Sequence[str]] = None,
     valid_data_path: Optional[Sequence[str]] = None,
     test_data_path: Optional[Sequence[str]] = None,
-    split: str = "969,30,1",
+    split: str = DEFAULT_SPLIT,
     seq_length: int,
     seed: int,
     train_samples: int,
@@ -125,121 +267,35 @@ def build_pretraining_datasets(
     (see GPTDataset). Deterministic given the flags; index caches go to ``data_cache_path``.
     """
     sizes = [int(train_samples or 0), int(valid_samples or 0), int(test_samples or 0)]
-    # eod only feeds --eod-mask-loss; a tokenizer without one is fine otherwise.
-    try:
-        eod = tokenizer.eod
-    except RuntimeError:
-        if eod_mask_loss:
-            raise
-        eod = None
+    eod = _eod_of(tokenizer, eod_mask_loss)
     if any(n < 0 for n in sizes):
         raise ValueError(f"sample counts must be >= 0, got train/valid/test {sizes}")
     per_split = (train_data_path, valid_data_path, test_data_path)
-    given = [data_path is not None, any(p is not None for p in per_split)]
-    if mock:
-        if any(given):
-            raise ValueError("mock_data cannot be combined with data_path / train_data_path")
-        try:
-            mask = tokenizer.mask
-        except RuntimeError:  # AR (vanilla) runs need no mask token
-            mask = None
-        return tuple(
-            MockGPTDataset(
-                n,
-                seq_length=seq_length,
-                seed=seed,
-                vocab_size=tokenizer.vocab_size,
-                eod=eod,
-                mask=mask,
-                eod_mask_loss=eod_mask_loss,
-                stream=i,
-            )
-            if n > 0
-            else None
-            for i, n in enumerate(sizes)
-        )
-    if given[0] and given[1]:
-        raise ValueError(
-            "data_path cannot be combined with train_data_path / valid_data_path "
-            "/ test_data_path; use one or the other"
-        )
-    if not any(given):
-        raise ValueError("no data: pass data_path PREFIX (or train_data_path ...), or mock_data")
-    common = dict(
-        seq_length=seq_length,
-        seed=seed,
-        eod=eod,
-        eod_mask_loss=eod_mask_loss,
-        data_cache_path=data_cache_path,
+    problems = data_source_problems(
+        mock=mock,
+        data_path=data_path,
+        split=split,
+        **dict(zip(("train_data_path", "valid_data_path", "test_data_path"), per_split)),
     )
-    opened = {}
-
-    def open_ds(prefix):
-        if prefix not in opened:
-            opened[prefix] = IndexedDataset(prefix)
-        return opened[prefix]
-
-    def build_split(blend, flag, i, doc_ranges_of):
-        """The dataset of split i from blend (prefixes, weights)."""
-        prefixes, weights = blend
-        n = sizes[i]
-        if n == 0:
-            return None
-        name = SPLIT_NAMES[i]
-        if len(prefixes) == 1:
-            docs = doc_ranges_of(open_ds(prefixes[0]))
-            return (
-                None if docs is None else GPTDataset(open_ds(prefixes[0]), docs, n, split_name=name, **common)
-            )
-        if weights is None:  # Megatron: one epoch of each, weighted by its size
-            ranges = [doc_ranges_of(open_ds(p)) for p in prefixes]
-            if any(r is None for r in ranges):
-                return None
-            parts = [
-                GPTDataset(open_ds(p), r, None, split_name=name, **common) for p, r in zip(prefixes, ranges)
-            ]
-            total = sum(len(d) for d in parts)
-            if n > total:
-                raise ValueError(
-                    f"{flag} (unweighted blend): {total} {name} samples in one epoch, "
-                    f"fewer than the {n} wanted; give weights ('W1 P1 W2 P2 ...')"
-                )
-            return BlendedDataset(
-                parts,
-                [len(d) for d in parts],
-                n,
-                name=name,
-                data_cache_path=data_cache_path,
-                description="|".join(d.description for d in parts),
-            )
-        want = _sizes_per_dataset(weights, sizes)
-        parts = []
-        for p, w in zip(prefixes, want):
-            docs = doc_ranges_of(open_ds(p))
-            if docs is None:
-                return None
-            parts.append(GPTDataset(open_ds(p), docs, w[i], split_name=name, **common))
-        return BlendedDataset(
-            parts,
-            weights,
-            n,
-            name=name,
-            data_cache_path=data_cache_path,
-            description="|".join(d.description for d in parts),
+    if problems:
+        raise ValueError("; ".join(problems))
+    if mock:
+        return _mock_datasets(
+            sizes, tokenizer, seq_length=seq_length, seed=seed, eod=eod, eod_mask_loss=eod_mask_loss
         )
+    builder = _SplitBuilder(
+        sizes, data_cache_path, seq_length=seq_length, seed=seed, eod=eod, eod_mask_loss=eod_mask_loss
+    )
+    if data_path:
+        blend, shares = parse_blend(data_path), parse_split(split)
 
-    if given[0]:
-        blend = parse_blend(data_path)
-        shares = parse_split(split)
-
-        def ranges(i):
+        def ranges(i):  # the i-th consecutive document range of every dataset of the blend
             return lambda ds: split_document_ranges(shares, len(ds.sequence_lengths))[i]
 
-        return tuple(build_split(blend, "data_path", i, ranges(i)) for i in range(3))
+        return tuple(builder.build(blend, "data_path", i, ranges(i)) for i in range(3))
     whole = lambda ds: np.arange(len(ds.sequence_lengths), dtype=np.int64)  # noqa: E731
-    out = []
-    for i, (paths, flag) in enumerate(
-        zip(per_split, ("train_data_path", "valid_data_path", "test_data_path"))
-    ):
-        out.append(None if paths is None else build_split(parse_blend(paths, flag), flag, i, whole))
-    return tuple(out)
+    flags = ("train_data_path", "valid_data_path", "test_data_path")
+    return tuple(
+        None if not paths else builder.build(parse_blend(paths, flag), flag, i, whole)
+        for i, (paths, flag) in enumerate(zip(per_split, flags))
+    )

@@ -25,7 +25,7 @@ are separate.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch.distributed as dist
 
@@ -45,16 +45,25 @@ class ReduceGroup:
     op: str  # "sum" or "avg"
 
 
+def expert_instances_problems(ep: int, num_instances: int) -> List[str]:
+    """Expert parallelism with distributed-optimizer instances (not supported), worded with
+    field names; :func:`reduce_groups` raises it, the CLI reports it before launch."""
+    if ep > 1 and num_instances > 1:
+        return [
+            f"num_distributed_optimizer_instances {num_instances} with expert_model_parallel_size {ep}: "
+            "distributed-optimizer instances are not supported with expert parallelism; use "
+            "num_distributed_optimizer_instances 1"
+        ]
+    return []
+
+
 def reduce_groups(cfg: DistributedDataParallelConfig, parallel, comm, shard_comm, inter_comm):
     """``(dense, expert)`` :class:`ReduceGroup` for a wrapper over ``comm`` (the dp group)."""
     ep = parallel.ep.size if parallel is not None else 1
     if ep > 1:
-        if cfg.num_distributed_optimizer_instances > 1:
-            raise ValueError(
-                f"num_distributed_optimizer_instances {cfg.num_distributed_optimizer_instances} with "
-                f"expert_model_parallel_size {ep}: distributed-optimizer instances are not supported "
-                "with expert parallelism; use num_distributed_optimizer_instances 1"
-            )
+        problems = expert_instances_problems(ep, cfg.num_distributed_optimizer_instances)
+        if problems:
+            raise ValueError(problems[0])
         ecomm = build_communicator(cfg.comm_backend, parallel.expert_dp.group)
         eshard, einter = ecomm, None
     else:

@@ -44,10 +44,10 @@ def import_hf(
     """Write the checkpoint; returns {"checkpoint", "mask_token_id", "added", "flags"}."""
     from tokenizers import Tokenizer
 
+    from megadlms.config import padded_vocab_size
     from megadlms.data import TokenizerConfig
     from megadlms.models import GPTModel
     from megadlms.training import checkpointing
-    from megadlms.training.config import padded_vocab_size
 
     from .importer import init_from_hf, model_flags, read_hf_config, transformer_config_from_hf
 

@@ -8,6 +8,8 @@ distributed optimizer, and learning-rate schedules.
 
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
@@ -17,6 +19,14 @@ from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .grid import GridReductions
 from .lr_scheduler import OptimizerParamScheduler
 from .optimizer import DTensorLayout, MixedPrecisionOptimizer, ReplicaLayout, no_weight_decay
+
+
+def dtensor_problems(config: OptimizerConfig, who: str = "DTensor-sharded (FSDP2) parameters") -> List[str]:
+    """What this optimizer cannot do over DTensor-sharded parameters, worded with field names
+    (``who`` names the switch that shards them; the CLI checks this before launch)."""
+    if config.fp16:  # the fp16 grad scaler unscales local tensors, not DTensor shards
+        return [f"{who} is incompatible with fp16, which needs loss scaling: use bf16"]
+    return []
 
 
 def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPrecisionOptimizer:
@@ -52,10 +62,9 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
             "exactly when the optimizer is distributed"
         )
     if layout_kind == "dtensor":
-        if config.fp16:
-            raise ValueError(
-                "fp16 needs loss scaling, which DTensor-sharded (FSDP2) parameters do not support: use bf16"
-            )
+        problems = dtensor_problems(config)
+        if problems:
+            raise ValueError(problems[0])
         return MixedPrecisionOptimizer(config, DTensorLayout(names, wrapper.comm))
     if sharded:
         return MixedPrecisionOptimizer(config, ShardedBufferLayout(wrapper, names, grid), wrapper=wrapper)
@@ -71,6 +80,7 @@ __all__ = [
     "OptimizerConfig",
     "OptimizerParamScheduler",
     "clip_grads_with_norm_",
+    "dtensor_problems",
     "get_grad_norm_fp32",
     "get_optimizer",
     "no_weight_decay",

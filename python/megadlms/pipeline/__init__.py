@@ -17,7 +17,7 @@ from .embedding import (
     embedding_group_ranks,
 )
 from .p2p import PipelineP2P
-from .schedules import check_micro_batches, forward_backward_pipelining
+from .schedules import check_micro_batches, forward_backward_pipelining, micro_batch_problems
 from .split import model_chunks, stage_layers, virtual_pipeline_size
 
 __all__ = [
@@ -31,5 +31,6 @@ __all__ = [
     "allreduce_embedding_grads",
     "PipelineP2P",
     "check_micro_batches",
+    "micro_batch_problems",
     "forward_backward_pipelining",
 ]

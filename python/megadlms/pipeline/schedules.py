@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -32,25 +32,55 @@ from .p2p import PipelineP2P
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], object]
 
 
+def micro_batch_problems(
+    num_micro_batches: int,
+    pp: int,
+    vp: int = 1,
+    forward_only: bool = False,
+    *,
+    batch: Optional[Tuple[int, int, int]] = None,
+) -> List[str]:
+    """The schedules' rule, worded with field names: m >= pp for 1F1B training, m a multiple
+    of pp for interleaved (m = global_batch_size / (micro_batch_size x data_parallel_size)).
+    ``batch``: (global_batch_size, micro_batch_size, data_parallel_size), so the message can
+    show the count and the batch size that fixes it (the CLI passes it at parse time)."""
+    m = num_micro_batches
+    if batch is None:
+        count = f"{m} micro-batches per step"
+        # without the batch sizes the fix can only be stated as the formula
+        fix = (
+            "(micro-batches per step = global_batch_size / (micro_batch_size x data_parallel_size)); "
+            "raise global_batch_size or lower micro_batch_size"
+        )
+        more = fewer = fix
+    else:
+        g, b, d = batch
+        count = (
+            f"global_batch_size {g} / (micro_batch_size {b} x data_parallel_size {d}) = "
+            f"{m} micro-batches per step"
+        )
+        more = f"raise global_batch_size to {pp * b * d} or more"
+        fewer = f"use a global_batch_size that is a multiple of {pp * b * d}"
+    if m < 1:
+        return [f"{count}: the pipeline schedule needs at least one micro-batch; {more}"]
+    if vp > 1 and m % pp:  # also for forward-only: the interleaved order walks pp micro-batches at a time
+        return [
+            f"{count}: the interleaved pipeline schedule ({vp} virtual stages) needs a multiple of "
+            f"pipeline_model_parallel_size {pp}; {fewer}"
+        ]
+    if not forward_only and m < pp:  # validation (forward only) may run fewer micro-batches
+        return [
+            f"{count}: the 1F1B pipeline schedule needs at least pipeline_model_parallel_size {pp} "
+            f"micro-batches; {more}"
+        ]
+    return []
+
+
 def check_micro_batches(num_micro_batches: int, pp: int, vp: int = 1, forward_only: bool = False) -> None:
-    """The schedules' rules: m >= pp for 1F1B training, m a multiple of pp for interleaved
-    (m = global_batch_size / (micro_batch_size * data_parallel_size)). ValueError names them."""
-    fix = (
-        "(micro-batches per step = global_batch_size / (micro_batch_size x data_parallel_size)); "
-        "raise global_batch_size or lower micro_batch_size"
-    )
-    if num_micro_batches < 1:
-        raise ValueError(f"the pipeline schedule needs at least one micro-batch {fix}")
-    if vp > 1 and num_micro_batches % pp:
-        raise ValueError(
-            f"the interleaved schedule needs the number of micro-batches ({num_micro_batches}) to be a "
-            f"multiple of pipeline_model_parallel_size {pp} {fix}"
-        )
-    if not forward_only and num_micro_batches < pp:
-        raise ValueError(
-            f"the 1F1B schedule needs at least pipeline_model_parallel_size {pp} micro-batches, got "
-            f"{num_micro_batches} {fix}"
-        )
+    """:func:`micro_batch_problems` as a ValueError (the schedule's guard at run time)."""
+    problems = micro_batch_problems(num_micro_batches, pp, vp, forward_only)
+    if problems:
+        raise ValueError(problems[0])
 
 
 class _Pipeline:

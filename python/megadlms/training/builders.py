@@ -1,4 +1,4 @@
-"""Build the run's pieces from the :class:`~megadlms.training.config.RunConfig`, once.
+"""Build the run's pieces from the :class:`~megadlms.config.RunConfig`, once.
 
 Each builder takes the part of the config it needs and returns a plain object (model,
 wrapper, optimizer, schedule, datasets, loaders). The wrapper class is chosen in
@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from megadlms.config import DataConfig, LRScheduleConfig, RunConfig, fsdp_mixed_precision
 from megadlms.data import build_pretraining_data_loader, build_pretraining_datasets
 from megadlms.distributed import (
     DistributedDataParallel,
@@ -18,14 +19,11 @@ from megadlms.distributed import (
     Float16Module,
     ModelChunks,
     TorchFullyShardedDataParallel,
-    mixed_precision_policy,
 )
 from megadlms.models import GPTModel, TransformerConfig
 from megadlms.optimizer import OptimizerConfig
 from megadlms.optimizer.lr_scheduler import OptimizerParamScheduler
 from megadlms.parallel import ParallelGroups, TensorParallelContext, model_parallel_manual_seed
-
-from .config import DataConfig, LRScheduleConfig, RunConfig, padded_vocab_size
 
 __all__ = [
     "build_datasets",
@@ -34,8 +32,6 @@ __all__ = [
     "build_parallel",
     "build_scheduler",
     "device_for_rank",
-    "init_from_hf",
-    "padded_vocab_size",
     "wrap_model",
 ]
 
@@ -86,19 +82,6 @@ def build_model(
     return GPTModel(config, core_attn_implementation=core_attn_implementation, tp=tp).to(device)
 
 
-def init_from_hf(model: torch.nn.Module, hf_dir: str) -> dict:
-    """--hf-init: copy a Hugging Face Llama/Qwen2 model into the plain ``model``; an
-    architecture mismatch is an error naming the flags (megadlms.hf.importer)."""
-    from megadlms.hf.importer import init_from_hf as _init
-
-    from .arguments import flag_message
-
-    try:
-        return _init(model, hf_dir)
-    except ValueError as exc:
-        raise ValueError(flag_message(str(exc))) from exc
-
-
 def wrap_model(model: torch.nn.Module, config: RunConfig, groups: Optional[ParallelGroups] = None):
     """Apply precision and the data-parallel wrapper chosen by ``parallel.use_torch_fsdp2``;
     DDP reduces over ``groups``' data-parallel group (the world without ``groups``). A list of
@@ -108,8 +91,7 @@ def wrap_model(model: torch.nn.Module, config: RunConfig, groups: Optional[Paral
     opt: OptimizerConfig = config.optimizer
     ddp: DistributedDataParallelConfig = config.ddp
     if config.parallel.use_torch_fsdp2:
-        policy = mixed_precision_policy(opt.bf16, grad_reduce_in_fp32=True)
-        return TorchFullyShardedDataParallel(model, ddp, mixed_precision=policy)
+        return TorchFullyShardedDataParallel(model, ddp, mixed_precision=fsdp_mixed_precision(config))
     if opt.bf16 or opt.fp16:
         model = Float16Module(model, dtype=torch.bfloat16 if opt.bf16 else torch.float16)
     return DistributedDataParallel(model, ddp, parallel=groups)
@@ -151,6 +133,7 @@ def build_datasets(
         data_path=data.data_path,
         train_data_path=data.train_data_path,
         valid_data_path=data.valid_data_path,
+        test_data_path=data.test_data_path,
         split=data.split,
         seq_length=seq_length,
         seed=seed,
@@ -162,10 +145,6 @@ def build_datasets(
         eod_mask_loss=data.eod_mask_loss,
         mock=data.mock_data,
     )
-    if train is None:
-        raise ValueError(
-            "no training data: the split gives the train split no share (or train_data_path is missing)"
-        )
     return (train, valid, test) if with_test else (train, valid)
 
 

@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from megadlms.config import RunConfig
 from megadlms.diffusion import forward_process, validation_times
 from megadlms.diffusion.loss import ar_loss, diffusion_loss, objective_inputs, token_cross_entropy_of
 from megadlms.distributed import unwrap_model
@@ -35,8 +36,6 @@ from megadlms.pipeline import (
     model_chunks,
     stage_layers,
 )
-
-from .config import RunConfig
 
 
 def chunk_layout(config: RunConfig, pp_rank: int):

@@ -10,8 +10,9 @@ from typing import Optional, Tuple
 
 import torch.distributed as dist
 
+from megadlms.config import CheckpointConfig, RunConfig
+
 from . import checkpointing
-from .config import CheckpointConfig, RunConfig
 
 _log = logging.getLogger("megadlms.training")
 

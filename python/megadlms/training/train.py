@@ -8,16 +8,16 @@ the ``DataParallel`` protocol (docs/architecture.md).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import functools
 import logging
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from megadlms.config import RunConfig
 from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
 from megadlms.models import num_floating_point_operations
@@ -26,7 +26,6 @@ from megadlms.optimizer import get_optimizer
 from megadlms.parallel.sharding import counts_once
 
 from . import builders, checkpoint_async, checkpointing, pipeline_run, resume
-from .config import RunConfig
 from .logging_utils import MetricsLogger, memory_gb
 from .run_state import RunResult, SignalFlag
 from .step import StepOut, train_step
@@ -39,9 +38,12 @@ _log = logging.getLogger("megadlms.training")
 class Trainer:
     """Owns one run: builds everything from a :class:`RunConfig`, restores a checkpoint,
     then :meth:`train` loops over optimizer steps. Needs an initialised default process
-    group (see ``megadlms.pretrain.run``)."""
+    group (see ``megadlms.pretrain.run``). ``init_model(model)`` fills the freshly built plain
+    model (or the list of pipeline chunks) before wrapping, e.g. with --hf-init's weights."""
 
-    def __init__(self, config: RunConfig) -> None:
+    def __init__(
+        self, config: RunConfig, init_model: Optional[Callable[[torch.nn.Module], None]] = None
+    ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = builders.device_for_rank()
         tokenizer = config.data.tokenizer.build()
@@ -66,8 +68,14 @@ class Trainer:
             tp=self.tp,
         )
         model = build(config.model) if pp.size == 1 else build(config, pp.rank)
-        if config.checkpoint.hf_init:  # before wrapping; a --load checkpoint still wins
-            builders.init_from_hf(model, config.checkpoint.hf_init)
+        # init_model: e.g. --hf-init's weights (megadlms.pretrain hands it in: hf/ sits above
+        # training/); before wrapping, so a --load checkpoint still wins
+        if init_model is not None:
+            init_model(model)
+        elif config.checkpoint.hf_init:  # never train from random weights the user did not ask for
+            raise ValueError(
+                "checkpoint.hf_init needs init_model (megadlms.pretrain.run passes the HF importer)"
+            )
         parts = model if pp.size > 1 else [model]
         check_model_for_mode(parts[0], config.diffusion)  # once, not per micro-batch
         self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
@@ -433,11 +441,9 @@ def _new_window() -> dict:
     return {"time": 0.0, "iters": 0, "loss": 0.0, "n_loss": 0, "tokens": 0, "flops": 0.0}
 
 
-def pretrain(config) -> RunResult:
-    """Train one run from a :class:`RunConfig` (or a parsed ``argparse.Namespace``, turned
-    into one here); see :class:`Trainer`."""
-    if isinstance(config, argparse.Namespace):
-        from .arguments import build_run_config
-
-        config = build_run_config(config, dist.get_world_size())
-    return Trainer(config).train()
+def pretrain(
+    config: RunConfig, *, init_model: Optional[Callable[[torch.nn.Module], None]] = None
+) -> RunResult:
+    """Train one run from a :class:`RunConfig` (``megadlms.config.parse_config`` makes one from
+    flags); ``init_model``: see :class:`Trainer`."""
+    return Trainer(config, init_model=init_model).train()

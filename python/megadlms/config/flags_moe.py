@@ -42,7 +42,14 @@ def _pattern(node):
 
 
 def moe_args(p):
+    """Mixture-of-experts layers (Megatron's --num-experts / --moe-* flags)."""
     g = p.add_argument_group("mixture of experts")
+    for add in (_moe_router_flags, _moe_dispatch_flags):
+        add(g)
+
+
+def _moe_router_flags(g):
+    """Experts, routing and the router's losses."""
     add_flag(g, "--num-experts", type=int, default=None, help="Experts per MoE layer (default: dense MLPs).")
     add_flag(g, "--moe-router-topk", type=int, default=2, help="Experts each token is routed to.")
     add_flag(
@@ -87,6 +94,10 @@ def moe_args(p):
         default=None,
         help="Weight of the router z-loss (off when unset).",
     )
+
+
+def _moe_dispatch_flags(g):
+    """Capacity, token dropping, shared experts and dispatch."""
     add_flag(
         g,
         "--moe-expert-capacity-factor",

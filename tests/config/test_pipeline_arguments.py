@@ -7,7 +7,7 @@ import shlex
 
 import pytest
 
-from megadlms.training.arguments import parse_config
+from megadlms.config import parse_config
 
 from .test_arguments import seed_ddp_tp2
 

@@ -1,6 +1,6 @@
 """The run's configuration as one tree of typed dataclasses (docs/architecture.md).
 
-``megadlms.training.arguments.build_run_config`` turns the parsed flags into a
+``megadlms.config.build_run_config`` turns the parsed flags into a
 :class:`RunConfig` once, at start-up; nothing below ``training/`` sees argparse. Each
 dataclass owns its derived defaults (``__post_init__``) and checks its own fields,
 reporting every problem at once by FIELD name (:mod:`megadlms.config_errors`); the CLI
@@ -19,15 +19,14 @@ from typing import List, Optional, Tuple
 import torch
 
 from megadlms.config_errors import Problems
-from megadlms.data import TokenizerConfig
+from megadlms.data import DEFAULT_SPLIT, TokenizerConfig, data_source_problems
 from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.models import TransformerConfig
 from megadlms.optimizer import OptimizerConfig
+from megadlms.parallel.groups import check_sizes
 from megadlms.pipeline import virtual_pipeline_size
 
-LEGACY_DEFAULT_SPLIT = "969, 30, 1"
-"""Megatron's --split default when --data-path is given without one."""
 CKPT_FORMATS = ("torch_dist", "torch")
 
 
@@ -75,29 +74,16 @@ class ParallelConfig:
             self.sequence_parallel = False
         if self.gradient_accumulation_fusion is None:
             self.gradient_accumulation_fusion = not self.use_torch_fsdp2
-        bad.positive(self, "world_size", "distributed_timeout_minutes")
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if tp < 1 or pp < 1 or self.world_size % (tp * pp):
-            bad.add(
-                f"world size {self.world_size} is not divisible by tensor_model_parallel_size {tp} x "
-                f"pipeline_model_parallel_size {pp}: change --nproc_per_node/--nnodes or the parallel sizes"
-            )
-        else:
-            dp = self.world_size // (tp * pp)
-            if self.data_parallel_size is None:
-                self.data_parallel_size = dp
-            bad.check(
-                self.data_parallel_size == dp,
-                f"data_parallel_size {self.data_parallel_size} != world size {self.world_size} / "
-                f"(tensor_model_parallel_size {tp} x pipeline_model_parallel_size {pp}) = {dp}: "
-                f"drop data_parallel_size or launch {self.data_parallel_size * tp * pp} ranks",
-            )
-            ep = self.expert_model_parallel_size
-            bad.check(
-                ep >= 1 and dp % ep == 0,
-                f"expert_model_parallel_size {ep} does not divide data_parallel_size {dp}: expert groups "
-                "are carved out of the data-parallel ranks (expert-data-parallel size = dp / ep)",
-            )
+        bad.positive(self, "distributed_timeout_minutes")
+        tp, pp, ep = (
+            self.tensor_model_parallel_size,
+            self.pipeline_model_parallel_size,
+            self.expert_model_parallel_size,
+        )
+        try:  # the parallel layer's rule: dp = world / (tp x pp) is derived there, for groups too
+            self.data_parallel_size = check_sizes(self.world_size, tp, pp, ep, self.data_parallel_size)
+        except ValueError as exc:
+            bad.add(str(exc))
         if self.distributed_backend is None:
             self.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
         bad.check(
@@ -266,16 +252,17 @@ class DataConfig:
             "reset_attention_mask needs reset_position_ids too (MegaDLMs packs documents only with both)",
         )
         if self.split is None:
-            self.split = LEGACY_DEFAULT_SPLIT
-        sources = [
-            bool(self.mock_data),
-            bool(self.data_path),
-            bool(self.train_data_path or self.valid_data_path or self.test_data_path),
-        ]
-        if sum(sources) > 1:
-            bad.add("use one data source: mock_data, data_path, or train_data_path/valid_data_path")
-        elif sum(sources) == 0:
-            bad.add("no training data: pass data_path PREFIX (or train_data_path PREFIX) or mock_data")
+            self.split = DEFAULT_SPLIT
+        # the data layer owns the source rule (one source, the train split gets data)
+        for problem in data_source_problems(
+            mock=self.mock_data,
+            data_path=self.data_path,
+            train_data_path=self.train_data_path,
+            valid_data_path=self.valid_data_path,
+            test_data_path=self.test_data_path,
+            split=self.split,
+        ):
+            bad.add(problem)
         bad.check(self.num_workers >= 0, f"num_workers must be >= 0, got {self.num_workers}")
         bad.raise_if_any()
 

@@ -13,14 +13,14 @@ import shlex
 
 import pytest
 
-from megadlms.distributed import DistributedDataParallelConfig
-from megadlms.optimizer import OptimizerConfig
-from megadlms.training.arguments import (
+from megadlms.config import (
     build_parser,
     fsdp_mixed_precision,
     parse_args,
     parse_config,
 )
+from megadlms.distributed import DistributedDataParallelConfig
+from megadlms.optimizer import OptimizerConfig
 
 GPT_MODEL_ARGS = """
     --seq-length 64 --attention-backend flash --attention-softmax-in-fp32
@@ -185,7 +185,7 @@ RULES = [
         "fsdp2_fp16",
         FSDP + ["--fp16"],
         2,
-        ["--use-torch-fsdp2 is incompatible with --fp16: use --bf16 or drop --use-torch-fsdp2"],
+        ["--use-torch-fsdp2 is incompatible with --fp16, which needs loss scaling: use --bf16"],
         FSDP + ["--bf16"],
     ),
     ("fp16_bf16", ["--fp16", "--bf16"], 2, ["--fp16 and --bf16 are exclusive"], ["--bf16"]),
@@ -221,7 +221,7 @@ RULES = [
         "dp_size",
         ["--data-parallel-size", "4"],
         2,
-        ["--data-parallel-size 4 != world size 2", "launch 4 ranks"],
+        ["--data-parallel-size 4 != world size 2", "pass --data-parallel-size 2 or leave it unset"],
         ["--data-parallel-size", "2"],
     ),
     (
@@ -524,3 +524,11 @@ def test_library_errors_name_fields_and_the_cli_names_flags():
     msg = str(exc.value)
     assert "--attention-dropout must be in [0, 1)" in msg and "--hidden-dropout must be in [0, 1)" in msg
     assert "2 problems" in msg
+
+
+def test_flag_message_rewords_fields_once():
+    from megadlms.config import flag_message
+
+    once = flag_message("use_torch_fsdp2 is incompatible with fp16: use bf16 (lr_decay_iters, split)")
+    assert once == "--use-torch-fsdp2 is incompatible with --fp16: use --bf16 (--lr-decay-iters, --split)"
+    assert flag_message(once) == once  # the CLI rewords the whole error again: no "----fp16"

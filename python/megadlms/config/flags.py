@@ -1,16 +1,18 @@
 """The command-line flags of ``pretrain_difflm.py``: Megatron-LM / MegaDLMs names and defaults.
 
-Only the parser lives here (``build_parser``); turning the parsed flags into the typed
-run configuration, and every rule that spans several flags, is ``arguments.py``.
+Only the parser lives here (``build_parser``; the model, parallel, precision and MoE groups
+are ``flags_model.py`` and ``flags_moe.py``). Turning the parsed flags into the typed run
+configuration is ``arguments.py``; the rules that span several flags are ``rules.py``.
 Three kinds of Megatron flags are accepted:
 
-* implemented flags (most of them; docs/flags.md lists every one);
+* implemented flags (most of them, tensor/sequence/pipeline/expert parallelism included;
+  docs/flags.md lists every one);
 * flags that only tune speed or external logging we do not have (e.g.
   ``--attention-backend``, ``--wandb-project``): accepted so a MegaDLMs script runs as
-  written, and reported once at start as having no effect;
-* flags for features we do not implement yet (tensor/pipeline/expert/context
-  parallelism, fp8, activation recompute, ...): they parse, and the validation rejects
-  any non-default value, naming the flag.
+  written, and reported once at start as having no effect (``megatron_compat.WITHOUT_EFFECT``);
+* flags for features not implemented yet (context parallelism, fp8, activation recompute,
+  sample-based training, batch-size ramp-up, ...; ``megatron_compat.UNSUPPORTED``): they
+  parse, and the validation rejects any non-default value, naming the flag.
 
 Any other flag is an argparse error naming it.
 """
@@ -24,7 +26,14 @@ from .flags_moe import moe_args
 
 
 def _training_args(p):
+    """Batch, schedule, optimizer and NaN handling."""
     g = p.add_argument_group("training / optimisation")
+    for add in (_batch_flags, _lr_flags, _optimizer_flags, _robustness_flags):
+        add(g)
+
+
+def _batch_flags(g):
+    """Batch sizes and the length of the run."""
     add_flag(
         g, "--micro-batch-size", type=int, default=None, help="Sequences per rank per micro-step (required)."
     )
@@ -46,6 +55,10 @@ def _training_args(p):
         default=None,
         help="Sample-based training (not supported yet; use --train-iters).",
     )
+
+
+def _lr_flags(g):
+    """The optimizer kind and Megatron's learning-rate schedule."""
     add_flag(
         g,
         "--optimizer",
@@ -96,6 +109,10 @@ def _training_args(p):
         default=None,
         help="WSD: length of the final decay phase (required for WSD).",
     )
+
+
+def _optimizer_flags(g):
+    """Optimizer hyper-parameters, clipping and the seed."""
     add_flag(
         g, "--weight-decay", type=float, default=0.01, help="Decoupled weight decay (not on biases/norms)."
     )
@@ -107,6 +124,10 @@ def _training_args(p):
         g, "--clip-grad", type=float, default=1.0, help="Clip the global grad L2 norm to this (0 disables)."
     )
     add_flag(g, "--seed", type=int, default=1234, help="Seed of init, masking noise and data order.")
+
+
+def _robustness_flags(g):
+    """NaN/Inf handling and activation recompute (not supported yet)."""
     add_flag(
         g,
         "--nan-skip-limit",
@@ -198,7 +219,14 @@ def _data_args(p):
 
 
 def _checkpoint_args(p):
+    """Saving, loading, resuming and exiting."""
     g = p.add_argument_group("checkpointing")
+    for add in (_save_load_flags, _resume_exit_flags):
+        add(g)
+
+
+def _save_load_flags(g):
+    """Where and how checkpoints are written and read."""
     add_flag(g, "--save", default=None, help="Directory to save checkpoints to.")
     add_flag(g, "--load", default=None, help="Directory to resume from (latest_checkpointed_iteration.txt).")
     add_flag(g, "--save-interval", type=int, default=None, help="Save every N steps (required with --save).")
@@ -233,6 +261,10 @@ def _checkpoint_args(p):
     add_flag(g, "--no-load-rng", action="store_true", help="Do not load RNG states.")
     add_flag(g, "--no-save-optim", action="store_true", help="Do not save optimizer state.")
     add_flag(g, "--no-save-rng", action="store_true", help="Do not save RNG states.")
+
+
+def _resume_exit_flags(g):
+    """Resuming, exiting and Megatron's non-persistent checkpoints."""
     add_flag(
         g,
         "--finetune",

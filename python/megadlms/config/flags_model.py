@@ -14,7 +14,14 @@ def add_flag(group, *flags, help, **kw):  # noqa: A002 - argparse's name
 
 
 def model_args(p):
+    """The transformer's shape and layers."""
     g = p.add_argument_group("model")
+    for add in (_model_shape_flags, _model_layer_flags, _model_init_flags, _model_inert_flags):
+        add(g)
+
+
+def _model_shape_flags(g):
+    """Layers, widths, heads and sequence length."""
     add_flag(g, "--num-layers", type=int, default=None, help="Number of transformer layers (required).")
     add_flag(g, "--hidden-size", type=int, default=None, help="Transformer hidden size (required).")
     add_flag(
@@ -60,6 +67,10 @@ def model_args(p):
         default=None,
         help="Longest sequence the model accepts (learned position table size). Default --seq-length.",
     )
+
+
+def _model_layer_flags(g):
+    """Position encoding, normalisation, MLP and bias choices."""
     add_flag(
         g,
         "--position-embedding-type",
@@ -100,6 +111,10 @@ def model_args(p):
     add_flag(
         g, "--qk-layernorm", action="store_true", help="Normalise queries and keys per head before attention."
     )
+
+
+def _model_init_flags(g):
+    """Embeddings, dropout, initialisation and vocabulary."""
     add_flag(
         g,
         "--untie-embeddings-and-output-weights",
@@ -129,6 +144,10 @@ def model_args(p):
         choices=["gpt"],
         help="Model family: decoder-style stack; attention direction comes from --attention-mask-type.",
     )
+
+
+def _model_inert_flags(g):
+    """Megatron kernel choices accepted without effect (megatron_compat.py)."""
     add_flag(
         g,
         "--attention-backend",
@@ -153,7 +172,14 @@ def model_args(p):
 
 
 def difflm_args(p):
+    """The diffusion-LM objective (MegaDLMs' custom_args/difflm.py)."""
     g = p.add_argument_group("difflm (diffusion language model)")
+    for add in (_difflm_mode_flags, _difflm_objective_flags):
+        add(g)
+
+
+def _difflm_mode_flags(g):
+    """Diffusion or autoregressive mode, mask token and attention."""
     add_flag(
         g,
         "--model-running-mode",
@@ -194,6 +220,10 @@ def difflm_args(p):
         help="Attention kernel: TEDotProductAttention runs torch SDPA (with a boolean block mask when "
         "packing documents), FlexAttention runs torch flex_attention with a document block mask.",
     )
+
+
+def _difflm_objective_flags(g):
+    """The masking objective and its evaluation."""
     add_flag(
         g,
         "--difflm-mask-eps",
@@ -237,7 +267,14 @@ def difflm_args(p):
 
 
 def parallel_args(p):
+    """Parallel sizes, the data-parallel wrapper and the collectives."""
     g = p.add_argument_group("distributed")
+    for add in (_parallel_size_flags, _data_parallel_flags, _grad_accumulation_flags, _backend_flags):
+        add(g)
+
+
+def _parallel_size_flags(g):
+    """The parallel sizes (Megatron's names)."""
     add_flag(
         g,
         "--tensor-model-parallel-size",
@@ -288,6 +325,10 @@ def parallel_args(p):
         default=None,
         help="Data-parallel size; derived as world / (TP x PP). When given it must equal that.",
     )
+
+
+def _data_parallel_flags(g):
+    """The data-parallel wrapper and its buckets."""
     add_flag(
         g,
         "--use-torch-fsdp2",
@@ -340,6 +381,10 @@ def parallel_args(p):
         action="store_true",
         help="Average inside the collective (ReduceOp.AVG) instead of pre-scaling by 1/dp.",
     )
+
+
+def _grad_accumulation_flags(g):
+    """Where weight gradients accumulate."""
     add_flag(
         g,
         "--accumulate-allreduce-grads-in-fp32",
@@ -363,6 +408,10 @@ def parallel_args(p):
         default=None,
         help="Disable fused weight-gradient accumulation (a separate param.grad per weight).",
     )
+
+
+def _backend_flags(g):
+    """torch.distributed and the collectives' backend."""
     add_flag(
         g,
         "--distributed-backend",
@@ -391,6 +440,7 @@ def parallel_args(p):
 
 
 def precision_args(p):
+    """bf16 / fp16 and fp16 loss scaling."""
     g = p.add_argument_group("mixed precision")
     add_flag(
         g, "--bf16", action="store_true", help="bf16 params/compute, fp32 main params and grad reduction."

@@ -1,0 +1,205 @@
+"""The rules that span several configs (a rule about one config's own fields lives in its
+``__post_init__``), each stated once.
+
+Where a lower layer knows a constraint it owns the rule as a ``*_problems`` function worded
+with field names, and its run-time guard raises that same function's message; this module
+only calls it at parse time and says it with flags (:func:`~.messages.flag_message`):
+
+    FSDP2's limits            distributed.fsdp2.fsdp2_config_problems
+    FSDP2 + fp16              optimizer.dtensor_problems
+    EP + optimizer instances  distributed.ddp_groups.expert_instances_problems
+    micro-batches vs pp       pipeline.micro_batch_problems
+    the pipeline layer split  pipeline.stage_layers
+    the data source           data.data_source_problems (called by DataConfig)
+    TP / EP shapes            models.config.tensor_parallel_problems / expert_parallel_problems
+    optimizer instances / dp  parallel.groups.check_instances
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from megadlms.distributed import DistributedDataParallelConfig
+from megadlms.distributed.ddp_groups import expert_instances_problems
+from megadlms.distributed.fsdp2 import fsdp2_config_problems, torch_supports_fsdp2
+from megadlms.models.config import expert_parallel_problems, tensor_parallel_problems
+from megadlms.optimizer import OptimizerConfig, dtensor_problems
+from megadlms.parallel.groups import check_instances
+from megadlms.pipeline import micro_batch_problems, stage_layers
+
+from .megatron_compat import UNSUPPORTED
+from .messages import flag_message
+from .run_config import ParallelConfig
+
+
+def checkpoint_steps(args) -> Optional[tuple]:
+    """--checkpoint-steps '100,2000' -> (100, 2000); () when not given, None when malformed."""
+    text = args.checkpoint_steps
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip()) if text else ()
+    except ValueError:
+        return None
+
+
+def _unsupported_problems(args) -> List[str]:
+    out = []
+    for dest, flag, off in UNSUPPORTED:
+        value = getattr(args, dest, off)
+        if value != off:
+            shown = "" if isinstance(value, bool) else f" {value}"
+            fix = "remove it" if off in (None, False) else f"remove it (or set it to {off})"
+            out.append(f"{flag}{shown} is not supported yet by megadlms: {fix}")
+    if args.attention_mask_type == "block_causal":
+        out.append(
+            "--attention-mask-type block_causal needs MegaDLMs' conditional (block diffusion) mode, "
+            "which megadlms does not have: use no_mask or causal"
+        )
+    return out + _megadlms_problems(args)
+
+
+def _megadlms_problems(args) -> List[str]:
+    out = []
+    if args.tokenizer_model and args.tokenizer_type == "ByteTokenizer":
+        out.append(
+            f"--tokenizer-model {args.tokenizer_model} is given with --tokenizer-type ByteTokenizer, "
+            "which reads no model: drop --tokenizer-type (HuggingFaceTokenizer is the default with "
+            "--tokenizer-model) or drop --tokenizer-model"
+        )
+    if args.core_attn_implementation == "FlexAttention" and args.attention_dropout > 0:
+        out.append(
+            f"--core-attn-implementation FlexAttention has no attention dropout: add --attention-dropout 0 "
+            f"(got {args.attention_dropout}) or use TEDotProductAttention"
+        )
+    if args.core_attn_implementation == "FlexAttention" and not torch.cuda.is_available():
+        out.append(
+            "--core-attn-implementation FlexAttention needs CUDA: torch's flex_attention has no CPU "
+            "backward; use TEDotProductAttention (SDPA with a block mask) on CPU"
+        )
+    if checkpoint_steps(args) is None:
+        out.append(f"--checkpoint-steps {args.checkpoint_steps!r}: expected comma-separated integers")
+    return out
+
+
+def _fsdp2_problems(args, ddp, optimizer) -> List[str]:
+    """Megatron's rules for --use-torch-fsdp2, each with its fix."""
+    out = []
+    for flag, value in (
+        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
+        ("--expert-model-parallel-size", args.expert_model_parallel_size),
+    ):
+        if value != 1:
+            out.append(f"--use-torch-fsdp2 requires {flag} 1 (got {value})")
+    if getattr(args, "num_experts", None) is not None:
+        out.append(
+            f"--use-torch-fsdp2 does not shard mixture-of-experts layers (--num-experts {args.num_experts}): "
+            "drop --use-torch-fsdp2 (DDP, optionally with --use-distributed-optimizer and "
+            "--expert-model-parallel-size) or drop --num-experts"
+        )
+    # The wrapper's own rules (distributed optimizer, param-gather overlap, comm backend): a
+    # broken ddp config is reported by its own dataclass instead.
+    if ddp is not None:
+        out += [flag_message(p) for p in fsdp2_config_problems(ddp, who="use_torch_fsdp2")]
+    if args.gradient_accumulation_fusion:
+        out.append(
+            "--use-torch-fsdp2 is incompatible with gradient accumulation fusion: "
+            "add --no-gradient-accumulation-fusion"
+        )
+    if args.ckpt_format != "torch_dist":
+        out.append(f"--use-torch-fsdp2 requires --ckpt-format torch_dist (got {args.ckpt_format})")
+    if not args.untie_embeddings_and_output_weights:
+        out.append(
+            "--use-torch-fsdp2 requires --untie-embeddings-and-output-weights "
+            "(a tied weight cannot live in two FSDP units)"
+        )
+    if optimizer is not None:  # the optimizer's rule for DTensor (FSDP2) parameters
+        out += [flag_message(p) for p in dtensor_problems(optimizer, who="use_torch_fsdp2")]
+    if not torch_supports_fsdp2():
+        out.append(
+            f"--use-torch-fsdp2 requires PyTorch >= 2.4 (found {torch.__version__}): "
+            "upgrade torch or drop --use-torch-fsdp2"
+        )
+    return out
+
+
+def cross_flag_problems(
+    args,
+    ddp: Optional[DistributedDataParallelConfig] = None,
+    optimizer: Optional[OptimizerConfig] = None,
+) -> List[str]:
+    """The rules worded with the flags themselves (unsupported features, the nccl_ext and FSDP2
+    rules); ``ddp`` / ``optimizer``: the built configs, None when they failed their own checks."""
+    out = _unsupported_problems(args)
+    if args.comm_backend == "nccl_ext" and (
+        args.distributed_backend == "gloo" or not torch.cuda.is_available()
+    ):
+        out.append(
+            "--comm-backend nccl_ext needs CUDA GPUs and --distributed-backend nccl: "
+            "use --comm-backend torch on CPU"
+        )
+    # nccl_ext with FSDP2 is fsdp2_config_problems' rule (comm_backend), reported below
+    if args.use_torch_fsdp2:
+        out += _fsdp2_problems(args, ddp, optimizer)
+    return out
+
+
+def layout_problems(model, parallel: Optional[ParallelConfig], ddp) -> List[str]:
+    """The model shapes the tensor-parallel size must divide (the vocabulary is padded
+    later), the data-parallel size the distributed-optimizer instances must divide, and the
+    expert layout; worded with flags."""
+    if parallel is None:
+        return []
+    out = []
+    if model is not None:
+        tp, sp = parallel.tensor_model_parallel_size, parallel.sequence_parallel
+        out += tensor_parallel_problems(model, tp, sp, check_vocab=False)
+    if ddp is not None and parallel.data_parallel_size:
+        try:
+            check_instances(parallel.data_parallel_size, ddp.num_distributed_optimizer_instances)
+        except ValueError as exc:
+            out.append(str(exc).replace("the data-parallel size", "data_parallel_size"))
+    ep = parallel.expert_model_parallel_size
+    if model is not None:
+        out += expert_parallel_problems(model, ep)
+    if ddp is not None:
+        out += expert_instances_problems(ep, ddp.num_distributed_optimizer_instances)
+    return [flag_message(p) for p in out]
+
+
+def pipeline_problems(model, parallel: Optional[ParallelConfig], training, checkpoint) -> List[str]:
+    """The pipeline rules that span configs: the layer split over the stages (and chunks),
+    the number of micro-batches the schedule needs, and what pipeline stages cannot load or
+    write; worded with flags."""
+    if parallel is None or parallel.pipeline_model_parallel_size == 1:
+        return []
+    pp, out, vp = parallel.pipeline_model_parallel_size, [], None
+    if model is not None:
+        try:
+            vp = parallel.virtual_stages(model.num_layers)
+            stage_layers(
+                model.num_layers,
+                pp,
+                vp=vp,
+                first_stage_layers=parallel.decoder_first_pipeline_num_layers,
+                last_stage_layers=parallel.decoder_last_pipeline_num_layers,
+            )
+        except ValueError as exc:
+            out.append(str(exc))
+    if checkpoint is not None and checkpoint.hf_init:
+        out.append(
+            "hf_init needs pipeline_model_parallel_size 1: convert the model to a checkpoint with "
+            "megadlms-import-hf, then --load it with pipeline parallelism (checkpoints reshard)"
+        )
+    if checkpoint is not None and checkpoint.ckpt_format == "torch":
+        out.append(
+            "ckpt_format torch (one file written by rank 0) needs pipeline_model_parallel_size 1: "
+            "every pipeline stage writes its own tensors with ckpt_format torch_dist (the default)"
+        )
+    # vp is None when the layer split is already wrong: that error stands alone
+    if training is not None and training.global_batch_size and vp is not None:
+        t = training
+        batch = (t.global_batch_size, t.micro_batch_size, t.data_parallel_size)
+        out += micro_batch_problems(t.num_micro_batches, pp, vp, batch=batch)
+    return [flag_message(p) for p in out]
