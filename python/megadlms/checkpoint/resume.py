@@ -1,22 +1,37 @@
-"""Where a run starts from: --load, automatic resume from --save, verified loading with the
-optional fallback to an older checkpoint (docs/reliability.md). The loading itself is
-``checkpointing.load_checkpoint``, one call for weights, optimizer, schedule and RNG."""
+"""Where a run starts from: --load, automatic resume from --save (docs/reliability.md), and
+the newest older checkpoint that verifies when --ckpt-fallback is given. Used by the
+Checkpointer's ``find`` and ``load``."""
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple, TypeVar
 
 import torch.distributed as dist
 
-from . import checkpointing
-from .config import CheckpointConfig, RunConfig
+from .integrity import CheckpointCorruptError
+from .paths import LATEST_FILE, older_checkpoints, read_common, resolve_checkpoint
 
-_log = logging.getLogger("megadlms.training")
+_log = logging.getLogger("megadlms.checkpoint")
+T = TypeVar("T")
 
 
-def resume_path(ck: CheckpointConfig) -> Optional[str]:
+def _find(load: Optional[str], save: Optional[str], auto_resume: bool) -> Optional[str]:
+    if load:
+        path = resolve_checkpoint(load)
+        if path is None:
+            _log.warning(f"no checkpoint in --load {load} (no {LATEST_FILE}); training from scratch")
+        return path
+    if save and auto_resume:
+        path = resolve_checkpoint(save)
+        if path is not None:
+            _log.info(f"resuming from --save {save} (no --load given; --no-auto-resume starts fresh)")
+        return path
+    return None
+
+
+def resume_path(load: Optional[str], save: Optional[str], auto_resume: bool) -> Optional[str]:
     """--load, or (automatic resume) --save when it holds a checkpoint and --load is absent.
 
     Decided on rank 0 and broadcast (a collective when a process group exists): every rank
@@ -26,7 +41,7 @@ def resume_path(ck: CheckpointConfig) -> Optional[str]:
     found, error = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            found = _find(ck)
+            found = _find(load, save, auto_resume)
         except (OSError, RuntimeError) as exc:
             error = f"{type(exc).__name__}: {exc}"
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -38,71 +53,32 @@ def resume_path(ck: CheckpointConfig) -> Optional[str]:
     return found
 
 
-def _find(ck: CheckpointConfig) -> Optional[str]:
-    if ck.load:
-        path = checkpointing.resolve_checkpoint(ck.load)
-        if path is None:
-            _log.warning(
-                f"no checkpoint in --load {ck.load} (no {checkpointing.LATEST_FILE}); training from scratch"
-            )
-        return path
-    if ck.save and ck.auto_resume:
-        path = checkpointing.resolve_checkpoint(ck.save)
-        if path is not None:
-            _log.info(f"resuming from --save {ck.save} (no --load given; --no-auto-resume starts fresh)")
-        return path
-    return None
-
-
-def checkpoint_vocab(path: Optional[str]) -> Optional[int]:
+def recorded_vocab(path: Optional[str]) -> Optional[int]:
     """The padded vocabulary recorded by checkpoint ``path`` (None without one)."""
     if path is None:
         return None
     try:
-        return checkpointing.read_common(path).get("model_config", {}).get("vocab_size")
-    except (OSError, ValueError):  # unreadable: the verified load below reports it
+        return read_common(path).get("model_config", {}).get("vocab_size")
+    except (OSError, ValueError):  # unreadable: the verified load reports it
         return None
 
 
-def _load(
-    path: str, config: RunConfig, model, optimizer, scheduler, tp, pp_group=None
-) -> checkpointing.TrainState:
-    ck = config.checkpoint
-    return checkpointing.load_checkpoint(
-        path,
-        model=model,
-        optimizer=optimizer,
-        scheduler=scheduler,
-        restore_optimizer=not (ck.finetune or ck.no_load_optim),
-        load_rng=not (ck.finetune or ck.no_load_rng),
-        override_scheduler=config.schedule.override_opt_param_scheduler,
-        model_config=config.model.to_dict(),
-        tp_group=None if tp is None else tp.group,
-        rng_tracker=None if tp is None else tp.rng_tracker,
-        ep_group=None if tp is None else tp.expert_group,
-        pp_group=pp_group,
-    )
-
-
-def load_verified(
-    path: str, config: RunConfig, model, optimizer, scheduler, *, tp=None, pp_group=None
-) -> Tuple[str, checkpointing.TrainState]:
-    """Load ``path``; with --ckpt-fallback a checkpoint that fails verification gives way to
-    the newest older one that passes (every rank takes the same decision: the verdict is shared).
-    ``tp``: the model's TensorParallelContext (its group and RNG tracker); ``pp_group``: the
-    pipeline-parallel group (None without PP)."""
+def with_fallback(path: str, load: Callable[[str], T], fallback: bool) -> Tuple[str, T]:
+    """``(path, load(path))``; with ``fallback`` a checkpoint that fails verification gives way
+    to the newest older one that passes (every rank takes the same decision: the verdict of
+    ``verify_checkpoint`` is shared)."""
     try:
-        return path, _load(path, config, model, optimizer, scheduler, tp, pp_group)
-    except checkpointing.CheckpointCorruptError as exc:
-        if not config.checkpoint.ckpt_fallback:
+        return path, load(path)
+    except CheckpointCorruptError as exc:
+        if not fallback:
             raise
-        root, it = os.path.dirname(path), int(checkpointing.read_common(path)["iteration"])
-        for older in checkpointing.older_checkpoints(root, it):
+        root, it = os.path.dirname(path), int(read_common(path)["iteration"])
+        for older in older_checkpoints(root, it):
             _log.warning(f"{exc}\n--ckpt-fallback: trying {older}")
             try:
-                return older, _load(older, config, model, optimizer, scheduler, tp, pp_group)
-            except checkpointing.CheckpointCorruptError as again:
+                return older, load(older)
+            except CheckpointCorruptError as again:
                 exc = again
-        raise checkpointing.CheckpointCorruptError(
+        raise CheckpointCorruptError(
             f"{exc} (--ckpt-fallback: no older complete checkpoint in {root} verifies)"
         ) from exc

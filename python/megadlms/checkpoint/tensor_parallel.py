@@ -175,17 +175,3 @@ def read_resharded(
                 for k, full in batch.items():
                     reads[k][0].copy_(_local_from_full(full, reads[k][1], tp_group, ep_group))
             batch, size = {}, 0
-
-
-def layout_record(world: int, tp_group: Group, pp: int = 1, vp: int = 1, ep_group: Group = None) -> dict:
-    """The ``parallel`` record of common.json: tp, pp (and vp, model chunks per pipeline
-    rank), dp, ep and the world size of the run that saved it."""
-    tp = tp_size(tp_group)
-    return {
-        "tp": tp,
-        "pp": pp,
-        "vp": vp,
-        "dp": world // (tp * pp),
-        "world": world,
-        "ep": group_size(ep_group),
-    }
