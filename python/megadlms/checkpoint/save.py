@@ -132,6 +132,27 @@ def _write(tensors, tmp: str, ckpt_format: str, rank: int, rng: Optional[dict], 
         torch.save(full, os.path.join(tmp, TORCH_FILE))
 
 
+def _check_format(ckpt_format: str, background: bool, layout: ParallelLayout) -> None:
+    if ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
+    if background and ckpt_format != "torch_dist":
+        raise ValueError("--async-save needs --ckpt-format torch_dist")
+    if layout.pp > 1 and ckpt_format == "torch":  # one file of full tensors from rank 0: one stage only
+        raise ValueError("--ckpt-format torch needs --pipeline-model-parallel-size 1: use torch_dist")
+
+
+def _finish(root: str, iteration: int, common: dict, rank: int) -> str:
+    """Rank 0 makes the written checkpoint current (commit.py); every rank learns the outcome."""
+    error = None
+    if rank == 0:
+        try:
+            finalize_checkpoint(root, iteration, common)
+        except Exception as exc:  # noqa: BLE001 - shared below so no rank waits forever
+            error = save_error(exc, root, iteration)
+    agree(error, f"finishing checkpoint iteration {iteration}")
+    return checkpoint_dir(root, iteration)
+
+
 def save_checkpoint(
     root: str,
     iteration: int,
@@ -160,12 +181,7 @@ def save_checkpoint(
     are stored as full logical tensors, every pipeline stage writes its own tensors under
     their global names, the tracker's RNG streams join this rank's RNG file.
     """
-    if ckpt_format not in CKPT_FORMATS:
-        raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
-    if async_group is not None and ckpt_format != "torch_dist":
-        raise ValueError("--async-save needs --ckpt-format torch_dist")
-    if layout.pp > 1 and ckpt_format == "torch":
-        raise ValueError("--ckpt-format torch needs --pipeline-model-parallel-size 1: use torch_dist")
+    _check_format(ckpt_format, async_group is not None, layout)
     records, rank = records or RunRecords(), layout.rank
     tmp = _prepare(root, iteration, rank)
     # Who keeps each gathered full tensor: rank 0 writes the torch file; DCP spreads them.
@@ -196,11 +212,4 @@ def save_checkpoint(
     agree(error, f"saving checkpoint iteration {iteration}")
     if async_group is not None:
         return start_async_save(tensors, tmp, root, iteration, common, async_group)
-    error = None
-    if rank == 0:
-        try:
-            finalize_checkpoint(root, iteration, common)
-        except Exception as exc:  # noqa: BLE001 - shared below so no rank waits forever
-            error = save_error(exc, root, iteration)
-    agree(error, f"finishing checkpoint iteration {iteration}")
-    return checkpoint_dir(root, iteration)
+    return _finish(root, iteration, common, rank)
