@@ -99,6 +99,8 @@ class Checkpointer:
         flight first. Returns the checkpoint directory, or None with --async-save (the write
         goes on in the background: :meth:`wait` returns the directory)."""
         ck = self.config
+        # Two saves never overlap: DCP's background thread and a new save would share the
+        # gloo group, and the new latest must not be written before the older one.
         self.wait()
         written = save_checkpoint(
             ck.save,

@@ -79,6 +79,7 @@ def load_optimizer_state(ckpt: str, optimizer, model, *, layout: ParallelLayout 
         )
     shapes = tensor_shapes(ckpt, common)
     params = named_params(unwrap_model(model))
+    # Only this rank's parameters: another pipeline stage's state is not read at all.
     skel = own_skeleton(skel, set(params), shared_copies(params))
     reads = _optimizer_reads(ckpt, skel, shapes, params, layout)
     read = functools.partial(read_tensors, ckpt, common)
@@ -132,6 +133,7 @@ def load_checkpoint(
         if restore_optimizer:
             load_optimizer_state(ckpt, optimizer, model, layout=layout)
         else:
+            # Fresh optimizer: its fp32 main params must start from the loaded weights.
             optimizer.reload_model_params()
     if scheduler is not None and restore_optimizer and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"], override=override_scheduler)

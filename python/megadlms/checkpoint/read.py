@@ -127,6 +127,7 @@ def load_model_state(
     copies = shared_copies(params)  # stored as (and read from) the embedding
     sd = module.state_dict()
     template = {f"{MODEL_PREFIX}{k}": v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    # The key each tensor is read from: its own, or the embedding's for a tied copy.
     stored = {k: MODEL_PREFIX + copies.get(k[6:], k[6:]) for k in template}
     shapes = tensor_shapes(ckpt, common)
     saved_model = {k for k in shapes if k.startswith(MODEL_PREFIX)}
@@ -135,6 +136,7 @@ def load_model_state(
     reads = {}
     for k, v in template.items():
         main = f"optimizer/state/{stored[k][6:]}/fp32_param"
+        # A bf16/fp16 run's exact fp32 main copy beats its rounded weight for an fp32 model.
         use_main = prefer_fp32_params and v.dtype == torch.float32 and main in shapes
         reads[main if use_main else stored[k]] = (v, params.get(k[6:]))
     read = functools.partial(read_tensors, ckpt, common)

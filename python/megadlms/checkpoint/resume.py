@@ -46,6 +46,7 @@ def resume_path(load: Optional[str], save: Optional[str], auto_resume: bool) -> 
             error = f"{type(exc).__name__}: {exc}"
     if dist.is_initialized() and dist.get_world_size() > 1:
         shared = [found, error]
+        # The error travels too: every rank raises, none waits in the next collective.
         dist.broadcast_object_list(shared, src=0)
         found, error = shared
     if error is not None:

@@ -113,6 +113,7 @@ def _collect(
             check_optimizer_keys(state.get("state", {}), params)
         opt_skel = split_state(merged_optimizer_state(state, layout.pp_group), "optimizer", tensors)
         drop_elsewhere(tensors)
+    # Last: the gathers are collectives in sorted key order, so every key must be final here.
     gather_for_save(tensors, params, layout.tp_group, owner, ep_group=layout.ep_group)
     return tensors, opt_skel
 
@@ -209,6 +210,7 @@ def save_checkpoint(
         _write(tensors, tmp, ckpt_format, rank, rng, background=async_group is not None)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank learns of it in agree
         error = save_error(exc, root, iteration)
+    # Before the finish: rank 0 must not commit a checkpoint another rank failed to write.
     agree(error, f"saving checkpoint iteration {iteration}")
     if async_group is not None:
         return start_async_save(tensors, tmp, root, iteration, common, async_group)
