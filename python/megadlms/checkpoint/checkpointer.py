@@ -121,11 +121,6 @@ class Checkpointer:
             return None
         return written
 
-    @property
-    def pending(self) -> bool:
-        """True while a background save is in flight (not yet waited for)."""
-        return self._pending is not None
-
     def wait(self) -> Optional[str]:
         """Block until the background save in flight (if any) is complete and in place; its
         directory (None when nothing was in flight). Re-raises a failed write."""
