@@ -62,7 +62,7 @@ def _init_world() -> None:
 
 
 def throughput(tensors: dict, root: str, repeats: int) -> dict:
-    from megadlms.training import checkpointing as ck
+    from megadlms import checkpoint as ck
 
     module = _Module(tensors)
     gb = sum(t.numel() * t.element_size() for t in tensors.values()) / 1e9
@@ -84,11 +84,11 @@ def throughput(tensors: dict, root: str, repeats: int) -> dict:
 
 def stall(tensors: dict, root: str, repeats: int) -> dict:
     """Seconds inside the save call: synchronous vs asynchronous (and the background write)."""
-    from megadlms.training import checkpoint_async
-    from megadlms.training import checkpointing as ck
+    from megadlms import checkpoint as ck
+    from megadlms.checkpoint.async_save import background_group
 
     module = _Module(tensors)
-    group = checkpoint_async.checkpoint_group(True)
+    group = background_group(True)
     res = {"sync": [], "async": [], "async background": []}
     for r in range(repeats):
         shutil.rmtree(root, ignore_errors=True)

@@ -6,7 +6,7 @@ A GPTModel (SwiGLU, untied embeddings, ``--layers`` x ``--hidden``) is trained o
 tp2 x dp2 under our DistributedDataParallel + MixedPrecisionOptimizer (Adam state), then its
 weights and optimizer state are saved and loaded back at tp2 x dp2, tp1 x dp4 and tp4 x dp1 by
 
-* baseline: ``checkpointing.save_checkpoint`` / ``load_checkpoint`` (TP shards gathered to full
+* baseline: ``megadlms.checkpoint.save_checkpoint`` / ``load_checkpoint`` (TP shards gathered to full
   tensors by hand over the TP group, written by DCP; cut to shards again on load:
   checkpoint_tp.py, checkpoint_pp.py, parallel/sharding.py);
 * prototype: every tensor wrapped as a ``DTensor.from_local`` view on the run's [pp, dp, tp]
@@ -42,6 +42,16 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
+
+from megadlms.checkpoint import (
+    ParallelLayout,
+    checkpoint_dir,
+    load_checkpoint,
+    read_common,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from megadlms.checkpoint.commit import finalize_checkpoint
 
 LAYOUTS = {"tp2dp2": 2, "tp1dp4": 1, "tp4dp1": 4}  # name -> tp (dp = 4 / tp)
 SAVE_AT = "tp2dp2"
@@ -123,9 +133,7 @@ def _dtensor_state(module, opt, groups) -> tuple:
 
 
 def _proto_save(root: str, module, wrapper, opt, groups) -> str:
-    from megadlms.training import checkpointing as ck
-
-    final = ck.checkpoint_dir(root, 1)
+    final = checkpoint_dir(root, 1)
     if dist.get_rank() == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.makedirs(final + ".tmp")
@@ -134,15 +142,13 @@ def _proto_save(root: str, module, wrapper, opt, groups) -> str:
     dcp.save(sd, checkpoint_id=final + ".tmp")
     dist.barrier()
     if dist.get_rank() == 0:  # the same manifest + common.json + rename as the baseline
-        ck.finalize_checkpoint(root, 1, {"iteration": 1, "ckpt_format": "torch_dist"})
+        finalize_checkpoint(root, 1, {"iteration": 1, "ckpt_format": "torch_dist"})
     dist.barrier()
     return final
 
 
 def _proto_load(path: str, module, wrapper, opt, groups) -> None:
-    from megadlms.training import checkpointing as ck
-
-    ck.verify_checkpoint(path, ck.read_common(path))
+    verify_checkpoint(path, read_common(path))
     sd, opt_sd = _dtensor_state(module, opt, groups)
     dcp.load(sd, checkpoint_id=path)  # fills the views: the parameters and the state tensors
     for fqn, st in opt_sd["state"].items():
@@ -176,15 +182,15 @@ def _old_format_keys(path: str, cfg, groups, saved: dict) -> tuple:
 
 # ------------------------------------------------------------------------- baseline
 def _base_save(root: str, module, wrapper, opt, groups) -> str:
-    from megadlms.training import checkpointing as ck
-
-    return ck.save_checkpoint(root, 1, model=wrapper, optimizer=opt, tp_group=groups.tp.group, save_rng=False)
+    return save_checkpoint(
+        root, 1, model=wrapper, optimizer=opt, layout=ParallelLayout(tp_group=groups.tp.group), save_rng=False
+    )
 
 
 def _base_load(path: str, module, wrapper, opt, groups) -> None:
-    from megadlms.training import checkpointing as ck
-
-    ck.load_checkpoint(path, model=wrapper, optimizer=opt, tp_group=groups.tp.group, load_rng=False)
+    load_checkpoint(
+        path, model=wrapper, optimizer=opt, layout=ParallelLayout(tp_group=groups.tp.group), load_rng=False
+    )
 
 
 PATHS = {"baseline": (_base_save, _base_load), "dtensor": (_proto_save, _proto_load)}

@@ -50,22 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_for_inference(path: str, device: Optional[torch.device] = None):
     """(model in eval mode, tokenizer, common.json dict) from a checkpoint path."""
+    from megadlms.checkpoint import load_model_state, open_checkpoint, tokenizer_record
     from megadlms.data import TokenizerConfig
     from megadlms.models import GPTModel, TransformerConfig
-    from megadlms.training import checkpointing
 
-    ckpt = checkpointing.resolve_checkpoint(path)
-    if ckpt is None:
-        raise ValueError(
-            f"--load {path}: no checkpoint there (no "
-            f"{checkpointing.LATEST_FILE} and no {checkpointing.COMMON_FILE})"
-        )
-    common = checkpointing.read_common(ckpt)
+    ckpt, common = open_checkpoint(path)
     # Model and tokenizer come from the checkpoint's own records, never from flag names.
     mcfg = common["model_config"]
     model = GPTModel(TransformerConfig.from_dict(mcfg))
-    checkpointing.load_model_state(ckpt, model, model_config=mcfg)
-    tokenizer = TokenizerConfig.from_dict(checkpointing.tokenizer_record(common)).build()
+    load_model_state(ckpt, model, model_config=mcfg)
+    tokenizer = TokenizerConfig.from_dict(tokenizer_record(common)).build()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval(), tokenizer, common
 

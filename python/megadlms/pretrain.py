@@ -125,7 +125,7 @@ def run(argv: Optional[Sequence[str]] = None):
     ok = False
     try:
         if config.checkpoint.ckpt_convert_format:  # Megatron: convert, then exit
-            from megadlms.training.ckpt_convert import convert_checkpoint
+            from megadlms.checkpoint.convert import convert_checkpoint
 
             result = convert_checkpoint(config)
         else:

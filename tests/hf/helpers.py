@@ -3,9 +3,9 @@
 import pytest
 import torch
 
+from megadlms.checkpoint import RunRecords, save_checkpoint
 from megadlms.data import TokenizerConfig
 from megadlms.models import GPTModel, TransformerConfig
-from megadlms.training import checkpointing
 
 ROPE_SWIGLU = dict(
     position_embedding_type="rope",
@@ -39,13 +39,12 @@ def save_tiny(root, cfg: TransformerConfig, fmt="torch_dist", seed=0, iteration=
                 p.add_(0.3 * torch.randn_like(p))
             elif "word_embeddings" in name or "output_layer" in name:
                 p.mul_(20.0)  # confident logits, so sampler tie-breaks do not decide
-    checkpointing.save_checkpoint(
+    save_checkpoint(
         str(root),
         iteration,
         model=model,
         ckpt_format=fmt,
-        model_config=cfg.to_dict(),
-        tokenizer=TokenizerConfig().to_dict(),
+        records=RunRecords(model_config=cfg.to_dict(), tokenizer=TokenizerConfig().to_dict()),
     )
     return model.eval()
 

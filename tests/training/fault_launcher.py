@@ -28,15 +28,16 @@ sys.path[:0] = [os.path.join(ROOT, "python"), ROOT]
 
 
 def _install(fault: dict) -> None:
-    from megadlms.training import checkpointing, train
+    from megadlms.checkpoint import checkpointer, commit
     from megadlms.training import step as step_mod
+    from megadlms.training import train
 
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank != fault["rank"] or attempt != fault.get("attempt", 0):
         return
     kind, target = fault["kind"], fault["iteration"] - 1  # train_step sees the 0-based iteration
-    real_step, real_save = train.train_step, checkpointing.save_checkpoint
+    real_step, real_save = train.train_step, checkpointer.save_checkpoint
 
     def step(model, optimizer, micro, cfg, iteration, **kw):
         if iteration == target:
@@ -58,7 +59,7 @@ def _install(fault: dict) -> None:
         if kind == "kill_in_save" and iteration == fault["iteration"]:
             from torch.distributed.checkpoint import filesystem
 
-            real_write, real_atomic = filesystem.FileSystemWriter.write_data, checkpointing._write_atomic
+            real_write, real_atomic = filesystem.FileSystemWriter.write_data, commit.write_atomic
 
             def dying_write(self, plan, planner):
                 fut = real_write(self, plan, planner)
@@ -73,11 +74,11 @@ def _install(fault: dict) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
 
             filesystem.FileSystemWriter.write_data = dying_write
-            checkpointing._write_atomic = dying_atomic if rank == 0 else real_atomic
+            commit.write_atomic = dying_atomic if rank == 0 else real_atomic
         return real_save(root, iteration, **kw)
 
     train.train_step = step
-    checkpointing.save_checkpoint = save
+    checkpointer.save_checkpoint = save  # what Checkpointer.save calls
 
 
 def main() -> int:

@@ -114,7 +114,7 @@ def test_gradients_zeroed_once_per_step_and_checkpoint_records(tmp_path):
         assert iters == 4 and counts["zero"] == 4, counts
         assert counts["check"] == 0, counts  # the trainer checks before wrapping, not per step
     common = json.loads((tmp_path / "iter_0000004" / "common.json").read_text())
-    from megadlms.training.checkpointing import FORMAT_VERSION
+    from megadlms.checkpoint import FORMAT_VERSION
 
     assert common["format_version"] == FORMAT_VERSION >= 2  # 2: records of its own (tokenizer)
     assert common["tokenizer"] == {

@@ -96,19 +96,24 @@ def _exact(a, b) -> bool:
 
 
 def _save(root, groups, wrapper, opt, iteration, fmt):
-    from megadlms.training import checkpointing as ck
+    from megadlms import checkpoint as ck
 
     ep_group = groups.ep.group if groups is not None and groups.ep.size > 1 else None
     return ck.save_checkpoint(
-        root, iteration, model=wrapper, optimizer=opt, ckpt_format=fmt, ep_group=ep_group
+        root,
+        iteration,
+        model=wrapper,
+        optimizer=opt,
+        ckpt_format=fmt,
+        layout=ck.ParallelLayout(ep_group=ep_group),
     )
 
 
 def _load(ckpt, groups, wrapper, opt):
-    from megadlms.training import checkpointing as ck
+    from megadlms import checkpoint as ck
 
     ep_group = groups.ep.group if groups is not None and groups.ep.size > 1 else None
-    return ck.load_checkpoint(ckpt, model=wrapper, optimizer=opt, ep_group=ep_group)
+    return ck.load_checkpoint(ckpt, model=wrapper, optimizer=opt, layout=ck.ParallelLayout(ep_group=ep_group))
 
 
 def _save_ep2_dp2(rank, world, root):
@@ -160,7 +165,8 @@ def _distcp_bytes(ckpt: str) -> int:
 
 
 def test_ep_checkpoint_reshards_everywhere(tmp_path):
-    from megadlms.training import checkpointing as ck
+    from megadlms import checkpoint as ck
+    from megadlms.checkpoint.format import SafeFileSystemReader
 
     root = str(tmp_path)
     first = run_distributed(_save_ep2_dp2, world_size=2, args=(root,), timeout=300)
@@ -189,7 +195,7 @@ def test_ep_checkpoint_reshards_everywhere(tmp_path):
 
     # full shapes in the metadata; every tensor written once
     ckpt = f"{root}/distopt_torch_dist/iter_0000002"
-    md = ck.SafeFileSystemReader(ckpt).read_metadata()
+    md = SafeFileSystemReader(ckpt).read_metadata()
     shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
     for key in ("model/experts.weight", "optimizer/state/experts.weight/exp_avg"):
         assert shapes[key] == (E, H, H), (key, shapes[key])

@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from megadlms.training import checkpointing as ck
-from megadlms.training.checkpoint_integrity import CheckpointCorruptError
+from megadlms import checkpoint as ck
+from megadlms.checkpoint import CheckpointCorruptError
 from tests.dist_utils import run_distributed
 
 

@@ -133,8 +133,8 @@ def _exact(a: dict, b: dict) -> bool:
 def _worker(rank, world, root):
     import torch.distributed as dist
 
+    from megadlms import checkpoint as ck
     from megadlms.parallel import ParallelGroups, model_parallel_manual_seed
-    from megadlms.training import checkpointing as ck
 
     g22, g14 = ParallelGroups.build(tp=2), ParallelGroups.build(tp=1)
     out = {"saved": {}, "after": {}, "loads": {}, "rng": {}}
@@ -148,7 +148,7 @@ def _worker(rank, world, root):
         for fmt in FORMATS:
             ck.save_checkpoint(
                 f"{root}/{variant}_{fmt}", 2, model=wrapper, optimizer=opt, ckpt_format=fmt,
-                tp_group=g22.tp.group, rng_tracker=tracker,
+                layout=ck.ParallelLayout(tp_group=g22.tp.group, rng_tracker=tracker),
             )  # fmt: skip
         out["rng"][f"{variant}_saved"] = tracker.get_states()
         out["saved"][variant] = _full_state(module, opt, g22.tp.group)
@@ -168,7 +168,7 @@ def _worker(rank, world, root):
                 tracker = model_parallel_manual_seed(99, groups.tp.rank)
                 state = ck.load_checkpoint(
                     f"{root}/{variant}_{fmt}/iter_0000002", model=wrapper, optimizer=opt,
-                    tp_group=groups.tp.group, rng_tracker=tracker,
+                    layout=ck.ParallelLayout(tp_group=groups.tp.group, rng_tracker=tracker),
                 )  # fmt: skip
                 loaded = _full_state(module, opt, groups.tp.group)
                 _train_step(wrapper, opt, 2, groups.dp.rank, groups.dp.size)
@@ -187,10 +187,17 @@ def _worker(rank, world, root):
     module, wrapper, opt = _build("distopt", g22.tp.group, g22.dp.group, bf16=True)
     for step in (0, 1):
         _train_step(wrapper, opt, step, g22.dp.rank, g22.dp.size)
-    ck.save_checkpoint(f"{root}/bf16", 2, model=wrapper, optimizer=opt, tp_group=g22.tp.group)
+    ck.save_checkpoint(
+        f"{root}/bf16", 2, model=wrapper, optimizer=opt, layout=ck.ParallelLayout(tp_group=g22.tp.group)
+    )
     saved = _full_state(module, opt, g22.tp.group)
     module, wrapper, opt = _build("ddp", g14.tp.group, g14.dp.group, seed=7, bf16=True)
-    ck.load_checkpoint(f"{root}/bf16/iter_0000002", model=wrapper, optimizer=opt, tp_group=g14.tp.group)
+    ck.load_checkpoint(
+        f"{root}/bf16/iter_0000002",
+        model=wrapper,
+        optimizer=opt,
+        layout=ck.ParallelLayout(tp_group=g14.tp.group),
+    )
     out["bf16"] = {"exact": _exact(_full_state(module, opt, g14.tp.group), saved), "keys": sorted(saved)}
     dist.barrier()
     return out
@@ -201,7 +208,8 @@ def _distcp_bytes(ckpt: str) -> int:
 
 
 def test_tp_checkpoint_reshards_everywhere(tmp_path):
-    from megadlms.training import checkpointing as ck
+    from megadlms import checkpoint as ck
+    from megadlms.checkpoint.format import SafeFileSystemReader
 
     root = str(tmp_path)
     results = run_distributed(_worker, world_size=4, args=(root,), timeout=600)
@@ -237,7 +245,7 @@ def test_tp_checkpoint_reshards_everywhere(tmp_path):
             assert _max_diff(_full_params(module, None), out["after"][variant]) <= 1e-6, (variant, fmt)
 
     # The DCP metadata holds full logical shapes (model and optimizer state).
-    md = ck.SafeFileSystemReader(f"{root}/distopt_torch_dist/iter_0000002").read_metadata()
+    md = SafeFileSystemReader(f"{root}/distopt_torch_dist/iter_0000002").read_metadata()
     shapes = {k: tuple(v.size) for k, v in md.state_dict_metadata.items() if hasattr(v, "size")}
     expected = {
         "embedding.weight": (V, H),

@@ -11,7 +11,9 @@ import signal
 import pytest
 import torch
 
-from megadlms.training import checkpointing as ck
+from megadlms import checkpoint as ck
+from megadlms.checkpoint import commit
+from megadlms.checkpoint.format import SafeFileSystemReader
 
 
 def _model(seed):
@@ -38,8 +40,7 @@ def _save(root, it, seed, fmt="torch_dist"):
         optimizer=opt,
         ckpt_format=fmt,
         consumed_samples=8 * it,
-        args={"seed": seed},
-        model_config={"hidden_size": 5},
+        records=ck.RunRecords(args={"seed": seed}, model_config={"hidden_size": 5}),
     )
     return m, opt
 
@@ -77,7 +78,7 @@ def test_model_config_mismatch_names_field(tmp_path):
 def test_metadata_unpickler_refuses_foreign_globals(tmp_path):
     _save(str(tmp_path), 1, seed=1)
     path = ck.resolve_checkpoint(str(tmp_path))
-    assert ck.SafeFileSystemReader(path).read_metadata().state_dict_metadata  # the real one loads
+    assert SafeFileSystemReader(path).read_metadata().state_dict_metadata  # the real one loads
 
     class Evil:
         def __reduce__(self):
@@ -120,7 +121,7 @@ def _crash_child(root, where):
                 f.write(data[: len(data) // 2])
             os.kill(os.getpid(), signal.SIGKILL)
 
-        ck._write_atomic = dying_write
+        commit.write_atomic = dying_write
     _save(root, 2, seed=2)
 
 
@@ -160,3 +161,44 @@ def test_resave_same_iteration_and_missing_dirs(tmp_path):
         f.write("7")
     with pytest.raises(RuntimeError, match="iteration 7"):
         ck.resolve_checkpoint(root)
+
+
+def test_checkpointer_find_save_load_fallback(tmp_path):
+    """The Checkpointer a run uses: resume from --save, save with the run's counters and
+    records, verified load (weights, optimizer, counters) and --ckpt-fallback past a corrupt one."""
+    from megadlms.config import CheckpointConfig
+
+    root = str(tmp_path)
+    cfg = CheckpointConfig(save=root, save_interval=1)
+    saver = ck.Checkpointer(cfg)
+    assert saver.find() is None  # nothing under --save yet: start fresh
+    trained = {}
+    for it in (1, 2):
+        m, opt = _trained(it)
+        written = saver.save(
+            it, m, opt, consumed_samples=8 * it, extra={"nan_iterations": it},
+            records=ck.RunRecords(model_config={"hidden_size": 5, "vocab_size": 384}),
+        )  # fmt: skip
+        assert written == ck.checkpoint_dir(root, it) and saver.wait() is None  # synchronous
+        trained[it] = (m, opt)
+    newest = saver.find()
+    assert newest == ck.checkpoint_dir(root, 2) and saver.recorded_vocab(newest) == 384
+
+    def check(path, state, it):
+        m_ref, opt_ref = trained[it]
+        assert path == ck.checkpoint_dir(root, it)
+        assert (state.iteration, state.consumed_samples, state.extra) == (it, 8 * it, {"nan_iterations": it})
+        assert all(torch.equal(a, b) for a, b in zip(m_ref.state_dict().values(), m.state_dict().values()))
+        sa, sb = opt_ref.state_dict()["state"], opt.state_dict()["state"]
+        assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+
+    m = _model(9)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    check(*saver.load(newest, m, opt, model_config={"hidden_size": 5}), 2)
+    victim = next(f for f in sorted(os.listdir(newest)) if f.endswith(".distcp"))
+    with open(os.path.join(newest, victim), "r+b") as f:
+        f.write(b"\xff\xff")  # same size, different bytes: only the checksum notices
+    with pytest.raises(ck.CheckpointCorruptError, match=victim):
+        saver.load(newest, m, opt)
+    fallback = ck.Checkpointer(CheckpointConfig(save=root, save_interval=1, ckpt_fallback=True))
+    check(*fallback.load(newest, m, opt), 1)

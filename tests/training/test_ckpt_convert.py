@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
+from megadlms import checkpoint as ck
 from megadlms.pretrain import run
-from megadlms.training import checkpointing
 
 MODEL = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
@@ -16,10 +16,10 @@ MODEL = (
 
 
 def _tensors(ckpt):
-    common = checkpointing.read_common(ckpt)
-    shapes = checkpointing._metadata_shapes(ckpt, common)
+    common = ck.read_common(ckpt)
+    shapes = ck.tensor_shapes(ckpt, common)
     out = {k: torch.empty(s, dtype=d) for k, (s, d) in shapes.items()}
-    checkpointing._read_tensors(ckpt, common, out)
+    ck.read_tensors(ckpt, common, out)
     return common, out
 
 

@@ -128,9 +128,9 @@ def test_generate_is_deterministic_and_loads_both_formats(tmp_path, fmt):
     the same text and the model equals the saved one."""
     import torch
 
+    from megadlms.checkpoint import RunRecords, save_checkpoint
     from megadlms.generate import generate_text, load_for_inference
     from megadlms.models import GPTModel, TransformerConfig
-    from megadlms.training import checkpointing
 
     cfg = TransformerConfig(
         num_layers=1,
@@ -142,13 +142,12 @@ def test_generate_is_deterministic_and_loads_both_formats(tmp_path, fmt):
     )
     torch.manual_seed(0)
     model = GPTModel(cfg, attention="bidirectional")
-    checkpointing.save_checkpoint(
+    save_checkpoint(
         str(tmp_path),
         1,
         model=model,
         ckpt_format=fmt,
-        args={"tokenizer_type": "ByteTokenizer"},
-        model_config=cfg.to_dict(),
+        records=RunRecords(args={"tokenizer_type": "ByteTokenizer"}, model_config=cfg.to_dict()),
     )
     loaded, tok, common = load_for_inference(str(tmp_path), torch.device("cpu"))
     for a, b in zip(model.state_dict().values(), loaded.state_dict().values()):

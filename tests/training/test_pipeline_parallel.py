@@ -152,22 +152,22 @@ def test_loss_curve_matches_one_process(worlds, world, name, ref):
 def test_final_weights_match_one_process(worlds):
     """The pp=2 run's checkpoint (every stage's tensors, global names, no tied copy) holds the
     one-process run's weights."""
-    from megadlms.training import checkpointing
+    from megadlms import checkpoint as ck
 
     tmp = worlds["tmp"]
-    a, b = (checkpointing.resolve_checkpoint(os.path.join(tmp, n)) for n in ("pp2ckpt", "single"))
-    shapes_a = checkpointing._metadata_shapes(a, checkpointing.read_common(a))
-    shapes_b = checkpointing._metadata_shapes(b, checkpointing.read_common(b))
+    a, b = (ck.resolve_checkpoint(os.path.join(tmp, n)) for n in ("pp2ckpt", "single"))
+    shapes_a = ck.tensor_shapes(a, ck.read_common(a))
+    shapes_b = ck.tensor_shapes(b, ck.read_common(b))
     assert sorted(shapes_a) == sorted(shapes_b)
     assert not any("output_layer.weight" in k for k in shapes_a), "the tied copy is never stored"
     keys = sorted(k for k in shapes_a if k.startswith("model/"))
     ta = {k: torch.empty(shapes_a[k][0], dtype=shapes_a[k][1]) for k in keys}
     tb = {k: torch.empty(shapes_b[k][0], dtype=shapes_b[k][1]) for k in keys}
-    checkpointing._read_tensors(a, checkpointing.read_common(a), ta)
-    checkpointing._read_tensors(b, checkpointing.read_common(b), tb)
+    ck.read_tensors(a, ck.read_common(a), ta)
+    ck.read_tensors(b, ck.read_common(b), tb)
     for k in keys:
         torch.testing.assert_close(ta[k], tb[k], rtol=1e-4, atol=1e-5, msg=k)
-    assert checkpointing.read_common(a)["parallel"] == {
+    assert ck.read_common(a)["parallel"] == {
         "tp": 1,
         "pp": 2,
         "vp": 1,

@@ -9,7 +9,7 @@ to the bundled ``modeling_megadlms.py``, ``mask_token_id``), ``generation_config
     AutoModel.from_pretrained(DIR, trust_remote_code=True)
 
 The checkpoint may be of either format (torch_dist, torch), from any wrapper and any
-data-parallel size: it is read by ``checkpointing.load_model_state``, the loader every
+data-parallel size: it is read by ``megadlms.checkpoint.load_model_state``, the loader every
 megadlms tool uses. Needs ``safetensors`` (``pip install megadlms[hf]``), not transformers.
 """
 
@@ -24,6 +24,7 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
+from megadlms.checkpoint import tokenizer_record
 from megadlms.models import TransformerConfig
 
 from .mapping import megadlms_to_hf
@@ -125,9 +126,7 @@ def export_hf(
     sd = {k: v.detach().to(DTYPES[dtype]) for k, v in model.state_dict().items()}
     tensors = megadlms_to_hf(sd, cfg)
     save_safetensors(tensors, output, max_shard_size_mb * 1024 * 1024)
-    from megadlms.training import checkpointing
-
-    record = checkpointing.tokenizer_record(common)
+    record = tokenizer_record(common)
     special = write_tokenizer_files(tokenizer, record, output, cfg.max_position_embeddings)
     config = hf_config(cfg, special, DTYPES[dtype])
     config["megadlms_source"] = {"checkpoint": os.path.abspath(load), "iteration": common.get("iteration")}

@@ -44,10 +44,10 @@ def import_hf(
     """Write the checkpoint; returns {"checkpoint", "mask_token_id", "added", "flags"}."""
     from tokenizers import Tokenizer
 
+    from megadlms.checkpoint import RunRecords, save_checkpoint
     from megadlms.config import padded_vocab_size
     from megadlms.data import TokenizerConfig
     from megadlms.models import GPTModel
-    from megadlms.training import checkpointing
 
     from .importer import init_from_hf, model_flags, read_hf_config, transformer_config_from_hf
 
@@ -80,13 +80,12 @@ def import_hf(
         mask_token=mask_id,
         vocab_size=vocab,
     )
-    ckpt = checkpointing.save_checkpoint(
+    ckpt = save_checkpoint(
         output,
         0,
         model=model,
         ckpt_format=ckpt_format,
-        model_config=cfg.to_dict(),
-        tokenizer=record.to_dict(),
+        records=RunRecords(model_config=cfg.to_dict(), tokenizer=record.to_dict()),
         extra={"hf_import": {"source": os.path.abspath(hf_dir), **report}},
     )
     flags = model_flags(cfg) + [

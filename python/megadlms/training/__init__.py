@@ -1,31 +1,13 @@
-"""megadlms.training: the pretraining loop, checkpoints, logging and the flag parser.
+"""megadlms.training: the pretraining loop (trainer, one step, pipeline runner, validation,
+logging) and, for now, the flag parser and typed configs.
 
     from megadlms.pretrain import run                 # parse flags + init + train
     from megadlms.training import pretrain, RunResult  # train from parsed args
-    from megadlms.training import save_checkpoint, load_model_state, load_optimizer_state
 
+Checkpoints are megadlms.checkpoint (``Checkpointer``, ``save_checkpoint``, ``load_model_state``).
 The only layer that joins models, diffusion, data and the data-parallel wrappers.
 """
 
-from .checkpointing import (
-    load_model_state,
-    load_optimizer_state,
-    load_rng_state,
-    read_latest_iteration,
-    resolve_checkpoint,
-    save_checkpoint,
-)
 from .train import RunResult, evaluate, pretrain, train_step
 
-__all__ = [
-    "RunResult",
-    "evaluate",
-    "pretrain",
-    "train_step",
-    "save_checkpoint",
-    "load_model_state",
-    "load_optimizer_state",
-    "load_rng_state",
-    "read_latest_iteration",
-    "resolve_checkpoint",
-]
+__all__ = ["RunResult", "evaluate", "pretrain", "train_step"]

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.checkpoint import Checkpointer, ParallelLayout, RunRecords
 from megadlms.config import RunConfig
 from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
@@ -25,7 +26,7 @@ from megadlms.models.moe import moe_layer_stats
 from megadlms.optimizer import get_optimizer
 from megadlms.parallel.sharding import counts_once
 
-from . import builders, checkpoint_async, checkpointing, pipeline_run, resume
+from . import builders, pipeline_run
 from .logging_utils import MetricsLogger, memory_gb
 from .run_state import RunResult, SignalFlag
 from .step import StepOut, train_step
@@ -47,16 +48,24 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = builders.device_for_rank()
         tokenizer = config.data.tokenizer.build()
-        self._resume_from = resume.resume_path(config.checkpoint)
-        self.config = config = config.with_tokenizer(tokenizer, resume.checkpoint_vocab(self._resume_from))
         t = config.training
+        # Groups first: the Checkpointer holds them; the checkpoint found pads the vocabulary.
+        self.groups, self.tp = builders.build_parallel(config, self.device, t.seed)
+        pp = self.groups.pp
+        vp = config.parallel.virtual_stages(config.model.num_layers) if pp.size > 1 else 1
+        self.checkpointer = Checkpointer(
+            config.checkpoint,
+            ParallelLayout.of_run(self.groups, self.tp, vp),
+            override_scheduler=config.schedule.override_opt_param_scheduler,
+        )
+        self._resume_from = self.checkpointer.find()
+        vocab = self.checkpointer.recorded_vocab(self._resume_from)
+        self.config = config = config.with_tokenizer(tokenizer, vocab)
         self.gbs, self.mbs, self.num_micro = t.global_batch_size, t.micro_batch_size, t.num_micro_batches
         self.dp_size = config.parallel.data_parallel_size
         for note in config.logging.notes:
             _log.info(f"note: {note}")
 
-        self.groups, self.tp = builders.build_parallel(config, self.device, t.seed)
-        pp = self.groups.pp
         # Only tensor-parallel rank 0 of each replica (on the last pipeline stage, which holds
         # the loss) counts its (shared) loss in the reductions.
         self.loss_owner = self.groups.tp.rank == 0 and pp.rank == pp.size - 1
@@ -82,12 +91,9 @@ class Trainer:
         self.num_params = _logical_params(parts, self.groups)
         self.model = builders.wrap_model(model, config, self.groups)
         self.pipeline = pipeline_run.PipelineRunner(self.groups, self.model.chunks) if pp.size > 1 else None
-        self._pp_group = pp.group if pp.size > 1 else None
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
-        self._pending = None
-        self._ckpt_group = checkpoint_async.checkpoint_group(config.checkpoint.async_save)
         self.ckpt = self._restore()
 
         self._build_data(tokenizer)
@@ -147,8 +153,8 @@ class Trainer:
         ck, path = self.config.checkpoint, self._resume_from
         if path is None:
             return None
-        path, state = resume.load_verified(
-            path, self.config, self.model, self.optimizer, self.scheduler, tp=self.tp, pp_group=self._pp_group
+        path, state = self.checkpointer.load(
+            path, self.model, self.optimizer, self.scheduler, model_config=self.config.model.to_dict()
         )
         common = state.common
         if not ck.finetune:
@@ -187,43 +193,31 @@ class Trainer:
     def save(self) -> None:
         """Checkpoint the current iteration (with --async-save: after the previous background
         save has finished, and in the background; :meth:`wait_for_save` waits for it)."""
-        ck = self.config.checkpoint
+        c = self.config
         self.wait_for_save()
         t0 = time.perf_counter()
-        written = checkpointing.save_checkpoint(
-            ck.save,
+        written = self.checkpointer.save(
             self.iteration,
-            model=self.model,
-            scheduler=self.scheduler,
-            optimizer=None if ck.no_save_optim else self.optimizer,
-            ckpt_format=ck.ckpt_format,
+            self.model,
+            self.optimizer,
+            self.scheduler,
             consumed_samples=self.consumed,
-            args=self.config.to_dict(),
-            model_config=self.config.model.to_dict(),
-            tokenizer=self.config.data.tokenizer.to_dict(),
             extra={"nan_iterations": self.nan_total, "skipped_iterations": self.skipped_total},
-            save_rng=not ck.no_save_rng,
-            async_group=self._ckpt_group,
-            tp_group=self.tp.group,
-            rng_tracker=self.tp.rng_tracker,
-            ep_group=self.tp.expert_group,
-            pp_group=self._pp_group,
-            vp=len(self.model.chunks) if self.pipeline is not None else 1,
+            records=RunRecords(c.to_dict(), c.model.to_dict(), c.data.tokenizer.to_dict()),
         )
         self.result.save_stalls.append(time.perf_counter() - t0)
-        if isinstance(written, str):
+        if written is not None:
             self.result.last_checkpoint = written
             _log.info(f"saved checkpoint {written}")
         else:
-            self._pending = written
             _log.info(f"saving checkpoint iteration {self.iteration} in the background")
 
     def wait_for_save(self) -> None:
         """Block until the background save in flight (if any) is complete and in place."""
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            self.result.last_checkpoint = pending.wait()
-            _log.info(f"saved checkpoint {self.result.last_checkpoint}")
+        written = self.checkpointer.wait()
+        if written is not None:
+            self.result.last_checkpoint = written
+            _log.info(f"saved checkpoint {written}")
 
     def _account(self, out: StepOut, lr: float) -> None:
         """Counters after a step: schedule, NaN/skip counts, the result record."""

@@ -1,5 +1,5 @@
 """The storage pieces of a checkpoint: nested state <-> flat tensors + JSON skeleton, and a
-DCP reader that unpickles only DCP's own metadata classes (see checkpointing.py)."""
+DCP reader that unpickles only DCP's own metadata classes (see read.py)."""
 
 from __future__ import annotations
 

@@ -5,10 +5,10 @@ returns); the files are written by a background thread that talks over its own g
 process group (collectives on the training group from two threads would interleave).
 When DCP's future resolves on rank 0 -- its coordinator, so every rank's data and the
 ``.metadata`` are on disk -- the same thread finishes the checkpoint exactly as a
-synchronous save does (manifest, common.json, rename into place, ``latest``). A crash
-before that leaves the previous checkpoint and ``latest`` untouched.
+synchronous save does (commit.py: manifest, common.json, rename into place, ``latest``).
+A crash before that leaves the previous checkpoint and ``latest`` untouched.
 
-The trainer keeps at most one :class:`PendingSave`: the next save and the exit wait for it.
+The Checkpointer keeps at most one :class:`PendingSave`: the next save and the exit wait for it.
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
+from .commit import finalize_checkpoint, save_error
+from .paths import checkpoint_dir
+
 
 class PendingSave:
     """A checkpoint being written in the background; ``wait()`` returns its final path and
@@ -35,8 +38,6 @@ class PendingSave:
         return self._future.done()
 
     def wait(self) -> str:
-        from .checkpointing import checkpoint_dir, save_error
-
         try:
             self._future.result()
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - reworded (disk full), re-raised
@@ -48,8 +49,6 @@ def start_async_save(
     tensors: Dict[str, torch.Tensor], tmp: str, root: str, iteration: int, common: dict, group
 ) -> PendingSave:
     """Stage ``tensors`` and write them to ``tmp`` in the background (collective over ``group``)."""
-    from .checkpointing import finalize_checkpoint
-
     written = dcp.async_save(
         tensors, storage_writer=FileSystemWriter(tmp), process_group=group, no_dist=not dist.is_initialized()
     )
@@ -60,7 +59,7 @@ def start_async_save(
     def finish() -> None:
         try:
             written.result()
-            if rank == 0:
+            if rank == 0:  # DCP's coordinator: its future resolves after every rank's write
                 finalize_checkpoint(root, iteration, common)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             done.set_exception(exc)
@@ -71,7 +70,7 @@ def start_async_save(
     return PendingSave(done, root, iteration)
 
 
-def checkpoint_group(enabled: bool) -> Optional[object]:
+def background_group(enabled: bool) -> Optional[object]:
     """The gloo group of all ranks for background saves (collective; None when not ``enabled``)."""
     if not enabled or not dist.is_initialized():
         return None

@@ -1,8 +1,8 @@
 """Checkpoints across tensor-parallel sizes: store FULL logical tensors, load any tp.
 
 Under tensor parallelism the model's state dict and the optimizer state hold this rank's
-LOCAL shard of every sharded parameter (``tensor_model_parallel``, ``partition_dim``,
-``partition_blocks``: ``megadlms.parallel.sharding``, the one shard rule). A checkpoint
+LOCAL shard of every sharded parameter (its ``ParamSharding``'s ``tp_dim`` / ``tp_blocks``:
+``megadlms.parallel.sharding``, the one description). A checkpoint
 stores the full logical tensor instead, so it loads at any tp (and on one process):
 
 * save: every shard of a sharded parameter -- the weight itself and every optimizer state
@@ -17,7 +17,7 @@ stores the full logical tensor instead, so it loads at any tp (and on one proces
   so at most one batch of full tensors exists at a time.
 
 Expert parallelism works the same way over the EP group: an expert parameter
-(``expert_parallel``, ``partition_dim`` 0: this EP rank's experts of the full [E, ...] tensor)
+(``ParamSharding.expert_dim`` 0: this EP rank's experts of the full [E, ...] tensor)
 and its optimizer state are gathered over ``ep_group`` along that dim (the experts in global
 order) and stored under the FULL shape, and cut to this rank's experts on load, so a
 checkpoint loads at any ep. (A parameter is sharded over TP or over EP, never both: MoE
@@ -175,17 +175,3 @@ def read_resharded(
                 for k, full in batch.items():
                     reads[k][0].copy_(_local_from_full(full, reads[k][1], tp_group, ep_group))
             batch, size = {}, 0
-
-
-def layout_record(world: int, tp_group: Group, pp: int = 1, vp: int = 1, ep_group: Group = None) -> dict:
-    """The ``parallel`` record of common.json: tp, pp (and vp, model chunks per pipeline
-    rank), dp, ep and the world size of the run that saved it."""
-    tp = tp_size(tp_group)
-    return {
-        "tp": tp,
-        "pp": pp,
-        "vp": vp,
-        "dp": world // (tp * pp),
-        "world": world,
-        "ep": group_size(ep_group),
-    }

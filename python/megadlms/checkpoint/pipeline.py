@@ -5,7 +5,7 @@ state dicts has exactly the keys of the pp=1 model and a checkpoint needs no ren
 
 * save: each stage contributes its tensors (DCP writes every key once: replicas of a key
   inside a stage are deduplicated, different stages hold different keys). The last stage's
-  copy of a tied embedding (``shared_embedding``, ``output_layer.weight``) is never stored,
+  copy of a tied embedding (``tied_copy``, ``output_layer.weight``) is never stored,
   nor its optimizer state: the first stage's embedding is the one tensor. The JSON skeleton
   of the optimizer state (common.json, written by rank 0) must describe every stage's
   parameters, so the stages' skeleton descriptions are gathered over the pipeline group

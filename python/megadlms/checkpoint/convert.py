@@ -18,10 +18,12 @@ import os
 
 import torch
 
-from . import checkpointing
-from .checkpoint_format import join_state
+from .format import join_state
+from .read import MODEL_PREFIX, open_checkpoint, read_tensors, tensor_shapes
+from .records import RunRecords
+from .save import save_checkpoint
 
-_log = logging.getLogger("megadlms.training")
+_log = logging.getLogger("megadlms.checkpoint")
 
 
 class ConvertedCheckpoint:
@@ -37,26 +39,24 @@ class ConvertedCheckpoint:
 def convert_checkpoint(config) -> str:
     """Convert ``config.checkpoint.load``; returns the written iteration directory."""
     ck = config.checkpoint
-    src = checkpointing.resolve_checkpoint(ck.load)
-    if src is None:
-        raise ValueError(f"--ckpt-convert-format: no checkpoint in --load {ck.load}")
-    common = checkpointing.read_common(src)
-    shapes = checkpointing._metadata_shapes(src, common)
+    src, common = open_checkpoint(ck.load, "--ckpt-convert-format: --load")
+    shapes = tensor_shapes(src, common)
     with_optim = common.get("optimizer") is not None and not (ck.no_load_optim or ck.no_save_optim)
     keep = {
         k: v
         for k, v in shapes.items()
-        if k.startswith("model/") or (with_optim and k.startswith("optimizer/"))
+        if k.startswith(MODEL_PREFIX) or (with_optim and k.startswith("optimizer/"))
     }
+    # Full tensors as stored: the converted checkpoint is written from one layout (no groups).
     template = {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in keep.items()}
-    checkpointing._read_tensors(src, common, template)
+    read_tensors(src, common, template)
     model = ConvertedCheckpoint(
-        {k[len("model/") :]: v for k, v in template.items() if k.startswith("model/")}
+        {k[len(MODEL_PREFIX) :]: v for k, v in template.items() if k.startswith(MODEL_PREFIX)}
     )
     optimizer = ConvertedCheckpoint(join_state(common["optimizer"], template)) if with_optim else None
     scheduler = ConvertedCheckpoint(common["scheduler"]) if common.get("scheduler") is not None else None
     root = os.path.join(ck.ckpt_convert_save, ck.ckpt_convert_format)
-    out = checkpointing.save_checkpoint(
+    out = save_checkpoint(
         root,
         int(common["iteration"]),
         model=model,
@@ -64,9 +64,7 @@ def convert_checkpoint(config) -> str:
         scheduler=scheduler,
         ckpt_format=ck.ckpt_convert_format,
         consumed_samples=int(common.get("consumed_samples", 0)),
-        args=common.get("args"),
-        model_config=common.get("model_config"),
-        tokenizer=common.get("tokenizer"),
+        records=RunRecords(common.get("args"), common.get("model_config"), common.get("tokenizer")),
         extra={
             **common.get("extra", {}),
             "converted_from": os.path.abspath(src),

@@ -3,6 +3,9 @@ against it (the architecture fields and the flags that set them)."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 # Architecture fields whose mismatch makes a checkpoint unloadable, with their flags.
 MODEL_CONFIG_FLAGS = {
     "num_layers": "--num-layers",
@@ -23,6 +26,17 @@ MODEL_CONFIG_FLAGS = {
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "share_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecords:
+    """What a save records about the run besides tensors and counters (JSON-able dicts):
+    ``args`` (the whole configuration), ``model_config`` (``TransformerConfig.to_dict()``,
+    checked on load) and ``tokenizer`` (``TokenizerConfig`` fields, read by generate/export)."""
+
+    args: Optional[dict] = None
+    model_config: Optional[dict] = None
+    tokenizer: Optional[dict] = None
 
 
 def check_model_config(saved: dict, current: dict, ckpt: str) -> None:

@@ -1,0 +1,216 @@
+"""Checkpoints that reshard: save under any wrapper at any data-parallel size, load
+under any other.
+
+Layout (Megatron's names)::
+
+    SAVE/latest_checkpointed_iteration.txt     "20"  (replaced atomically, last)
+    SAVE/iter_0000020/common.json              iteration, consumed samples, scheduler,
+                                               args (plain dict), model config, and the
+                                               non-tensor part of the optimizer state
+    SAVE/iter_0000020/.metadata, __*_*.distcp  torch_dist: tensors via torch.distributed.checkpoint
+    SAVE/iter_0000020/mp_rank_00/model_optim_rng.pt   torch: one file of full tensors (rank 0)
+    SAVE/iter_0000020/rng/rank_{r}.pt          per-rank RNG states
+
+Tensors are stored under flat keys ``model/<fqn>`` and ``optimizer/state/<fqn>/<name>``
+(``/`` never occurs in a parameter name) with each parameter's FULL logical shape:
+plain tensors for DDP (identical on every rank; DCP writes each once), DTensors for
+FSDP2, full tensors gathered by the distributed optimizer (docs/checkpoints.md). DCP
+maps saved chunks onto whatever sharding the loading run has, so a
+checkpoint from {DDP, DDP + distributed optimizer, FSDP2} at dp=N loads into any of
+them at dp=M.
+
+Crash safety: everything is written into ``iter_XXXXXXX.tmp`` and made current by
+commit.py. With ``async_group`` the tensors are written in the background
+(async_save.py) and the same finishing steps run only once the write has completed.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import Dict, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # torch < 2.4: no FSDP2 either
+    DTensor = ()
+
+from megadlms.config.run_config import CKPT_FORMATS
+from megadlms.distributed.wrappers import unwrap_model
+
+from .async_save import PendingSave, start_async_save
+from .commit import finalize_checkpoint, save_error
+from .faults import agree
+from .format import split_state
+from .layout import SINGLE, ParallelLayout
+from .paths import TORCH_FILE, checkpoint_dir
+from .pipeline import (
+    drop_elsewhere,
+    drop_shared_optimizer_state,
+    merged_optimizer_state,
+    shared_copies,
+    stage_owner,
+)
+from .records import RunRecords
+from .rng import rng_state
+from .tensor_parallel import check_optimizer_keys, gather_for_save, named_params
+
+FORMAT_VERSION = 3
+"""3: common.json records every file's size and CRC-32 (``files``, checked on load); 2 added the
+tokenizer record (``tokenizer``); 1 had only the flags (``args``)."""
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Full logical tensor on CPU (a collective for DTensors: every rank must call)."""
+    if DTensor and isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.detach().cpu()
+
+
+def _prepare(root: str, iteration: int, rank: int) -> str:
+    """Rank 0 creates an empty ``iter_XXXXXXX.tmp`` (a torn one from a crash is removed)."""
+    tmp = checkpoint_dir(root, iteration) + ".tmp"
+    error = None
+    if rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            if os.path.exists(tmp):  # left by a crashed save
+                shutil.rmtree(tmp)
+            os.makedirs(os.path.join(tmp, "rng"))
+        except OSError as exc:
+            error = save_error(exc, root, iteration)
+    agree(error, "creating the checkpoint directory")
+    return tmp
+
+
+def _collect(
+    model, optimizer, layout: ParallelLayout, owner
+) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
+    """Flat tensors to write and the optimizer's JSON skeleton; TP (and EP) shards gathered to
+    full tensors, each kept only where ``owner(i)`` (tensor_parallel.py). Under pipeline
+    parallelism this stage's tensors, without the tied-embedding copy, and the skeleton of
+    every stage (pipeline.py)."""
+    module = unwrap_model(model)
+    # (``model`` may be a state_dict holder, e.g. convert.py's: parameters only matter at tp > 1)
+    all_params = named_params(module) if isinstance(module, torch.nn.Module) else {}
+    copies = shared_copies(all_params)
+    tensors: Dict[str, torch.Tensor] = {}
+    for k, v in module.state_dict().items():
+        if isinstance(v, torch.Tensor) and k not in copies:  # skip extra_state objects
+            tensors[f"model/{k}"] = v
+    opt_skel = None
+    params = all_params if layout.tp > 1 or layout.ep > 1 else {}
+    if optimizer is not None:
+        state = drop_shared_optimizer_state(optimizer.state_dict(), copies)
+        if params:
+            check_optimizer_keys(state.get("state", {}), params)
+        opt_skel = split_state(merged_optimizer_state(state, layout.pp_group), "optimizer", tensors)
+        drop_elsewhere(tensors)
+    # Last: the gathers are collectives in sorted key order, so every key must be final here.
+    gather_for_save(tensors, params, layout.tp_group, owner, ep_group=layout.ep_group)
+    return tensors, opt_skel
+
+
+def _write(tensors, tmp: str, ckpt_format: str, rank: int, rng: Optional[dict], background: bool) -> None:
+    """This rank's files: its RNG state and (unless written in the background) the tensors."""
+    if rng is not None:
+        torch.save(rng, os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    if background:
+        return
+    if ckpt_format == "torch_dist":
+        dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+        return
+    full = {k: _full(v) for k, v in tensors.items()}  # collective for DTensors
+    if rank == 0:
+        os.makedirs(os.path.join(tmp, "mp_rank_00"))
+        torch.save(full, os.path.join(tmp, TORCH_FILE))
+
+
+def _check_format(ckpt_format: str, background: bool, layout: ParallelLayout) -> None:
+    if ckpt_format not in CKPT_FORMATS:
+        raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
+    if background and ckpt_format != "torch_dist":
+        raise ValueError("--async-save needs --ckpt-format torch_dist")
+    if layout.pp > 1 and ckpt_format == "torch":  # one file of full tensors from rank 0: one stage only
+        raise ValueError("--ckpt-format torch needs --pipeline-model-parallel-size 1: use torch_dist")
+
+
+def _finish(root: str, iteration: int, common: dict, rank: int) -> str:
+    """Rank 0 makes the written checkpoint current (commit.py); every rank learns the outcome."""
+    error = None
+    if rank == 0:
+        try:
+            finalize_checkpoint(root, iteration, common)
+        except Exception as exc:  # noqa: BLE001 - shared below so no rank waits forever
+            error = save_error(exc, root, iteration)
+    agree(error, f"finishing checkpoint iteration {iteration}")
+    return checkpoint_dir(root, iteration)
+
+
+def save_checkpoint(
+    root: str,
+    iteration: int,
+    *,
+    model,
+    optimizer=None,
+    scheduler=None,
+    ckpt_format: str = "torch_dist",
+    consumed_samples: int = 0,
+    extra: Optional[dict] = None,
+    records: Optional[RunRecords] = None,
+    save_rng: bool = True,
+    async_group=None,
+    layout: ParallelLayout = SINGLE,
+) -> Union[str, PendingSave]:
+    """Write ``root/iter_XXXXXXX`` (collective: every rank calls). Returns its path, or with
+    ``async_group`` (a gloo process group of all ranks, torch_dist only) a
+    :class:`~megadlms.checkpoint.async_save.PendingSave` whose ``wait()`` returns it once
+    the background write, the manifest, the rename and ``latest`` are done.
+
+    ``model``: our wrapper or a plain module (its unwrapped state dict is stored).
+    ``optimizer``: anything whose ``state_dict()`` has MixedPrecisionOptimizer's format
+    (docs/checkpoints.md), or a torch.optim optimizer. ``extra``: a JSON-able dict (the
+    training loop's counters); ``records``: what the run was (:class:`RunRecords`).
+    ``layout``: this run's model-parallel groups (:class:`ParallelLayout`); TP / EP shards
+    are stored as full logical tensors, every pipeline stage writes its own tensors under
+    their global names, the tracker's RNG streams join this rank's RNG file.
+    """
+    _check_format(ckpt_format, async_group is not None, layout)
+    records, rank = records or RunRecords(), layout.rank
+    tmp = _prepare(root, iteration, rank)
+    # Who keeps each gathered full tensor: rank 0 writes the torch file; DCP spreads them.
+    owner = stage_owner(rank, layout.world, layout.pp, spread=ckpt_format != "torch")
+    tensors, opt_skel = _collect(model, optimizer, layout, owner)
+    common = {
+        "format_version": FORMAT_VERSION,
+        "ckpt_format": ckpt_format,
+        "iteration": iteration,
+        "consumed_samples": consumed_samples,
+        "world_size": layout.world,
+        "parallel": layout.record(),
+        "wrapper": type(model).__name__,
+        "model_config": records.model_config or {},
+        "tokenizer": records.tokenizer,
+        "args": records.args or {},
+        "scheduler": scheduler.state_dict() if scheduler else None,
+        "optimizer": opt_skel,
+        "rng_saved": save_rng,
+        "extra": extra or {},
+    }
+    error = None
+    try:
+        rng = rng_state(layout.rng_tracker) if save_rng else None
+        _write(tensors, tmp, ckpt_format, rank, rng, background=async_group is not None)
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank learns of it in agree
+        error = save_error(exc, root, iteration)
+    # Before the finish: rank 0 must not commit a checkpoint another rank failed to write.
+    agree(error, f"saving checkpoint iteration {iteration}")
+    if async_group is not None:
+        return start_async_save(tensors, tmp, root, iteration, common, async_group)
+    return _finish(root, iteration, common, rank)
