@@ -173,7 +173,11 @@ class _DuckWrapper(torch.nn.Module):
         from megadlms.distributed.comm import LocalCommunicator
 
         self.module, self.ddp_config, self.comm = module, DistributedDataParallelConfig(), LocalCommunicator()
+        self.shard_comm, self.parallel, self.grad_buckets = self.comm, None, []
         self.zeroed = 0
+
+    def start_param_sync(self, *, force_sync=False):
+        pass
 
     def named_trainable_parameters(self):
         return {p: n for n, p in self.module.named_parameters()}
