@@ -274,11 +274,30 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self._shard(module, fsdp_unit_modules, reshard_after_forward)
         self.comm = build_communicator("torch", self.process_group)
         self.shard_comm = self.comm  # parameters and optimizer state are sharded over all of dp
-        # the probe is a collective; sum mode never needs it (no AVG collective)
+        self._set_reduction(module, cfg, backend)
+
+    def _shard(self, module: torch.nn.Module, fsdp_unit_modules, reshard_after_forward: bool) -> None:
+        """``fully_shard`` every unit, then the root (which owns the rest)."""
+        from torch.distributed.fsdp import fully_shard
+
+        attrs = _param_attrs(module)
+        kw = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        if self.mixed_precision is not None:
+            kw["mp_policy"] = self.mixed_precision
+        units = None if fsdp_unit_modules is None else list(fsdp_unit_modules)
+        self.fsdp_units = select_fsdp_units(module, units)
+        for unit in self.fsdp_units:
+            fully_shard(unit, **kw)
+        fully_shard(module, **kw)
+        _restore_param_attrs(module, attrs)
+        self.module = module
+
+    def _set_reduction(self, module: torch.nn.Module, cfg, backend: str) -> None:
+        """Tell FSDP2 how to divide (the factors: ``finalize.fsdp2_reduction``). The AVG probe
+        is a collective; sum mode never needs it (no AVG collective)."""
         self.avg_corrected = not cfg.calculate_per_token_loss and _backend_sums_instead_of_averaging(
             self.process_group
         )
-        # how FSDP2 divides is decided with the step's other factors (finalize.py)
         plan = fsdp2_reduction(
             cfg,
             self.comm.world_size,
@@ -297,22 +316,6 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                 "are averaged",
                 backend,
             )
-
-    def _shard(self, module: torch.nn.Module, fsdp_unit_modules, reshard_after_forward: bool) -> None:
-        """``fully_shard`` every unit, then the root (which owns the rest)."""
-        from torch.distributed.fsdp import fully_shard
-
-        attrs = _param_attrs(module)
-        kw = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
-        if self.mixed_precision is not None:
-            kw["mp_policy"] = self.mixed_precision
-        units = None if fsdp_unit_modules is None else list(fsdp_unit_modules)
-        self.fsdp_units = select_fsdp_units(module, units)
-        for unit in self.fsdp_units:
-            fully_shard(unit, **kw)
-        fully_shard(module, **kw)
-        _restore_param_attrs(module, attrs)
-        self.module = module
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
