@@ -4,7 +4,9 @@
 :func:`finalize_model_grads` runs once per step, after the schedule's last backward and
 before the optimizer: it waits for every chunk's reductions (``finish_grad_sync``, which also
 runs the wrapper's NaN/Inf agreement when ``check_for_nan_in_grad``) and then sums the tied
-copies of a parameter that live on different pipeline stages (the tied embedding).
+copies of a parameter that live on different pipeline stages (the tied embedding). The
+agreement on a NaN/Inf *loss* rides on the step's single loss reduction after it
+(``training/step.py``), which decides whether the optimizer runs at all.
 
 Every factor a gradient is multiplied by during a step is decided here, once; where it
 must be applied elsewhere for the numbers to stay what they are, it is passed down:
