@@ -163,7 +163,8 @@ def test_nan_on_one_rank_stops_every_rank(kind):
 
 
 class _DuckWrapper(torch.nn.Module):
-    """The smallest DataParallel: one process, replicated gradients."""
+    """The smallest wrapper the optimizer takes (its GradientSource protocol): one process,
+    replicated gradients."""
 
     optimizer_layout = "replicated"
 
