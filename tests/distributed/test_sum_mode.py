@@ -163,7 +163,8 @@ def test_nan_on_one_rank_stops_every_rank(kind):
 
 
 class _DuckWrapper(torch.nn.Module):
-    """The smallest DataParallel: one process, replicated gradients."""
+    """The smallest wrapper the optimizer takes (its GradientSource protocol): one process,
+    replicated gradients."""
 
     optimizer_layout = "replicated"
 
@@ -173,7 +174,11 @@ class _DuckWrapper(torch.nn.Module):
         from megadlms.distributed.comm import LocalCommunicator
 
         self.module, self.ddp_config, self.comm = module, DistributedDataParallelConfig(), LocalCommunicator()
+        self.shard_comm, self.parallel, self.grad_buckets = self.comm, None, []
         self.zeroed = 0
+
+    def start_param_sync(self, *, force_sync=False):
+        pass
 
     def named_trainable_parameters(self):
         return {p: n for n, p in self.module.named_parameters()}

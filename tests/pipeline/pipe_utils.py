@@ -14,6 +14,7 @@ from megadlms.parallel.sharding import gather_full, shard_spec
 from megadlms.pipeline import (
     allreduce_embedding_grads,
     build_embedding_group,
+    embedding_grad_params,
     forward_backward_pipelining,
     model_chunks,
     stage_layers,
@@ -171,6 +172,7 @@ def pipeline_step(rank, world, spec: dict):
         pp_group=groups.pp,
         forward_only=spec.get("forward_only", False),
         timeline=timeline,
+        no_sync=(lambda c: runners[c].no_sync()) if spec.get("ddp") else None,
     )
     out = {
         "losses": losses,
@@ -183,10 +185,15 @@ def pipeline_step(rank, world, spec: dict):
     if spec.get("forward_only"):
         out["grads"] = {n: p.grad for mm in models for n, p in mm.named_parameters()}
         return out
-    for r in runners:
-        if hasattr(r, "finish_grad_sync"):
+    embedding_group = build_embedding_group(groups)
+    if spec.get("ddp"):
+        for r in runners:
             r.finish_grad_sync()
-    allreduce_embedding_grads(runners, build_embedding_group(groups))
+        allreduce_embedding_grads(runners, embedding_group)
+    elif embedding_group is not None:  # plain modules: the tied copies' own .grad, summed
+        for p in embedding_grad_params(models):
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad
+            torch.distributed.all_reduce(p.grad, group=embedding_group)
     if tpc.sequence_parallel and not spec.get("ddp"):
         for mm in models:
             allreduce_sequence_parallel_grads(mm, tpc.group)

@@ -29,8 +29,7 @@ sys.path[:0] = [os.path.join(ROOT, "python"), ROOT]
 
 def _install(fault: dict) -> None:
     from megadlms.checkpoint import checkpointer, commit
-    from megadlms.training import step as step_mod
-    from megadlms.training import train
+    from megadlms.training import pipeline_run, train
 
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -45,14 +44,14 @@ def _install(fault: dict) -> None:
                 os.kill(
                     os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}.get(kind, signal.SIGTERM)
                 )
-            if kind == "raise":
-                real_loss = step_mod.compute_loss
+            if kind == "raise":  # the schedule's forward step runs each chunk through _run_chunk
+                real_run = pipeline_run._run_chunk
 
                 def failing(*a, **k):
-                    step_mod.compute_loss = real_loss
+                    pipeline_run._run_chunk = real_run
                     raise RuntimeError("injected failure inside the forward")
 
-                step_mod.compute_loss = failing
+                pipeline_run._run_chunk = failing
         return real_step(model, optimizer, micro, cfg, iteration, **kw)
 
     def save(root, iteration, **kw):

@@ -21,22 +21,23 @@ TINY = (
 
 def _failure_world(rank, world):
     from megadlms.pretrain import run
-    from megadlms.training import step as step_mod
+    from megadlms.training import pipeline_run
 
-    real = step_mod.compute_loss
+    real, calls = pipeline_run._run_chunk, [0]
 
-    def failing(model, batch, cfg, iteration, *a, **k):
-        if rank == world - 1 and iteration == 2:
+    def failing(*a, **k):  # the schedule's forward of one micro-batch (2 per step here)
+        calls[0] += 1
+        if rank == world - 1 and calls[0] == 5:  # step 3's first micro-batch
             raise KeyError("injected data error on the last rank")
-        return real(model, batch, cfg, iteration, *a, **k)
+        return real(*a, **k)
 
-    step_mod.compute_loss = failing
+    pipeline_run._run_chunk = failing
     try:
         run(TINY + ["--overlap-grad-reduce", "--ddp-bucket-size", "500", "--global-batch-size", "12"])
     except (RuntimeError, KeyError) as exc:
         return type(exc).__name__, str(exc)
     finally:
-        step_mod.compute_loss = real
+        pipeline_run._run_chunk = real
     return None
 
 

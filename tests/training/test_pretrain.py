@@ -118,27 +118,32 @@ def _fsdp_world(rank, world, tmp, ddp_torch_ckpt):
 def _ddp3_world(rank, world, tmp):
     """DDP at dp=3 resumes the FSDP2 dp=2 checkpoint; then NaN injection and SIGTERM."""
     from megadlms.distributed import unwrap_model
-    from megadlms.training import step as step_mod
-    from megadlms.training import train
+    from megadlms.training import pipeline_run, train
 
     out = {"from_fsdp": _run(UNTIED + ["--load", os.path.join(tmp, "fsdp")])}
 
     # NaN in rank 2's loss at iteration 3 only: the step is skipped on every rank.
-    real_loss, real_step = step_mod.compute_loss, train.train_step
-    sums = []
+    real_inputs, real_step = pipeline_run._train_inputs, train.train_step
+    sums, current = [], [None]
 
-    def nan_loss(model, batch, cfg, iteration, *a, **k):
-        loss_sum, n, stats = real_loss(model, batch, cfg, iteration, *a, **k)
-        if rank == world - 1 and iteration in inject:
-            loss_sum = loss_sum * float("nan")
-        return loss_sum, n, stats
+    def nan_inputs(batch, cfg, crop):  # the forward step's scorer of one micro-batch
+        inputs = real_inputs(batch, cfg, crop)
+        if rank == world - 1 and current[0] in inject:
 
-    def spy_step(model, *a, **k):
-        res = real_step(model, *a, **k)
+            def nan_score(logits, ce, score=inputs.score):
+                loss_sum, num_tokens = score(logits, ce)
+                return loss_sum * float("nan"), num_tokens
+
+            inputs.score = nan_score
+        return inputs
+
+    def spy_step(model, optimizer, micro, cfg, iteration, **k):
+        current[0] = iteration
+        res = real_step(model, optimizer, micro, cfg, iteration, **k)
         sums.append(sum(p.detach().double().sum().item() for p in unwrap_model(model).parameters()))
         return res
 
-    step_mod.compute_loss, train.train_step = nan_loss, spy_step
+    pipeline_run._train_inputs, train.train_step = nan_inputs, spy_step
     try:
         inject = {2}  # 0-based: the third iteration
         out["nan"] = _run(UNTIED + ["--train-iters", "5"])
@@ -150,7 +155,7 @@ def _ddp3_world(rank, world, tmp):
         except RuntimeError as exc:
             out["limit_error"] = str(exc)
     finally:
-        step_mod.compute_loss = real_loss
+        pipeline_run._train_inputs = real_inputs
 
     # SIGTERM on rank 0 during iteration 4: every rank saves and exits after it.
     def sigterm_step(model, optimizer, micro, cfg, iteration, **k):

@@ -8,6 +8,7 @@ and the optimizer use nothing else. Knows nothing about diffusion; works on any
 from .chunked import ModelChunks, StageModules
 from .config import DistributedDataParallelConfig
 from .ddp import DistributedDataParallel
+from .finalize import StepScales, finalize_model_grads, step_scales
 from .fsdp2 import (
     TorchFullyShardedDataParallel,
     fsdp2_config_problems,
@@ -32,6 +33,9 @@ __all__ = [
     "DataParallel",
     "OPTIMIZER_LAYOUTS",
     "fsdp2_config_problems",
+    "finalize_model_grads",
+    "step_scales",
+    "StepScales",
     "DistributedDataParallel",
     "DistributedDataParallelConfig",
     "Float16Module",

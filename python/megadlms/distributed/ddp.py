@@ -169,6 +169,11 @@ class DistributedDataParallel(torch.nn.Module):
     def grad_buckets(self) -> List[Bucket]:
         return self.buckets
 
+    @property
+    def chunks(self) -> List[DistributedDataParallel]:
+        """One model: the one-stage schedule's single chunk is this wrapper."""
+        return [self]
+
     def named_trainable_parameters(self) -> Dict[torch.nn.Parameter, str]:
         return dict(self.param_names)
 
@@ -188,6 +193,8 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in self.buckets:
             for p in bucket.params:
                 p.grad = p.main_grad if bucket.grad_view else None
+                # the fold scale (finalize.bucket_fold_scales) passed down to the fused kernels;
+                # a view bucket is scaled as a whole before its collective instead
                 p.main_grad_scale = 1.0 if bucket.grad_view else bucket.reduce_group.fold_scale
 
     # ------------------------------------------------------------------ grad sync

@@ -10,13 +10,8 @@ Two kinds of bucket (Megatron-core's DDP keeps them in separate buffers):
   ``parallel.expert_dp`` (the ranks holding the same experts: dp / ep of them), and the
   distributed optimizer shards them over that group.
 
-Scaling (Megatron-core ``DistributedDataParallel.__init__``): in sum mode
-(``calculate_per_token_loss``) nothing is scaled. When averaging, a dense gradient is
-divided by dp. An expert's gradient already holds the contributions of the tokens of all
-``ep`` ranks of its EP group (the dispatcher brought them), so it is divided by dp too (not
-by expert_dp): the SUM over expert_dp then equals the dp-average of the per-rank losses, the
-same normalisation as the dense gradients. With ``average_in_collective`` (an AVG collective
-over expert_dp divides by expert_dp) the expert gradients are pre-scaled by expert_dp / dp.
+Scaling: each kind's fold scale (1 in sum mode, 1/dp or expert_dp/dp when averaging) is
+``finalize.bucket_fold_scales``, with every other factor of the step.
 
 At ep = 1 the expert buckets use the dense communicators (same ranks): only the buffers
 are separate.
@@ -31,6 +26,7 @@ import torch.distributed as dist
 
 from .comm import build_communicator, resolve_group
 from .config import DistributedDataParallelConfig
+from .finalize import bucket_fold_scales
 
 
 @dataclass(frozen=True)
@@ -71,13 +67,8 @@ def reduce_groups(cfg: DistributedDataParallelConfig, parallel, comm, shard_comm
     comms = [comm, shard_comm, ecomm] + ([inter_comm] if inter_comm is not None else [])
     avg = cfg.average_in_collective and all(c.supports_avg for c in comms)
     op = "avg" if avg else "sum"
-    dp, edp = comm.world_size, ecomm.world_size
-    if cfg.calculate_per_token_loss:
-        dense_scale = expert_scale = 1.0
-    elif avg:
-        dense_scale, expert_scale = 1.0, edp / dp
-    else:
-        dense_scale = expert_scale = 1.0 / dp
+    # the factors are decided with the step's others (finalize.py), applied by the fold
+    dense_scale, expert_scale = bucket_fold_scales(cfg, comm.world_size, ecomm.world_size, avg)
     dense = ReduceGroup(False, comm, shard_comm, inter_comm, dense_scale, op)
     expert = ReduceGroup(True, ecomm, eshard, einter, expert_scale, op)
     return dense, expert

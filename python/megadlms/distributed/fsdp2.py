@@ -18,8 +18,9 @@ for our DDP (the DataParallel protocol, docs/architecture.md):
    parameters stay the optimizer's main copy and gradients are reduced in fp32.
 3. Averaging: FSDP2 reduces with ``ReduceOp.AVG`` for fp32/bf16 gradients. Older gloo
    builds summed instead of averaging (pytorch issue 162338). We probe the process
-   group once at wrap time; only when it sums do we switch FSDP2 to SUM + post-divide.
-   With torch 2.13 the probe finds gloo averages correctly (tests check the value).
+   group once at wrap time; only when it sums do we switch FSDP2 to SUM + post-divide
+   (the factors: ``finalize.fsdp2_reduction``). With torch 2.13 the probe finds gloo
+   averages correctly (tests check the value). Sum mode: plain SUM, no division.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import megadlm_ext as ext
 
 from .comm import build_communicator
 from .config import DistributedDataParallelConfig
+from .finalize import fsdp2_reduction
 
 _log = logging.getLogger(__name__)
 
@@ -272,14 +274,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self._shard(module, fsdp_unit_modules, reshard_after_forward)
         self.comm = build_communicator("torch", self.process_group)
         self.shard_comm = self.comm  # parameters and optimizer state are sharded over all of dp
-        self._grad_post_scale = 1.0
-        self.avg_corrected = False
-        if cfg.calculate_per_token_loss:  # sum mode: plain SUM reduce-scatter, no division
-            for unit in [*self.fsdp_units, module]:
-                unit.set_gradient_divide_factor(1.0)
-                unit.set_force_sum_reduction_for_comms(True)
-        else:
-            self._ensure_backend_averages(module, backend)
+        self._set_reduction(module, cfg, backend)
 
     def _shard(self, module: torch.nn.Module, fsdp_unit_modules, reshard_after_forward: bool) -> None:
         """``fully_shard`` every unit, then the root (which owns the rest)."""
@@ -297,22 +292,30 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         _restore_param_attrs(module, attrs)
         self.module = module
 
-    def _ensure_backend_averages(self, module: torch.nn.Module, backend: str) -> None:
-        """Averaging mode. pytorch#162338: if this group sums under ReduceOp.AVG (older gloo
-        builds), make FSDP2 sum and divide. Sum mode never needs this probe."""
-        self.avg_corrected = _backend_sums_instead_of_averaging(self.process_group)
-        if not self.avg_corrected:
-            return
-        if hasattr(module, "set_force_sum_reduction_for_comms"):
-            for unit in [*self.fsdp_units, module]:
-                unit.set_force_sum_reduction_for_comms(True)
-        else:  # older FSDP2 without the switch: divide the summed shards ourselves
-            self._grad_post_scale = 1.0 / dist.get_world_size(self.process_group)
-        _log.warning(
-            "FSDP2: %s backend sums under ReduceOp.AVG (pytorch#162338); correcting so gradients "
-            "are averaged",
-            backend,
+    def _set_reduction(self, module: torch.nn.Module, cfg, backend: str) -> None:
+        """Tell FSDP2 how to divide (the factors: ``finalize.fsdp2_reduction``). The AVG probe
+        is a collective; sum mode never needs it (no AVG collective)."""
+        self.avg_corrected = not cfg.calculate_per_token_loss and _backend_sums_instead_of_averaging(
+            self.process_group
         )
+        plan = fsdp2_reduction(
+            cfg,
+            self.comm.world_size,
+            backend_sums_avg=self.avg_corrected,
+            can_force_sum=hasattr(module, "set_force_sum_reduction_for_comms"),  # a torch version
+        )
+        for unit in [*self.fsdp_units, module]:
+            if plan.divide_factor is not None:
+                unit.set_gradient_divide_factor(plan.divide_factor)
+            if plan.force_sum:
+                unit.set_force_sum_reduction_for_comms(True)
+        self._grad_post_scale = plan.post_scale
+        if self.avg_corrected:
+            _log.warning(
+                "FSDP2: %s backend sums under ReduceOp.AVG (pytorch#162338); correcting so gradients "
+                "are averaged",
+                backend,
+            )
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
@@ -342,6 +345,11 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     optimizer_layout = "dtensor"
     grad_buckets: list = []
     parallel = None  # plain data parallelism: FSDP2 with tensor parallelism is rejected upstream
+
+    @property
+    def chunks(self) -> List[TorchFullyShardedDataParallel]:
+        """One model: the one-stage schedule's single chunk is this wrapper."""
+        return [self]
 
     def named_trainable_parameters(self) -> Dict[torch.nn.Parameter, str]:
         names: Dict[torch.nn.Parameter, str] = {}

@@ -30,14 +30,18 @@ from typing import ContextManager, Dict, List, Optional, Protocol, runtime_check
 
 import torch
 
+from megadlms.optimizer.source import GradientSource
+
 from .config import DistributedDataParallelConfig
 
 OPTIMIZER_LAYOUTS = ("replicated", "bucket_shards", "dtensor")
 
 
 @runtime_checkable
-class DataParallel(Protocol):
-    """What the trainer and the optimizer may call on a data-parallel wrapper."""
+class DataParallel(GradientSource, Protocol):
+    """What the trainer and the optimizer may call on a data-parallel wrapper (the optimizer's
+    part, ``GradientSource``, is declared in the optimizer layer, which does not import this
+    one; it is repeated here with the wrapper-side details)."""
 
     module: torch.nn.Module
     """The wrapped model (``unwrap_model`` peels every wrapper)."""
@@ -56,6 +60,11 @@ class DataParallel(Protocol):
     parallel: object
     """The run's ``ParallelGroups`` (tp, dp, mp, ... axes) when the wrapper was built over a
     tensor-/pipeline-parallel grid, else None (plain data parallelism)."""
+
+    @property
+    def chunks(self) -> List[DataParallel]:
+        """The per-chunk wrappers the step's schedule runs, in stage order: ``[self]`` for
+        one model, a pipeline rank's chunk wrappers for ``ModelChunks``."""
 
     def forward(self, *args, **kwargs): ...
 

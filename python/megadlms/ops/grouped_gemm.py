@@ -58,6 +58,8 @@ class _GroupedMatmul(torch.autograd.Function):
                 main_grad = getattr(w, "main_grad", None)
                 if main_grad is None:
                     raise RuntimeError(MISSING_MAIN_GRAD.format(layer=ctx.layer_name, shape=tuple(w.shape)))
+                # DDP's fold scale (distributed/finalize.py bucket_fold_scales), applied
+                # inside the GEMM that accumulates into the buffer (see parallel/linear_impl.py)
                 scale = getattr(w, "main_grad_scale", 1.0)
                 megadlm_ext.grouped_gemm(
                     g, x, ctx.sizes, trans_a=True, out=main_grad, accumulate=True, alpha=scale

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import List
 
-import torch
-
 from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
 from .distrib_optimizer import ShardedBufferLayout
@@ -19,6 +17,7 @@ from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .grid import GridReductions
 from .lr_scheduler import OptimizerParamScheduler
 from .optimizer import DTensorLayout, MixedPrecisionOptimizer, ReplicaLayout, no_weight_decay
+from .source import GradientSource, LocalGradients, as_gradient_source
 
 
 def dtensor_problems(config: OptimizerConfig, who: str = "DTensor-sharded (FSDP2) parameters") -> List[str]:
@@ -29,35 +28,33 @@ def dtensor_problems(config: OptimizerConfig, who: str = "DTensor-sharded (FSDP2
     return []
 
 
-def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPrecisionOptimizer:
+def get_optimizer(config: OptimizerConfig, model) -> MixedPrecisionOptimizer:
     """Build the optimizer for ``model``: a data-parallel wrapper, or a plain module.
 
-    A wrapper (megadlms.distributed's ``DataParallel`` protocol; this layer sits below
-    ``distributed`` and does not import it) declares in ``optimizer_layout`` where the
-    reduced gradients are: "replicated" (our DDP: full fp32 main params per rank when
-    ``config.bf16``/``fp16``, grads from ``wrapper.main_grad``), "bucket_shards" (the
-    distributed optimizer: main params and state only for this rank's bucket shards) or
-    "dtensor" (FSDP2: the sharded fp32 DTensor params are the main params). A plain module
-    is optimized as "replicated" with its own ``param.grad``.
+    A wrapper (a :class:`GradientSource`: megadlms.distributed's ``DataParallel`` protocol
+    extends it; this layer sits below ``distributed`` and does not import it) declares in
+    ``optimizer_layout`` where the reduced gradients are: "replicated" (our DDP: full fp32
+    main params per rank when ``config.bf16``/``fp16``, grads from ``wrapper.main_grad``),
+    "bucket_shards" (the distributed optimizer: main params and state only for this rank's
+    bucket shards) or "dtensor" (FSDP2: the sharded fp32 DTensor params are the main params).
+    A plain module is optimized as "replicated" with its own ``param.grad``
+    (:class:`LocalGradients`).
 
     Over a tensor-parallel grid (the wrapper's ``parallel``, protocol.py) the grad norm counts
     every TP shard once and replicated parameters once, and skip decisions span every rank
     (``grid.py``).
     """
-    layout_kind = getattr(model, "optimizer_layout", None)
-    wrapper = model if layout_kind is not None else None
-    if wrapper is not None:
-        names = wrapper.named_trainable_parameters()
-    else:
-        names = {p: n for n, p in model.named_parameters() if p.requires_grad}
+    wrapper = as_gradient_source(model)
+    layout_kind = wrapper.optimizer_layout
+    names = wrapper.named_trainable_parameters()
     if not names:
         raise ValueError("get_optimizer: the model has no trainable parameters (requires_grad=True)")
-    grid = GridReductions(getattr(wrapper, "parallel", None))  # None: plain data parallelism
+    grid = GridReductions(wrapper.parallel)  # None: plain data parallelism
     sharded = layout_kind == "bucket_shards"
     if config.use_distributed_optimizer != sharded:
         raise ValueError(
             f"use_distributed_optimizer={config.use_distributed_optimizer} in OptimizerConfig, but the "
-            f"model's gradients are laid out {layout_kind or 'by a plain module'!r}: the wrapper must be "
+            f"model's gradients are laid out {layout_kind!r}: the wrapper must be "
             "DistributedDataParallel with DistributedDataParallelConfig(use_distributed_optimizer=True) "
             "exactly when the optimizer is distributed"
         )
@@ -75,7 +72,9 @@ def get_optimizer(config: OptimizerConfig, model: torch.nn.Module) -> MixedPreci
 __all__ = [
     "ConstantGradScaler",
     "DynamicGradScaler",
+    "GradientSource",
     "GridReductions",
+    "LocalGradients",
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
     "OptimizerParamScheduler",

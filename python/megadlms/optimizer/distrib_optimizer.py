@@ -72,7 +72,7 @@ class ShardedBufferLayout:
         self, wrapper, names: Dict[torch.nn.Parameter, str], grid: Optional[GridReductions] = None
     ) -> None:
         self.wrapper = wrapper  # a DataParallel with optimizer_layout "bucket_shards"
-        self.comm = getattr(wrapper, "shard_comm", wrapper.comm)  # the ranks sharing one copy
+        self.comm = wrapper.shard_comm  # the ranks sharing one copy
         self.grid = grid if grid is not None else GridReductions(None)
         self.buckets = wrapper.grad_buckets
         self.device = self.buckets[0].grad_data.device if self.buckets else torch.device("cpu")

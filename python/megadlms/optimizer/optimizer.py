@@ -273,11 +273,17 @@ class MixedPrecisionOptimizer:
         return loss * self.get_loss_scale()
 
     @torch.no_grad()
-    def step(self):
-        """One update. Returns ``(success, grad_norm)``; False means the step was skipped."""
+    def step(self, *, grad_unscale: Optional[float] = None):
+        """One update. Returns ``(success, grad_norm)``; False means the step was skipped.
+
+        ``grad_unscale`` (fp16): the factor that undoes the loss scale the step's backward
+        started from (``distributed.StepScales.grad_unscale``, where the step's factors are
+        decided); default ``1 / get_loss_scale()``, the same number."""
         grads = self.layout.collect_grads()
         if self.grad_scaler is not None:
-            ext.scale_(grads, 1.0 / self.grad_scaler.scale)
+            unscale = 1.0 / self.grad_scaler.scale if grad_unscale is None else grad_unscale
+            # on the fp32 main grads, before the overflow check (it needs unscaled values)
+            ext.scale_(grads, unscale)
             found_inf = self.layout.any_rank(ext.has_nonfinite(grads))
             self.grad_scaler.update(found_inf)
             if found_inf:

@@ -66,6 +66,9 @@ class _FusedLinear(torch.autograd.Function):
             main_grad = getattr(weight, "main_grad", None)
             if main_grad is None:
                 raise RuntimeError(MISSING_MAIN_GRAD.format(layer=ctx.layer_name, shape=tuple(weight.shape)))
+            # DDP's fold scale, decided in distributed/finalize.py (bucket_fold_scales) and
+            # set on the weight by DDP: applied inside the fused GEMM, which writes the buffer
+            # during backward (scaling the buffer afterwards would round differently)
             scale = getattr(weight, "main_grad_scale", 1.0)
             megadlm_ext.wgrad_accumulate(main_grad, grad_output.contiguous(), x.contiguous(), alpha=scale)
             weight.grad_added_to_main_grad = True

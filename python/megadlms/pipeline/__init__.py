@@ -1,5 +1,6 @@
 """megadlms.pipeline: pipeline parallelism — the stage split, tied embeddings across stages,
-point-to-point activation exchange and the 1F1B / interleaved 1F1B schedules.
+point-to-point activation exchange and the schedules: 1F1B, interleaved 1F1B and the
+one-stage schedule of a run without pipeline (``get_forward_backward_func``).
 
     from megadlms.models import GPTModel, PipelineChunk
     from megadlms.pipeline import stage_layers, model_chunks, forward_backward_pipelining
@@ -15,9 +16,17 @@ from .embedding import (
     build_embedding_group,
     embedding_grad_params,
     embedding_group_ranks,
+    tied_embedding_params,
 )
 from .p2p import PipelineP2P
-from .schedules import check_micro_batches, forward_backward_pipelining, micro_batch_problems
+from .schedules import (
+    check_micro_batches,
+    forward_backward_no_pipelining,
+    forward_backward_pipelining,
+    get_forward_backward_func,
+    micro_batch_problems,
+    stages_in_lockstep,
+)
 from .split import model_chunks, stage_layers, virtual_pipeline_size
 
 __all__ = [
@@ -33,4 +42,8 @@ __all__ = [
     "check_micro_batches",
     "micro_batch_problems",
     "forward_backward_pipelining",
+    "forward_backward_no_pipelining",
+    "get_forward_backward_func",
+    "stages_in_lockstep",
+    "tied_embedding_params",
 ]

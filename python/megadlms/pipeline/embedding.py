@@ -5,17 +5,19 @@ With tied input/output embeddings and pp > 1 the first stage holds
 (its sharding declares ``tied_copy``, initialised equal: models/gpt.py). Both get a gradient; after
 every chunk's ``finish_grad_sync()`` the two are summed over the embedding group (first and
 last rank of each pipeline group, Megatron's ``embedding group``), so both copies take the
-same optimizer step and stay equal.
+same optimizer step and stay equal. The sum itself is ``distributed.finalize``'s (it
+knows the wrappers' gradient layouts); this file says which parameters and which ranks.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional
+from typing import Iterable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from megadlms.distributed.wrappers import unwrap_model
+from megadlms.distributed import DataParallel, unwrap_model
+from megadlms.distributed.finalize import TiedParam, allreduce_tied_grad
 from megadlms.parallel.groups import ParallelGroups, rank_grid
 
 
@@ -55,48 +57,21 @@ def embedding_grad_params(chunks: Iterable[torch.nn.Module]) -> List[torch.nn.Pa
     return out
 
 
-def _grad_of(param: torch.nn.Parameter) -> Optional[torch.Tensor]:
-    grad = getattr(param, "main_grad", None)
-    return param.grad if grad is None else grad
+def tied_embedding_params(chunks: Sequence[DataParallel]) -> List[TiedParam]:
+    """(chunk, parameter) of every tied-embedding gradient of this rank's wrapped chunks, in
+    chunk order: what ``distributed.finalize_model_grads`` sums over the embedding group."""
+    return [(chunk, p) for chunk in chunks for p in embedding_grad_params([chunk])]
 
 
 def allreduce_embedding_grads(
-    chunks: Iterable[torch.nn.Module], embedding_group: Optional[dist.ProcessGroup]
+    chunks: Sequence[DataParallel], embedding_group: Optional[dist.ProcessGroup]
 ) -> None:
-    """Sum the tied embedding's gradient over ``embedding_group``: ``param.main_grad`` of
-    DDP-wrapped chunks (call AFTER every chunk's ``finish_grad_sync()``, before the optimizer
-    step), ``param.grad`` of plain modules. A no-op without a group (pp == 1 or a middle
-    stage) or untied embeddings. A rank of the group without a gradient yet joins with zeros,
-    so its peer never blocks. Under the distributed optimizer (``optimizer_layout``
-    "bucket_shards") only this rank's bucket shard is reduced, at offsets that differ between
-    the two stages, so each gradient is first completed over the chunk's shard group."""
+    """Sum the tied embedding's reduced gradient of the wrapped ``chunks`` over
+    ``embedding_group`` (call AFTER every chunk's ``finish_grad_sync()``, before the optimizer
+    step; the trainer's step does it in ``finalize_model_grads``). A no-op without a group
+    (pp == 1 or a middle stage) or with untied embeddings (``allreduce_tied_grad``: the
+    distributed optimizer's shards, a rank without a gradient)."""
     if embedding_group is None:
         return
-    for chunk in chunks:
-        for param in embedding_grad_params([chunk]):
-            if getattr(chunk, "optimizer_layout", None) == "bucket_shards":
-                _complete_sharded_grad(chunk, param)
-            grad = _grad_of(param)
-            if grad is None:
-                param.grad = grad = torch.zeros_like(param)
-            dist.all_reduce(grad, group=embedding_group)
-
-
-def _complete_sharded_grad(wrapper, param: torch.nn.Parameter) -> None:
-    """Make ``param.main_grad`` the full reduced gradient on every rank of the wrapper's shard
-    group: keep the part inside this rank's reduced shard, zero the rest, sum over the group."""
-    comm = wrapper.shard_comm
-    for bucket in wrapper.grad_buckets:
-        if not any(p is param for p in bucket.params):
-            continue
-        off = bucket.offsets[next(i for i, p in enumerate(bucket.params) if p is param)]
-        lo, hi = bucket.shard_range(comm.rank, comm.world_size)
-        flat = param.main_grad.view(-1)
-        a, b = max(lo - off, 0), min(hi - off, flat.numel())
-        mine = flat[a:b].clone() if a < b else None
-        flat.zero_()
-        if mine is not None:
-            flat[a:b] = mine
-        if comm.world_size > 1:
-            comm.all_reduce(flat, "sum")
-        return
+    for chunk, param in tied_embedding_params(chunks):
+        allreduce_tied_grad(chunk, param, embedding_group)

@@ -8,9 +8,15 @@ activations travel as tensors with their shape (``p2p.py``: shapes are exchanged
 may crop its sequence differently). Chunk ``c`` on pipeline rank ``r`` is model stage
 ``c * pp + r``; the first model stage takes no input, the last one returns the loss.
 
-Gradient sync: every backward of a chunk runs under ``chunk.no_sync()`` except that chunk's
-LAST micro-batch, so a DDP chunk's buckets launch (with ``overlap_grad_reduce``, during the
-rest of the backward) exactly once per step. ``finish_grad_sync()`` is the caller's.
+No pipeline (pp = 1) is the degenerate schedule, :func:`forward_backward_no_pipelining`
+(Megatron's ``get_forward_backward_func``: :func:`get_forward_backward_func` picks it), with
+the same arguments: the trainer's step runs one code path whatever pp is.
+
+Gradient sync: ``no_sync(chunk_index)`` (the caller's, e.g. ``chunks[c].no_sync()`` of a
+``DataParallel`` chunk; None for plain modules) is entered around every backward of a chunk
+except that chunk's LAST micro-batch, so a DDP chunk's buckets launch (with
+``overlap_grad_reduce``, during the rest of the backward) exactly once per step.
+``finish_grad_sync()`` is the caller's (``distributed.finalize_model_grads``).
 
 Why not ``torch.distributed.pipelining``: its ``PipelineStage`` applies ``no_sync`` only to
 torch's own ``DistributedDataParallel`` (an ``isinstance`` check; our DDP would reduce on every
@@ -23,13 +29,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .p2p import PipelineP2P
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], object]
+NoSync = Callable[[int], ContextManager]  # chunk index -> context without gradient sync
 
 
 def micro_batch_problems(
@@ -87,8 +94,9 @@ class _Pipeline:
     """One step's state on this rank: the activations and grads waiting for their backward,
     keyed by (chunk, micro-batch); received tensors are queued per chunk in micro-batch order."""
 
-    def __init__(self, chunks, num_micro, forward_step, p2p, backward_loss, forward_only, timeline):
+    def __init__(self, chunks, num_micro, forward_step, p2p, backward_loss, forward_only, timeline, no_sync):
         self.chunks, self.m, self.forward_step, self.p2p = chunks, num_micro, forward_step, p2p
+        self.no_sync: Optional[NoSync] = no_sync
         self.backward_loss, self.forward_only, self.timeline = backward_loss, forward_only, timeline
         self.pp, self.rank, self.vp = p2p.size, p2p.rank, len(chunks)
         self.inputs: List[Dict[int, Optional[torch.Tensor]]] = [{} for _ in chunks]
@@ -125,10 +133,7 @@ class _Pipeline:
         self.grads_received[c] += 1
 
     def _record(self, kind: str, c: int, i: int, start: float) -> None:
-        if self.timeline is not None:
-            self.timeline.append(
-                {"kind": kind, "chunk": c, "micro": i, "start": start, "end": time.perf_counter()}
-            )
+        _record(self.timeline, kind, c, i, start)
 
     def forward(self, k: int) -> Optional[torch.Tensor]:
         """Forward of virtual micro-batch k; returns what to send to the next stage (None on the last)."""
@@ -168,9 +173,8 @@ class _Pipeline:
         else:
             tensors, grad = out, self.grads[c].pop(i)
         self.backwards_done[c] += 1
-        chunk = self.chunks[c]
-        last = self.backwards_done[c] == self.m
-        sync = contextlib.nullcontext() if last or not hasattr(chunk, "no_sync") else chunk.no_sync()
+        last = self.backwards_done[c] == self.m  # this chunk's last backward: its buckets launch
+        sync = contextlib.nullcontext() if last or self.no_sync is None else self.no_sync(c)
         start = time.perf_counter()
         with sync:
             torch.autograd.backward(tensors, grad_tensors=grad)
@@ -285,6 +289,7 @@ def forward_backward_pipelining(
     forward_only: bool = False,
     timeline: Optional[list] = None,
     device=None,
+    no_sync: Optional[NoSync] = None,
 ) -> List[object]:
     """Run one step's micro-batches through this rank's model chunks (forward and backward).
 
@@ -299,7 +304,8 @@ def forward_backward_pipelining(
     process group. ``forward_only``: no grad, no backward (validation). ``timeline``: a list that
     receives one dict per forward / backward (``kind`` "F"/"B", ``chunk``, ``micro``,
     ``start``, ``end`` from ``time.perf_counter``; compute only, no p2p). ``device``: where
-    received activations live (default: the first chunk's parameters').
+    received activations live (default: the first chunk's parameters'). ``no_sync``: see the
+    module docstring (None: no gradient-sync control, e.g. plain modules).
 
     Returns the ``loss_for_logging`` of every micro-batch (in micro-batch order) on the last
     stage, [] on the others. Does not call ``finish_grad_sync()``.
@@ -311,9 +317,69 @@ def forward_backward_pipelining(
     p2p = PipelineP2P(pp_group, device)
     check_micro_batches(len(micro_batches), p2p.size, len(chunks), forward_only)
     state = _Pipeline(
-        list(chunks), len(micro_batches), forward_step, p2p, backward_loss, forward_only, timeline
+        list(chunks), len(micro_batches), forward_step, p2p, backward_loss, forward_only, timeline, no_sync
     )
     (_interleaved if len(chunks) > 1 else _one_f_one_b)(state)
     if not state.last_stage(len(chunks) - 1):
         return []
     return [state.losses[i] for i in range(len(micro_batches))]
+
+
+def forward_backward_no_pipelining(
+    chunks: Sequence[torch.nn.Module],
+    micro_batches: Sequence[object],
+    forward_step: ForwardStep,
+    *,
+    pp_group=None,
+    backward_loss: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+    forward_only: bool = False,
+    timeline: Optional[list] = None,
+    device=None,
+    no_sync: Optional[NoSync] = None,
+) -> List[object]:
+    """The one-stage schedule (no pipeline), with :func:`forward_backward_pipelining`'s
+    arguments: ``chunks`` is the one whole model, ``forward_step(0, i, None)`` returns
+    ``(loss_to_backprop, loss_for_logging)``; ``pp_group`` and ``device`` are not used.
+
+    Each micro-batch's forward and backward run back to back (no activations of several
+    micro-batches alive at once); all but the last under ``no_sync(0)``, forward included,
+    as Megatron's ``forward_backward_no_pipelining``. Returns every ``loss_for_logging``."""
+    if len(chunks) != 1:
+        raise ValueError(f"the one-stage schedule runs one model chunk, got {len(chunks)}")
+    losses = []
+    for i in range(len(micro_batches)):
+        last = i == len(micro_batches) - 1
+        with contextlib.nullcontext() if last or no_sync is None else no_sync(0):
+            start = time.perf_counter()
+            with torch.no_grad() if forward_only else contextlib.nullcontext():
+                out = forward_step(0, i, None)
+            if not (isinstance(out, (tuple, list)) and len(out) == 2):
+                raise TypeError(
+                    "forward_step of the one-stage schedule must return (loss_to_backprop, loss_for_logging)"
+                )
+            _record(timeline, "F", 0, i, start)
+            losses.append(out[1].detach() if isinstance(out[1], torch.Tensor) else out[1])
+            if not forward_only:
+                start = time.perf_counter()
+                torch.autograd.backward(backward_loss(out[0]))
+                _record(timeline, "B", 0, i, start)
+    return losses
+
+
+def _record(timeline: Optional[list], kind: str, c: int, i: int, start: float) -> None:
+    if timeline is not None:
+        timeline.append({"kind": kind, "chunk": c, "micro": i, "start": start, "end": time.perf_counter()})
+
+
+def get_forward_backward_func(pp_size: int) -> Callable[..., List[object]]:
+    """The schedule for ``pp_size`` pipeline stages (Megatron's name): the one-stage schedule
+    at 1, else 1F1B (interleaved when the caller passes several chunks)."""
+    return forward_backward_pipelining if pp_size > 1 else forward_backward_no_pipelining
+
+
+def stages_in_lockstep(pp_size: int) -> bool:
+    """Whether the schedule's ranks wait on each other's point-to-point messages (pp > 1):
+    then a rank that cannot run the schedule must make every rank skip it, and one that fails
+    inside it must stop at once (its exit ends its peers' waits) instead of carrying the
+    error to the step's reductions, which its peers never reach."""
+    return pp_size > 1

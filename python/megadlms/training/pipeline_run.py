@@ -4,9 +4,10 @@ pipeline schedule runs for training and for validation (docs/architecture.md).
 * :func:`build_chunks`: the GPTModel chunks of this pipeline rank (one per virtual stage,
   Megatron's split: ``megadlms.pipeline.stage_layers``), each initialised from the seed so
   that its weights are bitwise the whole model's;
-* :class:`PipelineRunner`: one step's forward/backward through
-  ``megadlms.pipeline.forward_backward_pipelining`` and the tied-embedding gradient sum
-  after ``finish_grad_sync()``; a forward-only pipeline for the validation NELBO.
+* :class:`PipelineRunner`: one step's forward/backward through the schedule
+  ``megadlms.pipeline.get_forward_backward_func`` picks (the one-stage schedule without
+  pipeline parallelism, so the step has one code path), the tied-embedding parameters and
+  group ``finalize_model_grads`` sums over; a forward-only pipeline for the validation NELBO.
 
 Every stage of a pipeline group holds the same micro-batches (the same data-parallel rank)
 and computes the same model inputs from them: the masked-diffusion noise is a function of
@@ -27,14 +28,16 @@ import torch
 from megadlms.config import RunConfig
 from megadlms.diffusion import forward_process, validation_times
 from megadlms.diffusion.loss import ar_loss, diffusion_loss, objective_inputs, token_cross_entropy_of
-from megadlms.distributed import unwrap_model
+from megadlms.distributed import DataParallel, unwrap_model
 from megadlms.models import GPTModel
 from megadlms.pipeline import (
-    allreduce_embedding_grads,
     build_embedding_group,
     forward_backward_pipelining,
+    get_forward_backward_func,
     model_chunks,
     stage_layers,
+    stages_in_lockstep,
+    tied_embedding_params,
 )
 
 
@@ -130,24 +133,31 @@ def _run_chunk(chunk, inputs: _Inputs, hidden: Optional[torch.Tensor]):
 
 
 class PipelineRunner:
-    """The trainer's pipeline: schedule, forward step and the embedding-group gradient sum.
+    """The step's schedule over this rank's model chunks, its forward step, and what
+    ``finalize_model_grads`` sums across stages (the tied embedding).
 
-    Built once (collective: creates the embedding groups). ``chunks``: this rank's wrapped
-    chunks (``ModelChunks.chunks``)."""
+    ``model``: the step's ``DataParallel`` wrapper; its ``chunks`` are what the schedule runs
+    (the one wrapper without pipeline: the one-stage schedule). Built once (collective under
+    pipeline parallelism: creates the embedding groups)."""
 
-    def __init__(self, groups, chunks) -> None:
+    def __init__(self, groups, model: DataParallel) -> None:
         self.groups = groups
-        self.chunks = list(chunks)
-        self.embedding_group = build_embedding_group(groups)
+        self.chunks: List[DataParallel] = list(model.chunks)
+        self.schedule = get_forward_backward_func(groups.pp.size)
+        self.lockstep = stages_in_lockstep(groups.pp.size)  # see pipeline.stages_in_lockstep
+        self.embedding_group = build_embedding_group(groups)  # None at pp 1 (no collective)
+        self.tied = tied_embedding_params(self.chunks)
         self._last = [bool(unwrap_model(c).pipeline.post_process) for c in self.chunks]
 
     def _step_fn(self, prepare: Callable[[int], _Inputs], on_loss: Callable):
         cache: Dict[int, _Inputs] = {}
+        last_chunk = len(self.chunks) - 1
 
         def forward_step(chunk_index: int, micro_index: int, hidden):
             if micro_index not in cache:  # every chunk of this rank sees the same micro-batch
                 cache[micro_index] = prepare(micro_index)
-            inputs = cache[micro_index]
+            # the last chunk's forward of a micro-batch is its last use on this rank
+            inputs = cache.pop(micro_index) if chunk_index == last_chunk else cache[micro_index]
             chunk = self.chunks[chunk_index]
             out = _run_chunk(chunk, inputs, hidden)
             if not self._last[chunk_index]:
@@ -157,33 +167,27 @@ class PipelineRunner:
 
         return forward_step
 
-    def forward_backward(
-        self, optimizer, micro_batches: List[dict], cfg, crops, scale, device
-    ) -> torch.Tensor:
+    def forward_backward(self, micro_batches: List[dict], cfg, crops, scales, device) -> torch.Tensor:
         """This rank's loss sum of the step (0 off the last stage); gradients accumulated in
-        every chunk's buffers, each chunk's collectives launched on its last micro-batch."""
+        every chunk's buffers, each chunk's collectives launched on its last micro-batch.
+        ``scales``: the step's ``distributed.StepScales`` (the 1/N on each micro-batch's
+        loss, the loss scale on what its backward starts from)."""
         step = self._step_fn(
             lambda i: _train_inputs(micro_batches[i], cfg, crops[i]),
-            lambda loss_sum: (loss_sum * scale, loss_sum.detach().to(torch.float64)),
+            lambda loss_sum: (loss_sum * scales.loss, loss_sum.detach().to(torch.float64)),
         )
-        losses = forward_backward_pipelining(
-            self.chunks, micro_batches, step, pp_group=self.groups.pp, backward_loss=optimizer.scale_loss
+        losses = self.schedule(
+            self.chunks,
+            micro_batches,
+            step,
+            pp_group=self.groups.pp,
+            backward_loss=scales.backward_loss,
+            no_sync=lambda c: self.chunks[c].no_sync(),
         )
         total = torch.zeros((), dtype=torch.float64, device=device)
         for loss in losses:
             total += loss.to(device)
         return total
-
-    def after_grad_sync(self) -> None:
-        """After every chunk's ``finish_grad_sync()``: sum the tied embedding's gradient over
-        the first and last stage (no-op when untied or on a middle stage).
-
-        With the distributed optimizer only this rank's shard of each bucket is reduced, and
-        the embedding and its copy sit at different offsets of different buckets on the two
-        stages, so their valid shards do not line up: the reduced gradient of each is first
-        completed over the shard group (each rank contributes its reduced shard, zeros
-        elsewhere), then summed over the embedding group (``allreduce_embedding_grads``)."""
-        allreduce_embedding_grads(self.chunks, self.embedding_group)
 
     @torch.no_grad()
     def validation_sums(self, batches: List[dict], cfg, *, num_mc_samples: int, seed: int):

@@ -1,46 +1,49 @@
-"""One optimizer step of the masked-diffusion loop (``train_step``).
+"""One optimizer step of the masked-diffusion loop (``train_step``); docs/architecture.md,
+"One step".
 
 1. Draw the step's variable-length crop once, count this rank's loss tokens of its
-   ``num_micro`` micro-batches; ONE all-reduce gives the step's global count N. Each
-   micro-batch's summed loss is divided by N before backward and the wrapper reduces in
-   sum mode (``calculate_per_token_loss``: no 1/dp anywhere), so the gradient is
-   d(sum of all losses)/N: the same for 1, 2 or 3 ranks and any gradient accumulation (up
-   to fp reduction order). This is the one place gradients are normalised.
-2. All but the last micro-batch run under ``model.no_sync()``; ``finish_grad_sync()``.
-3. ONE all-reduce of [loss sum, non-finite flag, exit flags]: if any rank saw a NaN/Inf
-   loss every rank skips the optimizer step (MegaDLMs' nan skipping, --nan-skip-limit).
-4. ``optimizer.step() -> (success, grad_norm)`` (clipping, fp16 loss-scale skips
+   micro-batches; ONE all-reduce gives the step's global count N, the global micro-batch
+   count and the ranks without data. ``distributed.step_scales`` turns them into the step's
+   factors (1/N on each micro-batch's summed loss in sum mode -- the wrapper reduces plain
+   sums, ``calculate_per_token_loss`` -- so the gradient is d(sum of all losses)/N: the same
+   for any dp and gradient accumulation up to fp reduction order; the MoE aux scale; the
+   fp16 loss scale).
+2. The schedule of ``runner`` (``pipeline_run.PipelineRunner``: the one-stage schedule
+   without pipeline parallelism, 1F1B / interleaved with it) runs every forward and backward;
+   each chunk's gradients are synced on its own last micro-batch.
+3. ``distributed.finalize_model_grads``: wait for every reduction (NaN/Inf agreement of the
+   gradients there), sum the tied embedding over the first and last stage.
+4. ONE all-reduce of [loss sum, non-finite flag, failure flag, exit flags]: if any rank saw a
+   NaN/Inf loss every rank skips the optimizer step (MegaDLMs' nan skipping,
+   --nan-skip-limit).
+5. ``optimizer.step() -> (success, grad_norm)`` (unscaling, clipping, fp16 overflow skips
    inside); on success the LR schedule advances by one global batch of samples.
 
 The reductions run over every rank (the flags must reach the whole grid), but only the
-ranks that own a data-parallel replica's loss (``loss_owner``: tensor-parallel rank 0)
-contribute their loss and token counts, so the TP ranks of one replica -- which all hold
-the same loss -- count it once.
+ranks that own a data-parallel replica's loss (``loss_owner``: tensor-parallel rank 0 of the
+last stage) contribute their loss and token counts, so the TP ranks of one replica -- which
+all hold the same loss -- count it once. The data-parallel wrapper is whatever
+``builders.wrap_model`` chose; this file only uses the ``DataParallel`` protocol.
 
-The data-parallel wrapper is whatever ``builders.wrap_model`` chose; this file only uses
-the ``DataParallel`` protocol (docs/architecture.md).
-
-Pipeline parallelism (``pipeline``: a ``pipeline_run.PipelineRunner``): step 2 is the
-pipeline schedule over the model chunks (each chunk synced on its own last micro-batch),
-then ``finish_grad_sync()`` on every chunk and the tied-embedding gradient sum; the loss
-lives on the last stage, whose tensor-parallel rank 0 is the loss owner. A data error on
-any rank is known to all before the schedule (it rides on the token-count all-reduce), so
-no stage waits for activations that never come; an exception inside the schedule stops its
-rank at once with that error (its pipeline peers wait in point-to-point calls it will never
-make; its exit ends their waits). A failure on one rank inside the
-forward/backward is carried by the step's reductions, so every rank stops.
+Failures: a data error on any rank is known to all before the schedule (it rides on the
+token-count all-reduce). Where the schedule's stages wait on each other (``runner.lockstep``:
+pipeline stages exchange activations) every rank then skips it, and an exception inside it
+stops its rank at once with that error (its peers wait in point-to-point calls it will never
+make; its exit ends their waits). Otherwise the failing rank contributes nothing, still joins
+``finalize_model_grads`` (its peers' collectives complete) and the step's reductions carry the
+failure, so every rank stops.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
 
-from megadlms.diffusion import compute_loss, loss_token_count, micro_batch_crop
+from megadlms.diffusion import loss_token_count, micro_batch_crop
+from megadlms.distributed import DataParallel, finalize_model_grads, step_scales
 from megadlms.models.moe import set_moe_aux_loss_scale
 
 from .collectives import is_comm_error, named_collective
@@ -56,18 +59,6 @@ class StepOut:
     nonfinite: bool
     exit_flags: List[float]
     seq_length: int
-
-
-def _forward_backward(model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device):
-    """Loss sum of this rank's micro-batches; backward of each, synced on the last."""
-    local_loss = torch.zeros((), dtype=torch.float64, device=device)
-    for i, batch in enumerate(micro_batches):
-        last = i == len(micro_batches) - 1
-        with contextlib.nullcontext() if last else model.no_sync():
-            loss_sum, _, _ = compute_loss(model, batch, diff_cfg, iteration, crops[i], check=False)
-            optimizer.scale_loss(loss_sum * scale).backward()
-        local_loss += loss_sum.detach().to(torch.float64)
-    return local_loss
 
 
 def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, device, loss_owner=True):
@@ -93,94 +84,96 @@ def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, dev
     return loss_total, nan_ranks, exit_reduced
 
 
-def train_step(
-    model,
-    optimizer,
-    micro_batches: List[dict],
-    diff_cfg,
-    iteration: int,
-    *,
-    device: torch.device,
-    exit_flags: Callable[[], List[float]] = list,
-    bidirectional: bool = True,
-    data_error: Optional[BaseException] = None,
-    loss_owner: bool = True,
-    pipeline=None,
-) -> StepOut:
-    """One optimizer step over this rank's micro-batches (see the module docstring).
-
-    ``exit_flags()`` is read just before the step's reduction, so a request (e.g. SIGTERM)
-    that arrived during this step's forward/backward is seen by every rank after it.
-    ``data_error``: this rank could not load its micro-batches; it still takes part in the
-    step's collectives (contributing nothing) so that every rank stops with the error.
-    ``loss_owner``: this rank contributes its replica's loss and token count to the
-    reductions (False on the tensor-parallel peers of the owner, see the module docstring)."""
+def _count(micro_batches, diff_cfg, iteration, bidirectional, data_error):
+    """(crops, [loss tokens, micro-batches, no-data flag]) of this rank (device tensors: no
+    host sync until the step's reductions)."""
     crops, local_tokens = [None], torch.zeros((), dtype=torch.float64)
     if data_error is None:
         S, n = micro_batches[0]["labels"].shape[1], len(micro_batches)
         crops = [
             micro_batch_crop(diff_cfg, iteration, i, n, S, bidirectional=bidirectional) for i in range(n)
         ]
-        # Device tensors throughout: no host sync until the single reduction after backward.
         local_tokens = torch.stack(
             [loss_token_count(b, c, diff_cfg).to(torch.float64) for b, c in zip(micro_batches, crops)]
         ).sum()
-    # [tokens, micro-batches] of the loss owners (the global batch's N and micro-batch count),
-    # [ranks without data] under pipeline parallelism: every stage skips the schedule together
     n_micro = float(len(micro_batches)) if data_error is None else 0.0
-    local_micro = torch.tensor(n_micro, dtype=torch.float64, device=local_tokens.device)
-    counts = torch.stack([local_tokens, local_micro]).to(device=device)
-    counts = counts if loss_owner else torch.zeros_like(counts)
-    if pipeline is not None:
-        failed = torch.tensor([float(data_error is not None)], dtype=counts.dtype, device=device)
-        counts = torch.cat([counts, failed])
-    with named_collective("all-reduce of the step's loss-token count", iteration):
-        dist.all_reduce(counts)
-    run_step = pipeline is None or counts[2:].sum().item() == 0
-    global_tokens = counts[:1]
-    # Sum mode divides by N here, once; an averaging wrapper divides by dp itself.
-    dp = 1 if model.ddp_config.calculate_per_token_loss else model.comm.world_size
-    scale = (dp / global_tokens).to(torch.float32)[0]  # a 0-token step gives inf -> NaN skip
-    # MoE aux losses: mean over the global batch's micro-batches (times the loss scale, as the
-    # token loss), so the total does not depend on dp / EP / accumulation (models.moe.stats)
-    set_moe_aux_loss_scale(model, (optimizer.get_loss_scale() * dp / counts[1]).to(torch.float32))
+    rest = torch.tensor([n_micro, float(data_error is not None)], dtype=torch.float64)
+    return crops, torch.cat([local_tokens.reshape(1), rest.to(local_tokens.device)])
 
-    optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step
-    error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)
+
+def _run_schedule(runner, micro_batches, diff_cfg, crops, scales, iteration: int, device):
+    """(error or None, this rank's loss sum) of the runner's forward/backward (module
+    docstring, "Failures")."""
     try:
-        if error is None and pipeline is not None and run_step:
-            local_loss = pipeline.forward_backward(optimizer, micro_batches, diff_cfg, crops, scale, device)
-        elif error is None and pipeline is None:
-            local_loss = _forward_backward(
-                model, optimizer, micro_batches, diff_cfg, iteration, crops, scale, device
-            )
-    except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank knows
+        return None, runner.forward_backward(micro_batches, diff_cfg, crops, scales, device)
+    except Exception as exc:  # noqa: BLE001 - re-raised by _reduce_step, after every rank knows
         if is_comm_error(exc):  # a peer is gone: no collective can complete, stop now
             with named_collective(
                 "forward/backward (FSDP2 all-gather / gradient bucket reduction)", iteration
             ):
                 raise
-        if pipeline is not None:
+        if runner.lockstep:
             # the neighbouring stages wait in point-to-point calls this rank will never make:
             # stop now with this rank's own error (its exit ends their waits)
             raise
-        error, local_loss = exc, torch.zeros((), dtype=torch.float64, device=device)
+        return exc, torch.zeros((), dtype=torch.float64, device=device)
+
+
+def train_step(
+    model: DataParallel,
+    optimizer,
+    micro_batches: List[dict],
+    diff_cfg,
+    iteration: int,
+    *,
+    runner,
+    device: torch.device,
+    exit_flags: Callable[[], List[float]] = list,
+    bidirectional: bool = True,
+    data_error: Optional[BaseException] = None,
+    loss_owner: bool = True,
+) -> StepOut:
+    """One optimizer step over this rank's micro-batches (see the module docstring).
+
+    ``runner``: the ``pipeline_run.PipelineRunner`` of ``model`` (its schedule, one stage or
+    several). ``exit_flags()`` is read just before the step's reduction, so a request (e.g.
+    SIGTERM) that arrived during this step's forward/backward is seen by every rank after it.
+    ``data_error``: this rank could not load its micro-batches; it still takes part in the
+    step's collectives (contributing nothing) so that every rank stops with the error.
+    ``loss_owner``: this rank contributes its replica's loss and token count to the
+    reductions (False on the tensor-parallel peers of the owner, see the module docstring)."""
+    crops, counts = _count(micro_batches, diff_cfg, iteration, bidirectional, data_error)
+    # [tokens, micro-batches] of the loss owners: the global batch's N and micro-batch count;
+    # [ranks without data] of every rank
+    counts = counts.to(device=device)
+    counts = counts if loss_owner else torch.cat([torch.zeros_like(counts[:2]), counts[2:]])
+    with named_collective("all-reduce of the step's loss-token count", iteration):
+        dist.all_reduce(counts)
+    # a lockstep schedule (pipeline stages) runs on every rank or on none; `and` keeps the
+    # one-stage schedule free of the host sync
+    run = data_error is None and not (runner.lockstep and counts[2].item() > 0)
+    scales = step_scales(model, counts[0], counts[1], optimizer.get_loss_scale())
+    set_moe_aux_loss_scale(model, scales.moe_aux)
+
+    optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step
+    error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)
+    if run:
+        error, local_loss = _run_schedule(runner, micro_batches, diff_cfg, crops, scales, iteration, device)
     with named_collective("gradient reduction (finish_grad_sync)", iteration):
-        model.finish_grad_sync()  # also after a failure: completes this rank's collectives for its peers
-        if pipeline is not None:
-            pipeline.after_grad_sync()
+        # also after a failure: completes this rank's collectives for its peers
+        finalize_model_grads(model, tied=runner.tied, tied_group=runner.embedding_group)
 
     loss_total, nan_ranks, exit_reduced = _reduce_step(
         local_loss, error, exit_flags(), iteration, device, loss_owner
     )
-    seq_length = S if crops[0] is None else crops[0]  # the throughput line's length
-    n_global = float(global_tokens.item())
+    seq_length = micro_batches[0]["labels"].shape[1] if crops[0] is None else crops[0]
+    n_global = float(counts[0].item())
     if nan_ranks > 0 or n_global <= 0:
         return StepOut(float("nan"), None, False, True, exit_reduced, seq_length)
     with named_collective(
         "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
     ):
-        success, grad_norm = optimizer.step()
+        success, grad_norm = optimizer.step(grad_unscale=scales.grad_unscale)
     return StepOut(
         loss_total / n_global,
         float(grad_norm) if grad_norm is not None else None,

@@ -21,6 +21,7 @@ from megadlms.checkpoint import Checkpointer, ParallelLayout, RunRecords
 from megadlms.config import RunConfig
 from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
+from megadlms.distributed import DataParallel
 from megadlms.models import num_floating_point_operations
 from megadlms.models.moe import moe_layer_stats
 from megadlms.optimizer import get_optimizer
@@ -90,7 +91,8 @@ class Trainer:
         self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
         self.num_params = _logical_params(parts, self.groups)
         self.model = builders.wrap_model(model, config, self.groups)
-        self.pipeline = pipeline_run.PipelineRunner(self.groups, self.model.chunks) if pp.size > 1 else None
+        self.runner = pipeline_run.PipelineRunner(self.groups, self.model)  # the step's schedule
+        self.pipeline = self.runner if pp.size > 1 else None  # validation's forward-only pipeline
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
@@ -346,7 +348,7 @@ class Trainer:
             self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
             device=self.device, exit_flags=exit_flags,
             bidirectional=self.config.model.attention != "causal", data_error=data_error,
-            loss_owner=self.loss_owner, pipeline=self.pipeline,
+            loss_owner=self.loss_owner, runner=self.runner,
         )  # fmt: skip
         self.iteration += 1
         self.consumed += self.gbs
@@ -411,10 +413,10 @@ class Trainer:
         return self.result
 
 
-def _wrapper_name(model) -> str:
+def _wrapper_name(model: DataParallel) -> str:
     """The data-parallel wrapper's class; a pipeline rank's chunks name their wrapper and count."""
-    chunks = getattr(model, "chunks", None)
-    if chunks is None:
+    chunks = model.chunks
+    if len(chunks) == 1 and chunks[0] is model:  # one model: the wrapper is its own chunk
         return type(model).__name__
     return f"{type(chunks[0]).__name__} x {len(chunks)} chunk(s)"
 

@@ -1,8 +1,9 @@
 """The model-level MoE API of the training loop: the aux-loss scale and the statistics.
 
 - :func:`set_moe_aux_loss_scale` (once per step, before the first forward): every MoE layer
-  multiplies the gradient of its aux losses by ``scale``. With ``scale = loss_scale /
-  (micro-batches in the global batch)`` and sum-mode DDP, the gradient is that of
+  multiplies the gradient of its aux losses by ``scale``. The trainer's scale is decided
+  with the step's other factors (``distributed.step_scales``: ``loss_scale x dp /
+  (micro-batches in the global batch)``); with sum-mode DDP the gradient is that of
   ``masked-diffusion loss + mean over the global batch's micro-batches of the aux losses``:
   the same at any dp / EP / gradient accumulation for a given micro-batch size (an aux
   loss is computed on one micro-batch's tokens of one rank, as Megatron's).
@@ -27,7 +28,8 @@ def moe_layers(model: torch.nn.Module) -> List[MoELayer]:
 
 
 def set_moe_aux_loss_scale(model: torch.nn.Module, scale) -> None:
-    """Set the backward scale of every MoE layer's aux losses (a float or a 0-d tensor)."""
+    """Set the backward scale of every MoE layer's aux losses (a float or a 0-d tensor);
+    only stored here: each layer applies it in its backward."""
     for layer in moe_layers(model):
         layer.aux_loss_scale = scale
 
