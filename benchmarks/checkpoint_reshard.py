@@ -8,7 +8,7 @@ weights and optimizer state are saved and loaded back at tp2 x dp2, tp1 x dp4 an
 
 * baseline: ``megadlms.checkpoint.save_checkpoint`` / ``load_checkpoint`` (TP shards gathered to full
   tensors by hand over the TP group, written by DCP; cut to shards again on load:
-  checkpoint_tp.py, checkpoint_pp.py, parallel/sharding.py);
+  checkpoint/tensor_parallel.py, checkpoint/pipeline.py, parallel/sharding.py);
 * prototype: every tensor wrapped as a ``DTensor.from_local`` view on the run's [pp, dp, tp]
   DeviceMesh (``Shard(tp_dim)`` over tp, ``Replicate()`` elsewhere; SwiGLU's two blocks as a
   [2, F/tp, H] view sharded on dim 1 so the global tensor is layout independent), saved and

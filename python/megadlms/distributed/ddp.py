@@ -39,14 +39,14 @@ backward adds to the same buffer, so accumulation over micro-batches is exact.
 Over a tensor-parallel grid (``parallel=ParallelGroups``) the wrapper reduces over
 ``parallel.dp`` only: each TP rank's buffers hold its local shards, and TP peers build
 identical buffer layouts (same local shapes, same dp coordinate, so the same shard ranges).
-``finish_grad_sync`` then sums over ``parallel.tp`` the gradients of parameters marked
-``sequence_parallel`` (replicated, but each TP rank saw only its sequence chunk), and the
+``finish_grad_sync`` then sums over ``parallel.tp`` the gradients of parameters whose
+``ParamSharding.tp_partial_grad`` is set (replicated, but each TP rank saw only its sequence chunk), and the
 NaN agreement spans the whole world. With ``num_distributed_optimizer_instances`` N > 1 a
 bucket is reduce-scattered within ``parallel.dp_intra`` (dp/N consecutive dp ranks) and this
 rank's shard all-reduced across ``parallel.dp_inter``; the updated shards are all-gathered
 within the instance.
 
-Expert parameters (``param.allreduce = False``) live in buffers of their own whose buckets
+Expert parameters (``ParamSharding.expert_dim`` set) live in buffers of their own whose buckets
 are reduced (and, with the distributed optimizer, sharded) over ``parallel.expert_dp``;
 every bucket carries its ``reduce_group`` (communicators and fold scale, ddp_groups.py).
 An expert that got no token in a step has a zero gradient and still joins every collective.

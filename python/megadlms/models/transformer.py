@@ -16,7 +16,7 @@ None, so a tp=1 model has exactly the parameters, names and shapes of the plain 
 Attention is split by heads (linear_qkv column-parallel, linear_proj row-parallel), the MLP by
 its width (linear_fc1 column-parallel, SwiGLU's [gate | up] as two blocks, linear_fc2
 row-parallel). Replicated parameters whose gradient is only partial on each TP rank carry
-``sequence_parallel = True`` (the data-parallel wrapper all-reduces them over the TP group).
+``ParamSharding.tp_partial_grad`` (the data-parallel wrapper all-reduces them over the TP group).
 """
 
 from __future__ import annotations

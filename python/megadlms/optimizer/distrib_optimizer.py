@@ -42,7 +42,7 @@ Over a TP grid (the wrapper's ``parallel``) the norm counts every TP shard once 
 replicated parameter on TP rank 0 only, summed over the model-parallel group too, and the
 fp16 overflow vote spans the world (``grid.py``).
 
-Expert buckets (expert parameters, ``allreduce = False``): each bucket carries its DDP
+Expert buckets (expert parameters: ``ParamSharding.expert_dim`` set): each bucket carries its DDP
 ``reduce_group``; an expert bucket is sharded over the expert-data-parallel group (its
 ``shard_comm``), so rank r of that group owns ``shard_range(r, expert_dp)`` of it. The norm
 then sums over the world (``grid.py``: every shard counts once, the experts of every EP rank
