@@ -7,8 +7,6 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megadlms.distributed.wrappers import unwrap_model
-
 from .config import DiffusionConfig
 from .noise import forward_process, micro_batch_crop
 
@@ -23,10 +21,18 @@ def plain_token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> to
 
 
 def token_cross_entropy_of(model: torch.nn.Module) -> TokenCrossEntropy:
-    """The scorer of ``model``'s logits: the unwrapped model's ``token_cross_entropy`` when it
-    has one (GPTModel: vocab-parallel under tensor parallelism, where the logits are a vocab
-    slice), else :func:`plain_token_cross_entropy`."""
-    return getattr(unwrap_model(model), "token_cross_entropy", plain_token_cross_entropy)
+    """The scorer of ``model``'s logits: the ``token_cross_entropy`` of the first module in
+    ``model.modules()`` that has one (GPTModel: vocab-parallel under tensor parallelism, where
+    the logits are a vocab slice), else :func:`plain_token_cross_entropy`.
+
+    Searching the module tree (pre-order: a wrapper's ``.module`` comes right after it) finds
+    the model inside any data-parallel wrapper without this layer knowing the wrappers
+    (diffusion sits below distributed)."""
+    for m in model.modules():
+        scorer = getattr(m, "token_cross_entropy", None)
+        if scorer is not None:
+            return scorer
+    return plain_token_cross_entropy
 
 
 def _num_tokens(reference: torch.Tensor, loss_mask: Optional[torch.Tensor]) -> torch.Tensor:

@@ -13,20 +13,15 @@ from .fsdp2 import (
     TorchFullyShardedDataParallel,
     fsdp2_config_problems,
     mixed_precision_policy,
-    torch_supports_fsdp2,
 )
 from .protocol import OPTIMIZER_LAYOUTS, DataParallel
-from .wrappers import Float16Module, unwrap_model
+from .wrappers import Float16Module, unwrap_model, wrapper_classes
 
-ALL_MODULE_WRAPPER_CLASSNAMES = (
-    (DistributedDataParallel,)
-    + ((TorchFullyShardedDataParallel,) if torch_supports_fsdp2() else ())
-    + (Float16Module, ModelChunks)
-)
-"""The wrapper classes that hold the real model in ``.module``, as Megatron's
-``megatron.training.utils.ALL_MODULE_WRAPPER_CLASSNAMES`` (classes despite the name, so
-``isinstance(model, ALL_MODULE_WRAPPER_CLASSNAMES)`` works; FSDP2 is left out where torch
-lacks it)."""
+ALL_MODULE_WRAPPER_CLASSNAMES = wrapper_classes()
+"""The wrapper classes that hold the real model in ``.module`` (each registers itself with
+``wrappers.model_wrapper``): DistributedDataParallel, TorchFullyShardedDataParallel,
+Float16Module, ModelChunks. As Megatron's ``megatron.training.utils.ALL_MODULE_WRAPPER_CLASSNAMES``
+they are classes despite the name, so ``isinstance(model, ALL_MODULE_WRAPPER_CLASSNAMES)`` works."""
 
 __all__ = [
     "ALL_MODULE_WRAPPER_CLASSNAMES",

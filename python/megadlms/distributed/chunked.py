@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from .wrappers import unwrap_model
+from .wrappers import model_wrapper, unwrap_model
 
 
 class StageModules(torch.nn.Module):
@@ -80,6 +80,7 @@ class StageModules(torch.nn.Module):
         raise RuntimeError("StageModules has no forward: the pipeline schedule runs each chunk")
 
 
+@model_wrapper
 class ModelChunks(torch.nn.Module):
     """The ``DataParallel`` protocol over a list of per-chunk wrappers (module docstring)."""
 

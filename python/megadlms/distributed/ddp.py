@@ -69,12 +69,13 @@ from .config import DistributedDataParallelConfig
 from .ddp_groups import data_parallel_group, instance_communicators, reduce_groups
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from .param_gather import ParamGather
-from .wrappers import unwrap_model
+from .wrappers import model_wrapper, unwrap_model
 
 if TYPE_CHECKING:  # the bottom layer; imported for the annotation only
     from megadlms.parallel import ParallelGroups
 
 
+@model_wrapper
 class DistributedDataParallel(torch.nn.Module):
     """Data-parallel wrapper with Megatron-core's grad buffers, buckets and overlap.
 

@@ -5,8 +5,9 @@ Two kinds of bucket (Megatron-core's DDP keeps them in separate buffers):
 * dense parameters: reduced over the data-parallel group ``parallel.dp`` (with the
   distributed optimizer sharded over ``dp_intra``, and with instances all-reduced across
   ``dp_inter``);
-* expert parameters (``ParamSharding.expert_dim`` set; Megatron marks them ``allreduce = False``): every EP rank holds
-  different experts, so their gradients are reduced over the expert-data-parallel group
+* expert parameters (``ParamSharding.expert_dim`` set; Megatron marks them ``allreduce =
+  False``): every EP rank holds different experts, so their gradients are reduced over the
+  expert-data-parallel group
   ``parallel.expert_dp`` (the ranks holding the same experts: dp / ep of them), and the
   distributed optimizer shards them over that group.
 

@@ -37,6 +37,7 @@ import megadlm_ext as ext
 from .comm import build_communicator
 from .config import DistributedDataParallelConfig
 from .finalize import fsdp2_reduction
+from .wrappers import model_wrapper
 
 _log = logging.getLogger(__name__)
 
@@ -200,6 +201,7 @@ def fsdp2_config_problems(cfg: DistributedDataParallelConfig, who: str = "FSDP2"
     return problems
 
 
+@model_wrapper
 class TorchFullyShardedDataParallel(torch.nn.Module):
     """FSDP2 data parallelism with the same interface as our DistributedDataParallel.
 

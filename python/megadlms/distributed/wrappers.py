@@ -5,11 +5,20 @@ from __future__ import annotations
 
 import torch
 
+_WRAPPERS: list = []
 
-def _default_wrappers() -> tuple:
-    from . import ALL_MODULE_WRAPPER_CLASSNAMES  # the class tuple, defined once the classes exist
 
-    return ALL_MODULE_WRAPPER_CLASSNAMES
+def model_wrapper(cls: type) -> type:
+    """Class decorator: instances of ``cls`` hold the real model in ``.module`` and are peeled
+    by :func:`unwrap_model`. Each wrapper registers itself where it is defined, so this module
+    needs no import of the wrappers (which import it)."""
+    _WRAPPERS.append(cls)
+    return cls
+
+
+def wrapper_classes() -> tuple:
+    """Every registered wrapper class (``ALL_MODULE_WRAPPER_CLASSNAMES`` is this tuple)."""
+    return tuple(_WRAPPERS)
 
 
 def unwrap_model(model, module_instances=None):
@@ -23,7 +32,7 @@ def unwrap_model(model, module_instances=None):
     """
     if isinstance(model, (list, tuple)):
         return type(model)(unwrap_model(m, module_instances) for m in model)
-    specs = _default_wrappers() if module_instances is None else module_instances
+    specs = wrapper_classes() if module_instances is None else module_instances
     if isinstance(specs, (type, str)):
         specs = (specs,)
     classes = tuple(s for s in specs if isinstance(s, type))
@@ -38,6 +47,7 @@ def unwrap_model(model, module_instances=None):
     return model
 
 
+@model_wrapper
 class Float16Module(torch.nn.Module):
     """Holds ``module`` in bf16/fp16 (params cast once), casts floating inputs to it and
     floating outputs back to fp32, as Megatron's Float16Module does. The optimizer keeps
