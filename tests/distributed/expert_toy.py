@@ -1,5 +1,5 @@
 """A toy MoE block carrying contract C's marks, for the expert-parallel DDP, optimizer and
-checkpoint tests (tests/distributed/test_ddp_experts.py, tests/training/test_checkpoint_ep.py).
+checkpoint tests (tests/distributed/test_ddp_experts.py, tests/checkpoint/test_checkpoint_ep.py).
 
 ``ExpertToy``: dense ``fc_in`` -> gelu -> experts (ONE 3-D parameter ``experts.weight``
 [E_local, H, H] declared ``expert_dim = 0``;
