@@ -194,13 +194,19 @@ def _init_dist(device):
 
     if dist.is_initialized():
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29517")
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if device.type == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=5))
+    timeout = datetime.timedelta(minutes=5)
+    if int(os.environ.get("WORLD_SIZE", 1)) == 1:
+        # a world of one needs no TCP port: a MASTER_PORT inherited from the caller's
+        # environment may be taken (EADDRINUSE seen under pytest)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
 
 
 def _model(device, size, dry):
