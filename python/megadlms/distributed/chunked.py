@@ -65,6 +65,7 @@ class StageModules(torch.nn.Module):
         """Each chunk takes its own keys; with ``strict`` a key no chunk has is an error."""
         state_dict, missing, unexpected = dict(state_dict), [], set(state_dict)
         for part in self.parts:
+            # Each chunk loads its own keys non-strictly; strictness is judged over the union below.
             own = {k: state_dict[k] for k in part.state_dict() if k in state_dict}
             unexpected -= set(own)
             result = part.load_state_dict(own, strict=False, **kwargs)
@@ -94,6 +95,8 @@ class ModelChunks(torch.nn.Module):
                 f"ModelChunks: every chunk must be a data-parallel wrapper with the same "
                 f"optimizer_layout, got {sorted(map(str, layouts))}"
             )
+        # Registered as submodules so .to()/parameters()/train() reach the chunks; self.chunks
+        # is the plain list the schedule indexes.
         self.wrapped = torch.nn.ModuleList(chunks)
         self.chunks: List[torch.nn.Module] = list(chunks)
         self.module = StageModules([unwrap_model(c) for c in chunks])

@@ -66,6 +66,8 @@ class LocalCommunicator:
 
     def reduce_scatter(self, output, input, op="sum", async_op=False):
         _check_op(op)
+        # The wrappers' in-place form (the output is rank 0's slice of the input) is already
+        # done on one rank.
         if output.data_ptr() != input.data_ptr():
             output.copy_(input)
         return _Done() if async_op else None

@@ -99,6 +99,8 @@ class DistributedDataParallel(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.module = module
+        # A copy: bucket_size is filled in below, and the caller's config may be shared by
+        # several chunks.
         cfg = dataclasses.replace(ddp_config) if ddp_config is not None else DistributedDataParallelConfig()
         self.parallel = parallel
         self.process_group = data_parallel_group(process_group, parallel)
@@ -107,6 +109,8 @@ class DistributedDataParallel(torch.nn.Module):
         # shard_comm: the ranks one bucket is sharded over; inter_comm: across instances.
         self.shard_comm, self.inter_comm = instance_communicators(cfg, parallel, self.comm)
         if cfg.bucket_size is None and cfg.overlap_grad_reduce:
+            # Megatron's default. It grows with dp so that each rank's reduce-scatter shard of a
+            # bucket stays big enough (~1M elements) for the collective to run at bandwidth.
             cfg.bucket_size = max(40_000_000, 1_000_000 * self.dp_size)
         self.ddp_config = cfg
         # Sum mode (calculate_per_token_loss): plain SUM, the caller normalises. Averaging:
@@ -122,10 +126,14 @@ class DistributedDataParallel(torch.nn.Module):
                 names[p] = name
         groups: Dict[tuple, List[torch.nn.Parameter]] = {}
         for p in names:  # dense buffers first, then the expert ones (Megatron's order)
+            # fp32 reduction of bf16/fp16 grads: the sum over dp ranks is not rounded at each hop.
+            # The buffer dtype then differs from the param's, so those grads are folded, not viewed.
             gdtype = torch.float32 if cfg.grad_reduce_in_fp32 else p.dtype
             groups.setdefault((is_expert_param(p), p.dtype, gdtype), []).append(p)
         self.buffers_: List[ParamAndGradBuffer] = []
         self.buckets: List[Bucket] = []
+        # sorted() is stable: dense before expert, registration order within each, so every
+        # rank (and every TP peer) derives the same buffers and buckets.
         for (expert, _, gdtype), params in sorted(groups.items(), key=lambda kv: kv[0][0]):
             group = self._expert if expert else self._dense
             buf = ParamAndGradBuffer(
@@ -150,13 +158,19 @@ class DistributedDataParallel(torch.nn.Module):
         # that is ready early need not wait for the dense ones (Megatron's bucket groups).
         self._order = {k: [b for b in self.buckets if b.reduce_group.expert == k] for k in (False, True)}
         self._next_launch = {False: 0, True: 0}
+        # Before the first backward: if param.grad did not already view the buffer, autograd
+        # would allocate a fresh grad and the zero-copy path would be lost for that step.
         self._attach_grad_views()
+        # Post-accumulate: fires once per backward after autograd has summed every use of the
+        # parameter (tied or reused weights included), so its gradient is complete here.
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in names]
         overlap_gather = cfg.use_distributed_optimizer and cfg.overlap_param_gather
         self._gather = ParamGather(module, self.buckets, names, overlap_gather)
         self._hooks += self._gather.hooks
         # state_dict() of the wrapper or of the unwrapped module (checkpointing) never sees
         # half-gathered parameters (param_gather.py: the invariant).
+        # Keyed by id: without a Float16Module the wrapped and unwrapped module are one object,
+        # which gets one hook.
         for m in {id(module): module, id(unwrap_model(module)): unwrap_model(module)}.values():
             self._hooks.append(m.register_state_dict_pre_hook(lambda *a, **k: self.finish_param_sync()))
 
@@ -202,6 +216,8 @@ class DistributedDataParallel(torch.nn.Module):
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         bucket = self._bucket_of[param]
         self._gather.check_read(param)
+        # A late gradient would be added into a buffer the collective is already reading (or
+        # has reduced): the step's numbers would depend on timing.
         if bucket.launched:
             raise RuntimeError(
                 f"parameter {self.param_names[param]} got a gradient after bucket {bucket.index}'s "
@@ -218,6 +234,8 @@ class DistributedDataParallel(torch.nn.Module):
                 self._check_placeholder(param)
                 param.grad = param.main_grad if bucket.grad_view else None
         bucket.ready.add(param)
+        # Folding is per bucket, launching is not: the launch goes through the ordered queue so
+        # that every rank issues the collectives in the same order (else NCCL deadlocks).
         if len(bucket.ready) == len(bucket.params):
             self._fold(bucket)
             if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
@@ -227,6 +245,8 @@ class DistributedDataParallel(torch.nn.Module):
         """A fused weight's param.grad is its own alias or the main_grad view; anything else is
         the placeholder summed with an ordinary gradient, which dropping would lose."""
         g = p.grad
+        # The fused layer hands autograd a placeholder aliasing existing storage (no allocation);
+        # new storage means autograd summed a real gradient into it.
         if g is not None and g.data_ptr() not in (p.data_ptr(), p.main_grad.data_ptr()):
             name = self.param_names[p]
             raise RuntimeError(
@@ -248,6 +268,7 @@ class DistributedDataParallel(torch.nn.Module):
         for p, off in zip(bucket.params, bucket.offsets):
             g = self._foreign_grad(p)
             if g is not None:
+                # accumulate_into reads each grad as one flat run of numel elements.
                 grads.append(g if g.is_contiguous() else g.contiguous())
                 offsets.append(off)
         if grads:
@@ -255,6 +276,8 @@ class DistributedDataParallel(torch.nn.Module):
             scale = 1.0 if bucket.grad_view else bucket.reduce_group.fold_scale
             ext.accumulate_into(bucket.grad_data, grads, offsets=offsets, scale=scale)
         for p in bucket.params:
+            # Dropping the separate grads now is the memory saving of folding; a view bucket
+            # re-points .grad at the buffer so the next micro-batch accumulates in place again.
             p.grad = p.main_grad if bucket.grad_view else None
         bucket.ready.clear()
         # Only a fold of the synced backward makes the bucket launchable; a no_sync fold
@@ -263,17 +286,24 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _launch_ready_in_order(self) -> None:
         for kind, order in self._order.items():
+            # Only the folded prefix goes out: a bucket ready early waits behind an unfolded one.
             while self._next_launch[kind] < len(order) and order[self._next_launch[kind]].folded:
                 self._launch(order[self._next_launch[kind]])
 
     def _launch(self, bucket: Bucket) -> None:
         if self.ddp_config.check_for_nan_in_grad:
+            # Checked before the collective: afterwards a NaN has spread to every rank and the
+            # rank that produced it can no longer be named.
             self._check_nan(bucket)
         group = bucket.reduce_group
+        # A view bucket's grads came straight from autograd (no fold to scale them), so the
+        # factor is applied here, once, over the whole bucket after its last micro-batch.
         if bucket.grad_view and group.fold_scale != 1.0:
             ext.scale_([bucket.grad_data], group.fold_scale)  # 1/dp before a SUM collective
         if self.ddp_config.use_distributed_optimizer:
             lo, hi = self._shard_range(bucket)
+            # In place: the output is this rank's slice of the input, so the reduced shard lands
+            # where the optimizer reads it; the rest of grad_data is left unreduced (not valid).
             bucket.handle = group.shard_comm.reduce_scatter(
                 bucket.grad_data[lo:hi], bucket.grad_data, group.op, async_op=True
             )
@@ -310,6 +340,7 @@ class DistributedDataParallel(torch.nn.Module):
         for p in self._sp_params:
             by_dtype.setdefault(p.main_grad.dtype, []).append(p.main_grad)
         for grads in by_dtype.values():
+            # One all-reduce per dtype instead of one per parameter; cat copies, hence the copy back.
             flat = torch.cat([g.reshape(-1) for g in grads])
             self._tp_comm.all_reduce(flat, "sum")
             offset = 0
@@ -327,6 +358,7 @@ class DistributedDataParallel(torch.nn.Module):
         """This rank's first bucket flagged before its collective, and its first parameter whose
         gradient is non-finite now (a local NaN/Inf survives the reduction); None if none."""
         for bucket, flag in checked:
+            # A host sync per flag is fine here: only reached once the agreement found a NaN.
             if int(flag):
                 rank = dist.get_rank() if dist.is_initialized() else 0
                 name, shape = next(
@@ -349,6 +381,7 @@ class DistributedDataParallel(torch.nn.Module):
         grid (``parallel``) the flags span the world: a NaN on one TP rank stops its TP
         peers, whose data-parallel groups never saw it."""
         comm = self._world_comm if self._world_comm is not None else self.comm
+        # One slot per rank rather than a single OR: the sum tells every rank which ranks failed.
         flags = torch.zeros(comm.world_size, dtype=torch.float32, device=self.buckets[0].grad_data.device)
         checked, self._nan_flags = self._nan_flags, []
         if checked:  # device-side sum of the bucket flags: the one host sync is tolist() below
@@ -368,7 +401,10 @@ class DistributedDataParallel(torch.nn.Module):
     def start_grad_sync(self) -> None:
         """Fold any pending gradients and launch every bucket's collective not yet launched."""
         pending = [b for kind, order in self._order.items() for b in order[self._next_launch[kind] :]]
+        # Each group's unlaunched tail, still in bucket order (with overlap the head has gone).
         for bucket in pending:
+            # Also re-fold a folded bucket whose param.grad was replaced since (not the view):
+            # that tensor holds gradient the buffer does not have yet.
             if not bucket.folded or any(self._foreign_grad(p) is not None for p in bucket.params):
                 self._fold(bucket)  # incomplete bucket: missing gradients contribute zeros
             self._launch(bucket)
@@ -381,6 +417,8 @@ class DistributedDataParallel(torch.nn.Module):
         inter = []
         for bucket in self.buckets:
             if bucket.handle is not None:
+                # Wait before anything reads the shard: the inter-instance all-reduce below, the TP
+                # sum and the optimizer would otherwise see a half-reduced buffer.
                 bucket.handle.wait()
                 bucket.handle = None
             group = bucket.reduce_group
@@ -393,8 +431,12 @@ class DistributedDataParallel(torch.nn.Module):
             handle.wait()
         self._next_launch = {False: 0, True: 0}
         self._gather.clear_reads()
+        # After every dp collective has finished: the TP sum must not write buffers a dp
+        # collective is still reducing.
         self._allreduce_sequence_parallel_grads()
         if self.ddp_config.check_for_nan_in_grad and self.buckets:
+            # Last: a rank may only raise once all its collectives of the step are done, else its
+            # peers stay blocked in one it never joins.
             self._agree_on_nan()
         if self.ddp_config.use_distributed_optimizer:
             # Only this rank's shard of each bucket is reduced: do not show param.grad (the
@@ -430,6 +472,8 @@ class DistributedDataParallel(torch.nn.Module):
         self._gather.clear_reads()
         for buf in self.buffers_:
             buf.grad_data.zero_()
+        # param.grad may be None (torch.optim's zero_grad, or finish_grad_sync with the
+        # distributed optimizer): re-point it at the zeroed view.
         self._attach_grad_views()
 
     def broadcast_params(self) -> None:
@@ -439,6 +483,7 @@ class DistributedDataParallel(torch.nn.Module):
         for p in self.module.parameters():
             group = expert_group if is_expert_param(p) else self.process_group
             if group is not None and dist.get_world_size(group) > 1:
+                # dist.broadcast's src is a global rank, even with a group.
                 dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
 
     # ------------------------------------------------------------------ param gather

@@ -62,10 +62,14 @@ def reduce_groups(cfg: DistributedDataParallelConfig, parallel, comm, shard_comm
         if problems:
             raise ValueError(problems[0])
         ecomm = build_communicator(cfg.comm_backend, parallel.expert_dp.group)
+        # Expert buckets shard over the whole expert_dp group (instances are rejected above).
         eshard, einter = ecomm, None
     else:
+        # ep = 1: expert_dp is dp, so reuse the dense communicators (no extra NCCL comms).
         ecomm, eshard, einter = comm, shard_comm, inter_comm
     comms = [comm, shard_comm, ecomm] + ([inter_comm] if inter_comm is not None else [])
+    # AVG only if every hop a bucket may take supports it: mixing AVG on one hop with
+    # pre-division on another would divide twice (or not at all).
     avg = cfg.average_in_collective and all(c.supports_avg for c in comms)
     op = "avg" if avg else "sum"
     # the factors are decided with the step's others (finalize.py), applied by the fold

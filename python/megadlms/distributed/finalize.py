@@ -77,8 +77,11 @@ def step_scales(
     is multiplied by dp. A 0-token step gives inf, hence a NaN loss, hence a skipped step.
     MoE aux losses are averaged over the global batch's micro-batches (times the loss scale,
     as the token loss), so their total does not depend on dp / EP / accumulation."""
+    # An averaging wrapper divides by dp in its collective; the factor dp here cancels it,
+    # so both modes end at the same per-token mean.
     dp = 1 if model.ddp_config.calculate_per_token_loss else model.comm.world_size
     return StepScales(
+        # Counts are summed in float64 (exact past 2**24 tokens); the scale is cast once here.
         loss=(dp / global_tokens).to(torch.float32),
         moe_aux=(loss_scale * dp / global_micro_batches).to(torch.float32),
         loss_scale=loss_scale,
@@ -117,6 +120,7 @@ def fsdp2_reduction(
     sums under AVG (pytorch#162338) force SUM and let FSDP2 pre/post-divide, or, on an FSDP2
     without that switch, divide the summed shards by dp after the reduction."""
     if cfg.calculate_per_token_loss:
+        # Divide factor 1 plus a forced SUM: FSDP2 neither pre- nor post-divides.
         return Fsdp2Reduction(1.0, True, 1.0)
     if not backend_sums_avg:
         return Fsdp2Reduction(None, False, 1.0)
@@ -171,6 +175,8 @@ def _complete_sharded_grad(wrapper: DataParallel, param: torch.nn.Parameter) -> 
         lo, hi = bucket.shard_range(comm.rank, comm.world_size)
         flat = wrapper.main_grad(param).view(-1)
         a, b = max(lo - off, 0), min(hi - off, flat.numel())
+        # The param may lie wholly outside this rank's shard: it then contributes zeros only.
+        # clone() because the zero_() below hits the same storage.
         mine = flat[a:b].clone() if a < b else None
         flat.zero_()
         if mine is not None:

@@ -114,6 +114,7 @@ def select_fsdp_units(root: torch.nn.Module, fsdp_unit_modules: Optional[Sequenc
             for s in specs
         )
 
+    # name '' is the root itself: it is sharded last, on its own, and owns the leftovers.
     units = [(name, m) for name, m in root.named_modules() if name and matches(m) and _has_params(m)]
     out = getattr(root, "output_layer", None)
     if (
@@ -146,12 +147,16 @@ def select_fsdp_units(root: torch.nn.Module, fsdp_unit_modules: Optional[Sequenc
             sorted(shared),
         )
     units = [(n, m) for n, m in units if n not in shared]
+    # fully_shard takes the parameters not yet owned by a unit, so a parent sharded before
+    # its child would swallow the child's parameters.
     units.sort(key=lambda nm: nm[0].count("."), reverse=True)  # children before parents
     return [m for _, m in units]
 
 
 def _param_attrs(module: torch.nn.Module) -> dict:
     """Custom Python attributes of every parameter (e.g. ``shared``, ``allreduce``) by name."""
+    # remove_duplicate=False: a tied parameter has several names and each new parameter
+    # behind those names needs the flags back.
     return {name: dict(vars(p)) for name, p in module.named_parameters(remove_duplicate=False) if vars(p)}
 
 
@@ -159,6 +164,7 @@ def _restore_param_attrs(module: torch.nn.Module, attrs: dict) -> None:
     # fully_shard replaces each nn.Parameter by a new DTensor parameter; copy our flags over.
     for name, p in module.named_parameters(remove_duplicate=False):
         for key, value in attrs.get(name, {}).items():
+            # Keep whatever fully_shard put on the new parameter; restore only what it lacks.
             if not hasattr(p, key):
                 setattr(p, key, value)
 
@@ -172,6 +178,7 @@ def _backend_sums_instead_of_averaging(group) -> bool:
     n = dist.get_world_size(group)
     if n == 1 or dist.get_backend(group) != "gloo":
         return False
+    # CPU tensors: only gloo gets here.
     out = torch.empty(1)
     # the single-tensor form FSDP2 itself uses (renamed reduce_scatter_single in newer torch)
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -179,6 +186,7 @@ def _backend_sums_instead_of_averaging(group) -> bool:
         reduce_scatter(out, torch.ones(n), op=dist.ReduceOp.AVG, group=group)
     except (RuntimeError, ValueError):  # AVG not supported at all: FSDP2 must use SUM
         return True
+    # Averaging ones gives 1; a backend that sums gives n.
     return not torch.allclose(out, torch.ones(1))
 
 
@@ -256,6 +264,8 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                 f"or None, got {type(mixed_precision).__name__}"
             )
         if mixed_precision is None and cfg.grad_reduce_in_fp32:
+            # Without a policy FSDP2 reduces in the parameter dtype; this keeps grad_reduce_in_fp32's
+            # meaning for models whose params are not fp32.
             mixed_precision = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         self.ddp_config = cfg
         self.process_group = process_group if process_group is not None else dist.group.WORLD
@@ -268,14 +278,18 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                 "FSDP2 with the nccl backend needs the model on CUDA: move it with "
                 ".cuda() before wrapping, or use distributed_backend gloo on CPU"
             )
+        # From the given group rather than init_device_mesh: a dp subgroup of a larger world works.
         self.mesh = DeviceMesh.from_group(self.process_group, device.type)
 
         if sync_module_states and dist.get_world_size(self.process_group) > 1:
+            # Before sharding: afterwards each rank holds a different slice and there are no replicas
+            # left to make equal.
             self._broadcast_from_rank0(module)
 
         self._shard(module, fsdp_unit_modules, reshard_after_forward)
         self.comm = build_communicator("torch", self.process_group)
         self.shard_comm = self.comm  # parameters and optimizer state are sharded over all of dp
+        # After _shard: the divide-factor and force-sum setters exist only on sharded modules.
         self._set_reduction(module, cfg, backend)
 
     def _shard(self, module: torch.nn.Module, fsdp_unit_modules, reshard_after_forward: bool) -> None:
@@ -297,6 +311,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     def _set_reduction(self, module: torch.nn.Module, cfg, backend: str) -> None:
         """Tell FSDP2 how to divide (the factors: ``finalize.fsdp2_reduction``). The AVG probe
         is a collective; sum mode never needs it (no AVG collective)."""
+        # The condition is the same on every rank, so all of them or none join the probe.
         self.avg_corrected = not cfg.calculate_per_token_loss and _backend_sums_instead_of_averaging(
             self.process_group
         )
@@ -306,6 +321,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             backend_sums_avg=self.avg_corrected,
             can_force_sum=hasattr(module, "set_force_sum_reduction_for_comms"),  # a torch version
         )
+        # Each unit runs its own reduce-scatter, so every unit, root included, gets the setting.
         for unit in [*self.fsdp_units, module]:
             if plan.divide_factor is not None:
                 unit.set_gradient_divide_factor(plan.divide_factor)
@@ -378,6 +394,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     def no_sync(self):
         """Accumulate gradients locally (unsharded) without reduce-scatter; the first
         backward after the block reduces the accumulated sum."""
+        # On the root only: FSDP2 applies it to every unit below (recurse=True).
         self.module.set_requires_gradient_sync(False)
         try:
             yield
@@ -396,6 +413,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         divide, and the NaN/Inf check when ``check_for_nan_in_grad`` is set.
         """
         params = self._params_with_grad()
+        # The local shards (plain tensors), so the fused ext kernels scale and scan them in place.
         local = [self._local(p.grad) for p in params]
         if self._grad_post_scale != 1.0:
             ext.scale_(local, self._grad_post_scale)
@@ -406,6 +424,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         """A NaN/Inf in any rank's reduced shard raises on every rank (one flag all-reduce),
         so no rank runs on into a collective the others never join."""
         bad = bool(local) and ext.has_nonfinite(local)
+        # On the mesh's device type: NCCL reduces CUDA tensors only.
         flags = torch.zeros(self.comm.world_size, dtype=torch.float32, device=self.mesh.device_type)
         flags[self.comm.rank] = float(bad)
         self.comm.all_reduce(flags, "sum")
@@ -466,6 +485,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                     value.to(target.device, target.dtype),
                     target.device_mesh,
                     target.placements,
+                    # Every rank holds the full value: each slices its own shard locally, no scatter.
                     src_data_rank=None,
                 )
             converted[key] = value

@@ -25,6 +25,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+# Megatron's alignments: 64-element param starts keep every main_grad view aligned for
+# vectorised kernels; bucket ends on lcm(dp, 128) give dp equal shards and keep the
+# next bucket's start (hence each NCCL buffer) 128-element aligned.
 PARAM_ALIGNMENT = 64
 BUCKET_ALIGNMENT = 128
 
@@ -50,6 +53,8 @@ def build_bucket_layout(
     n_in_bucket = 0
 
     def close(end: int) -> int:
+        # A plain all-reduce needs no equal shards, so without the distributed optimizer
+        # nothing is padded (no wasted elements).
         padded = _pad(end, divisor) if use_distributed_optimizer else end
         bucket_ranges.append((bucket_start, padded))
         return padded
@@ -59,11 +64,14 @@ def build_bucket_layout(
         end = start + numel
         param_ranges.append((start, end, len(bucket_ranges)))
         n_in_bucket += 1
+        # Closed after the param that crosses the size, not before it: a param never spans two
+        # buckets, and one larger than bucket_size gets a bucket of its own.
         if bucket_size is not None and end - bucket_start >= bucket_size:
             pos = bucket_start = close(end)
             n_in_bucket = 0
         else:
             pos = end
+    # The last, partly filled bucket; none if the final param closed one exactly.
     if n_in_bucket:
         pos = close(pos)
     return param_ranges, bucket_ranges, pos
@@ -92,6 +100,7 @@ class Bucket:
 
     def shard_range(self, dp_rank: int, dp_size: int) -> Tuple[int, int]:
         """[start, end) of this rank's shard, in bucket elements."""
+        # Exact with the distributed optimizer (the bucket is padded to a multiple of dp).
         size = self.grad_data.numel() // dp_size
         return dp_rank * size, (dp_rank + 1) * size
 
@@ -126,6 +135,8 @@ class ParamAndGradBuffer:
             [params[i].numel() for i in order], bucket_size, dp_size, use_distributed_optimizer
         )
         self.numel = total
+        # zeros, not empty: padding elements are reduced, gathered and scanned for NaN/Inf,
+        # so they must start (and stay) finite.
         self.grad_data = torch.zeros(total, dtype=grad_dtype, device=device)
         self.param_data = (
             torch.zeros(total, dtype=self.param_dtype, device=device) if use_distributed_optimizer else None
@@ -140,6 +151,8 @@ class ParamAndGradBuffer:
             if self.param_data is not None:
                 view = self.param_data[start:end].view(p.shape)
                 view.copy_(p.data)
+                # Swap .data, not the Parameter: the object the optimizer, hooks and names refer to
+                # stays the same; the copy above carried its initial value over.
                 p.data = view  # the all-gather now writes straight into the parameter
         self.buckets: List[Bucket] = []
         for b, (bstart, bend) in enumerate(bucket_ranges):

@@ -41,6 +41,8 @@ def forward_readers(root: torch.nn.Module) -> Dict[torch.nn.Module, List[torch.n
         if id(mod) in seen:  # a shared module: its first position covers it
             return
         seen.add(id(mod))
+        # A class that keeps nn.Module.forward (a container) never runs one itself: its params
+        # are read inside the nearest ancestor's forward, so that ancestor must wait for them.
         if mod is root or type(mod).forward is not torch.nn.Module.forward:
             reader = mod
         own = readers.setdefault(reader, {})
@@ -72,11 +74,16 @@ class ParamGather:
         """All-gather every bucket's updated shard into the params; async with ``overlap``
         (and not ``force_sync``), in forward order (the last bucket first) within each reduce
         group on every rank."""
+        # A previous step's gathers still in flight would race the new ones on the same
+        # param buffers.
         self.finish()
         overlap = self.overlap and not force_sync
+        # Last bucket first: buffers hold params in reverse registration order, so the last
+        # bucket holds the first layers the next forward reads.
         for bucket in reversed(self.buckets):
             shard = bucket.reduce_group.shard_comm
             lo, hi = bucket.shard_range(shard.rank, shard.world_size)
+            # In place: the input is this rank's slice of the output, which the parameters view.
             h = shard.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
             bucket.gather_handle = h if overlap else None
         if overlap:
@@ -116,6 +123,8 @@ class ParamGather:
         # Parameters still in flight were not read through a covering pre-hook: fine if the
         # forward did not use them; check_read raises if one gets a gradient.
         self._unguarded |= self._in_flight
+        # End of the root forward: wait for the rest so backward and the optimizer never see a
+        # half-written parameter.
         self.finish()
 
     def _install(self, module: torch.nn.Module) -> None:

@@ -23,6 +23,7 @@ def get_grad_norm_fp32(
     local = ext.l2_norm(grads) if grads else torch.zeros((), dtype=torch.float32, device=device)
     if all_reduce_sum is None:
         return float(local)
+    # Squared norms add across disjoint shards (norms do not): reduce the square, root last.
     sq = (local * local).reshape(1)
     all_reduce_sum(sq)
     return math.sqrt(float(sq))

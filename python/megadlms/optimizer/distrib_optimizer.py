@@ -81,6 +81,7 @@ class ShardedBufferLayout:
         for bucket in self.buckets:
             lo, hi = self._shard_range(bucket)
             for p, off in zip(bucket.params, bucket.offsets):
+                # The param's range intersected with this rank's shard; empty for most params at large dp.
                 a, b = max(off, lo), min(off + p.numel(), hi)
                 if a < b:
                     piece = p.detach().reshape(-1)[a - off : b - off]
@@ -107,6 +108,8 @@ class ShardedBufferLayout:
         grads = []
         for e, (bucket, a, _, n) in zip(self.entries, self.pieces):
             g = bucket.grad_data[a : a + n]
+            # fp32 buffer: a view, no copy. bf16/fp16 buffer: an fp32 copy, since the optimizer
+            # math (unscale, clip, AdamW) runs in fp32.
             e.main.grad = g if g.dtype == torch.float32 else g.float()
             grads.append(e.main.grad)
         return grads
@@ -140,6 +143,8 @@ class ShardedBufferLayout:
             by_bucket[id(bucket)][2].append(a)
         for bucket, mains, offsets in by_bucket.values():
             ext.flatten(mains, bucket.param_data, offsets=offsets)  # cast fp32 -> param dtype
+        # Right after the cast: with overlap_param_gather the gathers then run during the next
+        # forward, each waited for by its first reader.
         self.wrapper.start_param_sync()
 
     def export(self, values: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
@@ -149,6 +154,8 @@ class ShardedBufferLayout:
             by_bucket.setdefault(id(bucket), []).append((a, n, values[i]))
         out = {}
         for bucket in self.buckets:
+            # Zeros outside this rank's pieces (padding included), so after the gather each value
+            # is there exactly once.
             flat = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32, device=bucket.grad_data.device)
             for a, n, t in by_bucket.get(id(bucket), []):
                 flat[a : a + n].copy_(t.reshape(-1))

@@ -60,6 +60,8 @@ class DynamicGradScaler:
         if found_inf:
             self.growth_tracker = 0
             self.hysteresis_tracker -= 1
+            # Hysteresis tolerates a few overflows before backing off; only growth refills it, so
+            # until the next growth every further overflow backs the scale off.
             if self.hysteresis_tracker <= 0:
                 self.scale = max(self.scale * self.backoff_factor, self.min_scale)
         else:

@@ -116,6 +116,7 @@ class OptimizerParamScheduler:
         if n > self.lr_decay_steps:
             return self.min_lr
         if self.lr_decay_style == "inverse-square-root":
+            # No warmup counts as 1 step: max_lr * sqrt(0) would pin the lr at min_lr.
             warmup = max(warmup, 1)
             return max(self.min_lr, self.max_lr * math.sqrt(warmup) / math.sqrt(max(n, 1)))
         ratio = (n - warmup) / (self.lr_decay_steps - warmup)
@@ -143,6 +144,7 @@ class OptimizerParamScheduler:
         lr = self.get_lr()
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
+            # A group built with 0.0 (biases, norms) stays 0.0: no_weight_decay decided that once.
             if self.weight_decay is not None and group.get("weight_decay", 0.0) != 0.0:
                 group["weight_decay"] = self.weight_decay * group.get("wd_mult", 1.0)
         return lr
@@ -167,4 +169,5 @@ class OptimizerParamScheduler:
                         "spelling; --override-opt-param-scheduler also works) to keep the new schedule"
                     )
         self.num_steps = int(state_dict["num_steps"])
+        # Write the restored position's lr into the groups now, as the constructor does.
         self.step(0)

@@ -68,6 +68,8 @@ class ReplicaLayout:
         self.grid = grid if grid is not None else GridReductions(None)
         self.entries: List[Entry] = []
         for p, fqn in named_params.items():
+            # fp32 params are their own main params (no copy); bf16/fp16 ones get an fp32 master,
+            # or small updates would round away in the low-precision weight.
             main = p.detach().clone().float() if fp32_copies and p.dtype != torch.float32 else p
             self.entries.append(Entry(fqn, p, main, owns_main=main is not p))
         self.device = next(iter(named_params)).device if named_params else torch.device("cpu")
@@ -87,6 +89,8 @@ class ReplicaLayout:
                 continue
             self._in_norm.append(self.grid.counts_in_norm(e.param, replicated=True))
             if e.main is e.param:
+                # Our DDP already left the reduced view in param.grad: reassign only when it is another
+                # tensor. torch.optim needs grad dtype == param dtype, hence the cast (fp32 buffer).
                 if e.param.grad is None or e.param.grad.data_ptr() != g.data_ptr():
                     e.param.grad = g if g.dtype == e.param.dtype else g.to(e.param.dtype)
                 grads.append(e.param.grad)
@@ -105,6 +109,7 @@ class ReplicaLayout:
         return self.grid.norm_sum()
 
     def any_rank(self, flag: bool) -> bool:
+        # Without a grid every dp rank holds the same reduced grads: the local answer is everyone's.
         return self.grid.any_rank(flag, self.device) if self.grid.spans_world else flag
 
     def copy_main_to_model(self) -> None:
@@ -166,6 +171,8 @@ class DTensorLayout:
             if not local.is_contiguous():
                 raise RuntimeError("FSDP2 gradient shard is not contiguous; cannot clip it in place")
             clip.append(local)
+            # A Replicate placement has the same values on every rank: counted on rank 0 only, or
+            # the summed square would count it dp times.
             if not hasattr(g, "to_local") or self._is_sharded(g) or rank0:
                 norm.append(local)
         return norm, clip
@@ -194,6 +201,7 @@ class DTensorLayout:
         from torch.distributed.tensor import distribute_tensor
 
         full = full.to(device=p.to_local().device, dtype=torch.float32)
+        # Older torch has no src_data_rank: the fallback scatters from rank 0 (same values).
         try:  # every rank holds the full tensor: slice locally, no scatter
             return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
         except TypeError:
@@ -284,6 +292,8 @@ class MixedPrecisionOptimizer:
             unscale = 1.0 / self.grad_scaler.scale if grad_unscale is None else grad_unscale
             # on the fp32 main grads, before the overflow check (it needs unscaled values)
             ext.scale_(grads, unscale)
+            # One vote for all ranks: a skip on some ranks only would leave the others alone in
+            # the norm's all-reduce below.
             found_inf = self.layout.any_rank(ext.has_nonfinite(grads))
             self.grad_scaler.update(found_inf)
             if found_inf:
@@ -292,12 +302,15 @@ class MixedPrecisionOptimizer:
         grad_norm = get_grad_norm_fp32(
             norm_tensors, self.layout.all_reduce_sum(), device=getattr(self.layout, "device", None)
         )
+        # The norm is the same number on every rank after its sums, so all ranks skip together.
         if not math.isfinite(grad_norm):
             return False, grad_norm
         if self.config.clip_grad > 0:
             clip_grads_with_norm_(clip_tensors, self.config.clip_grad, grad_norm)
         self.inner.step()
         self.step_count += 1
+        # Distributed optimizer: this also launches the param all-gather, which overlaps the
+        # next forward with overlap_param_gather.
         self.layout.copy_main_to_model()
         return True, grad_norm
 
@@ -341,6 +354,8 @@ class MixedPrecisionOptimizer:
             for i, e in enumerate(self.layout.entries):
                 st = self.inner.state.get(e.main, {})
                 v = st.get(key)  # absent before the first step (or SGD without momentum)
+                # Zeros for state not created yet, so every rank exports the same keys: export is a
+                # collective for the distributed optimizer.
                 values[i] = v if v is not None else torch.zeros_like(e.main, dtype=torch.float32)
             for fqn, t in self.layout.export(values).items():
                 state[fqn][key] = t
@@ -390,6 +405,8 @@ class MixedPrecisionOptimizer:
                     continue
                 st[key] = self.layout.local_piece(i, full).to(torch.float32).clone()
             if self.config.optimizer == "adam":
+                # torch's AdamW keeps a per-param step tensor for bias correction: rebuild it from the
+                # saved global count.
                 st["step"] = torch.tensor(float(self.step_count))
             self.inner.state[e.main] = st
         for sg in state_dict.get("param_groups", []):
@@ -398,6 +415,7 @@ class MixedPrecisionOptimizer:
                     g.update({k: v for k, v in sg.items() if k in _HYPER_KEYS and k in g})
         if self.grad_scaler is not None and state_dict.get("grad_scaler"):
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+        # Push the loaded main params into the model params (cast, and gather when sharded).
         self.layout.copy_main_to_model()
 
 
