@@ -21,6 +21,8 @@ ATTENTION_KINDS = ("bidirectional", "causal")
 
 def megatron_swiglu_ffn_size(hidden_size: int) -> int:
     """Megatron's default FFN width with ``--swiglu``: 2/3 of 4h, rounded down to 64."""
+    # 2/3 keeps the gated MLP's three matrices at the parameter count of the plain 4h MLP's two; the exact
+    # expression (float, then truncation) is Megatron's, so shapes and checkpoints match.
     return int((4 * hidden_size * 2 / 3) / 64) * 64
 
 
@@ -178,6 +180,7 @@ class TransformerConfig:
             return False
         freq = self.moe_layer_freq
         if isinstance(freq, int):
+            # An int N puts MoE on layers 0, N, 2N, ...: layer 0 is always MoE, as in Megatron.
             return layer_index % freq == 0
         return bool(freq[layer_index])
 
@@ -247,6 +250,7 @@ def tensor_parallel_problems(
     sequence by ``seq_length``. Pure arithmetic: a layout can be checked before building."""
     if tp == 1:
         return []
+    # Experts are sharded over EP only; a TP split of them would need expert-TP collectives not built here.
     if config.num_moe_experts is not None:
         return [
             f"num_moe_experts {config.num_moe_experts} with tensor_model_parallel_size {tp}: expert "

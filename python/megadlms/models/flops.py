@@ -26,6 +26,7 @@ def num_floating_point_operations(
     h = config.hidden_size
     query_projection_ratio = config.kv_channels * config.num_attention_heads / h
     gated = 1.5 if config.swiglu else 1.0
+    # The two S x S GEMMs per token (4*S*N*D), in units of the 4*h*N*D that the q and proj terms cost.
     attention_scores = (seq_length / h) * (0.5 if causal else 1.0)
     # 12 = 3 (fwd, wgrad, dgrad) * 2 (GEMMs come in pairs) * 2 (multiply-add)
     expansion_factor = 3 * 2 * 2
@@ -40,6 +41,8 @@ def num_floating_point_operations(
             (1 + config.num_query_groups / config.num_attention_heads + attention_scores)
             * query_projection_ratio
             + (_mean_mlp_width(config) / h) * gated
+            # The logits GEMM is once per token, not per layer and not a pair: / num_layers and / 2 undo the
+            # factors that the common prefix multiplies in.
             + config.vocab_size / (2 * config.num_layers * h)
         )
     )

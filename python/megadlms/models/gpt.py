@@ -72,6 +72,8 @@ class LanguageModelEmbedding(nn.Module):
             config.vocab_size,
             config.hidden_size,
             tp_group=tp.group,
+            # With learned positions the split must wait until they are added (forward), so the word embedding
+            # all-reduces instead of reduce-scattering.
             sequence_parallel=tp.sequence_parallel and not learned,
             init_method=normal_init(1.0),
             dtype=dt,
@@ -90,6 +92,8 @@ class LanguageModelEmbedding(nn.Module):
         if self.position_embeddings is not None:
             x_BSH = x_BSH + self.position_embeddings(position_ids)
             if self.tp.sequence_parallel:
+                # The position table is replicated: adding it before the split keeps its grad
+                # complete on every TP rank, so it needs no tp_partial_grad fix-up.
                 x_BSH = mappings.scatter_to_sequence_parallel(x_BSH, self.tp.group)
         if not self.training or self.embedding_dropout.p == 0:
             return x_BSH
@@ -113,8 +117,10 @@ class OutputLayer(nn.Module):
         super().__init__()
         self.tp = tp
         if tied:
+            # Tied on this chunk: forward is handed the embedding's own parameter, so no second one may exist.
             self.register_parameter("weight", None)
         else:
+            # Values come from reset_parameters, which draws in the model's fixed order.
             local = torch.empty(config.vocab_size // tp.size, config.hidden_size, dtype=config.params_dtype)
             self.weight = set_sharding(nn.Parameter(local), tp_dim=0)
 
@@ -123,6 +129,7 @@ class OutputLayer(nn.Module):
         if w is None:
             raise RuntimeError("output_layer is tied to the word embeddings: pass their weight")
         if self.tp.sequence_parallel:
+            # Each rank back-propagates only through its vocab slice, so the gathered input's grad is partial.
             x_BSH = mappings.gather_from_sequence_parallel(x_BSH, self.tp.group, grad_is_partial=True)
         else:
             x_BSH = mappings.copy_to_tp(x_BSH, self.tp.group)
@@ -225,6 +232,7 @@ class GPTModel(nn.Module):
         word = (
             emb.word_embeddings.weight
             if emb is not None
+            # The last stage's copy is drawn in the word embedding's slot, so both copies start bitwise equal.
             else (out_w if self.has_shared_embedding_copy else None)
         )
         device = next(self.parameters()).device
@@ -242,6 +250,7 @@ class GPTModel(nn.Module):
         if param is not None:
             init_normal_(param, std, self.tp)
         else:
+            # Draw and discard: the generator must advance as in the whole model, or later tensors differ.
             torch.empty(full_shape, dtype=self.config.params_dtype, device=device).normal_(mean=0.0, std=std)
 
     def _apply(self, fn, recurse=True):
@@ -266,6 +275,7 @@ class GPTModel(nn.Module):
         ``F.cross_entropy`` in fp32 at tp = 1."""
         if self.tp.size > 1:
             return vocab_parallel_cross_entropy(logits, targets, self.tp.group)
+        # fp32 as in the vocab-parallel path, so the loss does not change with tp.
         flat = logits.reshape(-1, logits.shape[-1]).float()
         return F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape)
 
@@ -286,6 +296,7 @@ class GPTModel(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(S, device=device).expand(B, S)
         elif position_ids.shape != input_ids.shape:
+            # A shared [S] / [1, S] row broadcast over the batch (a view, no copy).
             position_ids = position_ids.expand(B, S)
         if document_ids is not None and document_ids.shape != input_ids.shape:
             raise ValueError(
@@ -295,6 +306,7 @@ class GPTModel(nn.Module):
         if pad:  # the sequence is split over the TP ranks: pad it to a multiple, masked out exactly
             input_ids, position_ids, document_ids = _pad_sequence(input_ids, position_ids, document_ids, pad)
         out = self._forward(input_ids, position_ids, document_ids, hidden_states)
+        # Only logits are cropped: a later pipeline chunk expects the padded length it splits over TP.
         return out[:, :S] if pad and self.pipeline.post_process else out
 
     def _check_inputs(self, input_ids, position_ids, hidden_states):
@@ -321,6 +333,7 @@ class GPTModel(nn.Module):
         if input_ids is None:  # the batch dim is never split; the sequence is under SP (and padded)
             B = hidden_states.shape[0]
             if position_ids is not None:
+                # Under SP hidden_states holds S'/tp positions; position_ids carry the real, unpadded length.
                 S = position_ids.shape[-1]
             elif self.tp.sequence_parallel:
                 raise ValueError(
@@ -343,6 +356,7 @@ class GPTModel(nn.Module):
             return x_BSH
         weight = None
         if self.share_embeddings_and_output_weights and self.pipeline.pre_process:
+            # Tied within one chunk: the output layer multiplies by the embedding's own local vocab shard.
             weight = self.embedding.word_embeddings.weight
         return self.output_layer(x_BSH, weight)
 

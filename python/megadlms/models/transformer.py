@@ -58,6 +58,7 @@ def document_attention_mask(document_ids: torch.Tensor, causal: bool, implementa
             return same & (q >= kv) if causal else same
 
         return create_block_mask(mask_mod, B, None, S, S, device=document_ids.device)
+    # [B, 1, S, S]: the singleton dim broadcasts the mask over the heads.
     mask = document_ids[:, None, :, None] == document_ids[:, None, None, :]
     if causal:
         mask = mask & torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
@@ -133,15 +134,20 @@ class RotaryEmbedding(nn.Module):
         """position_ids int64 [B, S] -> (cos, sin), each fp32 [B, S, 1, D]."""
         dim = self.kv_channels
         exponent = torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim
+        # Kept in fp32: in bf16 the angles of far positions lose the bits that tell neighbours apart.
         inv_freq_D2 = 1.0 / (float(self.rotary_base) ** exponent)
         freqs_BSD2 = position_ids.to(torch.float32)[..., None] * inv_freq_D2
+        # Repeated, not interleaved: frequency j drives both dim j and dim j + D/2 (the rotate-half layout,
+        # which is what Megatron checkpoints' q/k weights were trained with).
         emb_BSD = torch.cat((freqs_BSD2, freqs_BSD2), dim=-1)
+        # Singleton head dim: the same angles broadcast over q's N heads and k's G heads.
         return emb_BSD.cos()[:, :, None, :], emb_BSD.sin()[:, :, None, :]
 
 
 def apply_rotary(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (i, i + D/2) of every head by the position angle (Megatron bshd form)."""
     x1, x2 = x_BSND.chunk(2, dim=-1)
+    # With the cos/sin below this is the 2-D rotation of each pair (x1_i, x2_i).
     rotated = torch.cat((-x2, x1), dim=-1)
     return x_BSND * cos.to(x_BSND.dtype) + rotated * sin.to(x_BSND.dtype)
 
@@ -174,6 +180,8 @@ class SelfAttention(nn.Module):
         self.attention_dropout = config.attention_dropout
         dt = config.params_dtype
         N, G, D = config.num_attention_heads, config.num_query_groups, self.head_dim
+        # G groups of [N/G query heads | k | v]: whole groups per rank under a contiguous TP split, which is
+        # why num_query_groups (not just the heads) must divide by tp.
         qkv_out = G * (N // G + 2) * D
         qkv_bias = config.add_bias_linear or config.add_qkv_bias
         self.linear_qkv = ColumnParallelLinear(
@@ -215,10 +223,12 @@ class SelfAttention(nn.Module):
         qkv_BSX = self.linear_qkv(x_BSH)
         B, S, _ = qkv_BSX.shape
         qkv_BSGX = qkv_BSX.view(B, S, G, (per_group + 2) * D)
+        # Split inside each group: k and v are one head per group, shared by its per_group query heads.
         q, k, v = torch.split(qkv_BSGX, [per_group * D, D, D], dim=-1)
         q_BSND = q.reshape(B, S, self.num_heads, D)
         k_BSGD, v_BSGD = k, v
         if self.q_layernorm is not None:
+            # Per-head norm before rotary, as Megatron.
             q_BSND = self.q_layernorm(q_BSND)
             k_BSGD = self.k_layernorm(k_BSGD)
         if rotary is not None:
@@ -234,6 +244,7 @@ class SelfAttention(nn.Module):
                     "FlexAttention has no attention dropout: set attention_dropout 0 "
                     "or use core_attn_implementation TEDotProductAttention"
                 )
+            # enable_gqa lets each k/v head serve its N/G query heads without materialising repeated copies.
             out_BNSD = flex_attention(q, k, v, block_mask=doc_mask, enable_gqa=G != self.num_heads)
         else:
             # bidirectional: no mask at all (every position attends to every position); packed:
@@ -246,6 +257,7 @@ class SelfAttention(nn.Module):
                     v,
                     attn_mask=doc_mask,
                     dropout_p=dropout_p,
+                    # SDPA rejects a mask with is_causal; the document mask already holds the causal part.
                     is_causal=self.attention == "causal" and doc_mask is None,
                     enable_gqa=G != self.num_heads,
                 )
@@ -271,6 +283,7 @@ class MLP(nn.Module):
             bias=bias,
             init_method=_torch_default_linear_init(bias),
             dtype=dt,
+            # Two blocks: a plain split would give low ranks only gate rows and high ranks only up rows.
             partition_blocks=2 if config.swiglu else 1,
             **_linear_kwargs(tp),
         )
@@ -287,6 +300,7 @@ class MLP(nn.Module):
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         h_BSF = self.linear_fc1(x_BSH)  # [B, S, Fl] (x2 with swiglu)
         if self.swiglu:
+            # Locally [gate | up] of the SAME F/tp features, which the two-block sharding guarantees.
             gate, up = h_BSF.chunk(2, dim=-1)
             h_BSF = F.silu(gate) * up
         else:
@@ -331,6 +345,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.layer_number = layer_number
         self.tp = tp
+        # SP: the norms see only this rank's tokens, so their weight grads are partial over TP.
         self.input_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
         self.self_attention = SelfAttention(config, attention, tp=tp)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
@@ -347,6 +362,8 @@ class TransformerLayer(nn.Module):
     def _dropout(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout.p == 0:
             return x_BSH
+        # SP: each rank holds different tokens, so the masks must differ; without SP the activation is
+        # replicated over TP and the default stream keeps the masks identical, as they must be.
         with dropout_rng(self.tp, split=self.tp.sequence_parallel):
             return self.hidden_dropout(x_BSH)
 
@@ -405,6 +422,7 @@ class TransformerBlock(nn.Module):
         keep = range(config.num_layers) if layers is None else layers
         built = {}
         for i in range(config.num_layers):
+            # Built even when dropped: construction draws advance the generator as in the whole model.
             layer = TransformerLayer(config, attention, layer_number=i + 1, tp=tp)
             if i in keep:
                 built[i] = layer
@@ -433,6 +451,7 @@ def init_normal_(param: torch.Tensor, std: float, tp: TensorParallelContext) -> 
     if spec is None or tp.size == 1:
         nn.init.normal_(param, mean=0.0, std=std)
         return
+    # The full tensor, not the shard: the draws must not depend on tp.
     full = torch.empty(full_shape(param, tp.size), dtype=param.dtype, device=param.device)
     nn.init.normal_(full, mean=0.0, std=std)
     param.copy_(local_from_full(full, param, tp.group))
@@ -472,6 +491,8 @@ def init_transformer_weights(
     other pipeline chunks are drawn and dropped (:func:`skip_normal_`), so a chunk's weights are
     the whole model's."""
     std = config.init_method_std
+    # Output projections feed the residual stream, 2 per layer: scaling keeps its variance from growing
+    # with depth (GPT-2 / Megatron).
     scaled_std = std / math.sqrt(2.0 * config.num_layers)
     device = next(block.parameters()).device
     with torch.no_grad():
@@ -487,8 +508,10 @@ def init_transformer_weights(
                 std,
                 scaled_std,
                 lambda p, s: skip_normal_(p, s, tp, device),
+                # Experts hold E/ep locally: skip the full [E, ...] draw that init_expert_normal_ would make.
                 lambda p, s, ep: skip_normal_(p.new_empty((p.shape[0] * ep,) + p.shape[1:]), s, tp, device),
             )
+        # Norms reset to (1, 0) without random draws, so doing them last leaves the draw order intact.
         for module in block.modules():
             if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
                 module.reset_parameters()

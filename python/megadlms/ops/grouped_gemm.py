@@ -39,6 +39,7 @@ def _host_sizes(tokens_per_expert: torch.Tensor, experts: int) -> torch.Tensor:
 class _GroupedMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, sizes, fuse, layer_name):
+        # The extension takes contiguous operands; the saved copies are reused by both backward GEMMs.
         x, w = x.contiguous(), w.contiguous()
         ctx.save_for_backward(x, w)
         ctx.sizes, ctx.fuse, ctx.layer_name = sizes, fuse, layer_name
@@ -64,6 +65,7 @@ class _GroupedMatmul(torch.autograd.Function):
                 megadlm_ext.grouped_gemm(
                     g, x, ctx.sizes, trans_a=True, out=main_grad, accumulate=True, alpha=scale
                 )
+                # As in parallel/linear_impl.py: DDP's hook must not fold the placeholder a second time.
                 w.grad_added_to_main_grad = True
                 grad_w = _placeholder_grad(w)
         return grad_x, grad_w, None, None, None
@@ -90,6 +92,7 @@ def grouped_matmul(
             f"grouped_matmul: x must be [T, K] and w [E, N, K], got x {list(x.shape)} and w {list(w.shape)}"
         )
     sizes = _host_sizes(tokens_per_expert, w.shape[0])
+    # No weight grad in eval / no_grad, so nothing to fuse (and no main_grad needed).
     fuse = bool(gradient_accumulation_fusion and w.requires_grad and torch.is_grad_enabled())
     if fuse and getattr(w, "main_grad", None) is None:
         raise RuntimeError(MISSING_MAIN_GRAD.format(layer=layer_name, shape=tuple(w.shape)))

@@ -31,10 +31,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = group_rank(group) * vocab_local
         # Computed in fp32 whatever the logits' dtype (as Megatron's fp32 cross-entropy).
         x = logits.float()
+        # The GLOBAL max, so every rank shifts by the same constant and the partial exp sums can be added.
         logits_max = _all_reduce_(x.max(dim=-1).values, group, dist.ReduceOp.MAX)
         shifted = x - logits_max.unsqueeze(-1)
 
         outside = (target < start) | (target >= start + vocab_local)
+        # Index 0 only keeps gather in bounds for targets owned elsewhere; their value is masked to 0, so the
+        # SUM all-reduce below yields exactly the owner's logit.
         local_target = (target - start).masked_fill(outside, 0)
         predicted = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
         predicted = _all_reduce_(predicted, group)
@@ -43,6 +46,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = _all_reduce_(exp.sum(dim=-1), group)
         loss = sum_exp.log() - predicted
 
+        # In place: exp becomes the softmax shard, the one activation backward needs, with no extra copy.
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_target, outside)
         ctx.logits_dtype = logits.dtype
         return loss
@@ -52,6 +56,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, local_target, outside = ctx.saved_tensors
         grad = softmax.clone()
         # Subtract the one-hot only on the rank that owns the target id.
+        # Non-owners add 0 at the dummy index 0, so no branch is needed.
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None

@@ -104,6 +104,8 @@ def rank_grid(
     """
     dp = check_sizes(world_size, tp, pp, ep, dp)
     dense = torch.arange(world_size).reshape(pp, dp, tp)
+    # ep varies faster than expert_dp inside the dp axis, so EP peers are neighbouring dp ranks (the
+    # all-to-all stays as local as the dense dp layout allows), as Megatron's expert RankGenerator.
     expert = torch.arange(world_size).reshape(pp, dp // ep, ep, tp)
     out = {name: _groups_along(dense, i) for i, name in enumerate(_DENSE_DIMS)}
     for i, name in enumerate(_EXPERT_DIMS):
@@ -135,6 +137,7 @@ def derived_rank_grid(
     dp_groups = _groups_along(dense, 1)
     return {
         "mp": mp,
+        # Consecutive dp ranks per instance, so each instance's reduce-scatter can stay inside a node.
         "dp_intra": [g[i : i + intra] for g in dp_groups for i in range(0, dp, intra)],
         "dp_inter": [g[j::intra] for g in dp_groups for j in range(intra)],
     }
@@ -225,6 +228,7 @@ class ParallelGroups:
         check_instances(dp, num_distributed_optimizer_instances)  # before any collective
         dense = torch.arange(world).reshape(pp, dp, tp)
         expert = torch.arange(world).reshape(pp, dp // ep, ep, tp)
+        # Creating a mesh is collective; every rank builds both meshes, in this order, before any new_group.
         mesh = DeviceMesh(device_type, dense, mesh_dim_names=_DENSE_DIMS)
         expert_mesh = DeviceMesh(device_type, expert, mesh_dim_names=_EXPERT_DIMS)
         axes = {n: _axis(mesh, dense, n, i, rank) for i, n in enumerate(_DENSE_DIMS)}
@@ -257,6 +261,7 @@ def _new_groups_axis(groups: List[List[int]], rank: int) -> Axis:
     for ranks in groups:
         group = dist.new_group(ranks)
         if rank in ranks:
+            # Keep looping after finding ours: skipping a later new_group would hang the ranks that need it.
             mine = Axis(size=len(ranks), rank=ranks.index(rank), ranks=tuple(ranks), group=group)
     assert mine is not None, f"rank {rank} is in none of the groups {groups}"
     return mine

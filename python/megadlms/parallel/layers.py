@@ -70,6 +70,8 @@ def _sharded_parameter(
     """Initialise the full tensor (same draws on every rank), keep this rank's shard
     (``sharding.shard_full``: chunk ``rank`` of each of ``partition_blocks`` blocks)."""
     full = torch.empty(full_shape, dtype=dtype, device=device)
+    # Every rank draws the full tensor from the same generator state, so init does not depend on tp;
+    # the generator therefore advances identically on all ranks too.
     init_method(full, generator)
     shard = shard_full(full, group_rank(group), group_size(group), partition_dim, partition_blocks)
     return set_sharding(nn.Parameter(shard), tp_dim=partition_dim, tp_blocks=partition_blocks)
@@ -134,11 +136,14 @@ class ColumnParallelLinear(nn.Module):
         )
         self.bias = None
         if bias:
+            # Zeros need no full-tensor draw, but the bias still declares tp_blocks so a [gate | up] bias is
+            # gathered and resharded in the same order as its weight.
             bias_ = torch.zeros(self.output_size_per_partition, dtype=dtype, device=device)
             self.bias = set_sharding(nn.Parameter(bias_), tp_dim=0, tp_blocks=partition_blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
+            # SP: the gather replaces copy_to_tp, and its backward reduce-scatter replaces the all-reduce.
             x = mappings.gather_from_sequence_parallel(x, self.tp_group, self.seq_dim, grad_is_partial=True)
         else:
             x = mappings.copy_to_tp(x, self.tp_group)
@@ -200,6 +205,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = mappings.scatter_to_tp(x, self.tp_group)
+        # No bias inside the linear: added before the reduction below it would be summed tp times.
         y = linear_impl.linear(
             x,
             self.weight,
@@ -208,6 +214,7 @@ class RowParallelLinear(nn.Module):
             layer_name="RowParallelLinear",
         )
         if self.sequence_parallel:
+            # SP: a reduce-scatter costs half an all-reduce and leaves the output split on the sequence.
             y = mappings.reduce_scatter_to_sequence_parallel(y, self.tp_group, self.seq_dim)
         else:
             y = mappings.reduce_from_tp(y, self.tp_group)
@@ -251,6 +258,8 @@ class VocabParallelEmbedding(nn.Module):
             out = F.embedding(ids, self.weight)
         else:
             outside = (ids < self.vocab_start_index) | (ids >= self.vocab_end_index)
+            # Row 0 is just an in-range dummy lookup; the masked_fill zeroes it, and since that zero does not
+            # depend on the weight, foreign ids send no gradient into row 0.
             local = (ids - self.vocab_start_index).masked_fill(outside, 0)
             out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:

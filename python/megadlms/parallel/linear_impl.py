@@ -71,9 +71,11 @@ class _FusedLinear(torch.autograd.Function):
             # during backward (scaling the buffer afterwards would round differently)
             scale = getattr(weight, "main_grad_scale", 1.0)
             megadlm_ext.wgrad_accumulate(main_grad, grad_output.contiguous(), x.contiguous(), alpha=scale)
+            # Read by DDP's hook: the placeholder below must not be folded into main_grad a second time.
             weight.grad_added_to_main_grad = True
             grad_weight = _placeholder_grad(weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
+            # The bias grad takes the ordinary param.grad route; DDP folds it like any unfused parameter.
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
         return grad_input, grad_weight, grad_bias, None
 
@@ -89,8 +91,11 @@ def linear(
     """``F.linear(x, weight, bias)``; with ``gradient_accumulation_fusion`` the weight gradient
     goes straight into ``weight.main_grad`` (RuntimeError naming ``layer_name`` and the flag
     when the weight has none: no DDP wrapper, or FSDP2)."""
+    # Eval, no_grad or a frozen weight: no weight grad will exist, so there is nothing to fuse and
+    # main_grad need not exist either.
     if not gradient_accumulation_fusion or not (weight.requires_grad and torch.is_grad_enabled()):
         return F.linear(x, weight, bias)
+    # Fail in forward, where the stack trace points at the model, rather than midway through backward.
     if getattr(weight, "main_grad", None) is None:
         raise RuntimeError(MISSING_MAIN_GRAD.format(layer=layer_name, shape=tuple(weight.shape)))
     return _FusedLinear.apply(x, weight, bias, layer_name)

@@ -62,6 +62,7 @@ def _check_divisible(x: torch.Tensor, dim: int, size: int, what: str) -> None:
 def _all_reduce(x: torch.Tensor, group: Group) -> torch.Tensor:
     if group_size(group) == 1:
         return x
+    # all_reduce works in place: clone so the caller's tensor (possibly saved for backward) is untouched.
     x = x.contiguous().clone()
     dist.all_reduce(x, group=group)
     return x
@@ -91,6 +92,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     if size == 1:
         return x
     _check_divisible(x, dim, size, "reduce-scatter across the tensor-parallel group")
+    # Same trick as _all_gather: the single-tensor collective splits dim 0, so bring ``dim`` to the front.
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((x0.shape[0] // size,) + tuple(x0.shape[1:]), dtype=x.dtype, device=x.device)
     _reduce_scatter_single(out, x0, group=group)
@@ -105,6 +107,8 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # The input was replicated but each rank's weight shard saw only part of the output, so each grad is a
+        # partial sum: the conjugate of the forward identity is an all-reduce.
         return _all_reduce(grad, ctx.group), None
 
 
@@ -115,6 +119,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # The summed output is replicated, so every rank already holds the full grad of its own partial.
         return grad, None
 
 
@@ -137,6 +142,8 @@ class _GatherFromTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # Downstream of the gather every rank computes the same thing, so its grad is replicated and keeping
+        # this rank's slice is exact (no reduce needed).
         return _split(grad, -1, ctx.group), None
 
 
@@ -159,6 +166,8 @@ class _GatherFromSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # Entering a column-parallel layer every rank back-propagates through its own output shard, so the
+        # grad of the gathered sequence is partial: sum it over TP, then keep this rank's chunk.
         if ctx.grad_is_partial:
             return _reduce_scatter(grad, ctx.dim, ctx.group), None, None, None
         return _split(grad, ctx.dim, ctx.group), None, None, None
@@ -172,6 +181,7 @@ class _ReduceScatterToSP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # Every rank's partial fed every token chunk, so each rank needs the grad of the whole sequence.
         return _all_gather(grad, ctx.dim, ctx.group), None, None
 
 

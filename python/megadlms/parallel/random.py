@@ -66,11 +66,13 @@ class RNGStatesTracker:
         """Draw from stream ``name`` inside the block; the default stream is restored after."""
         if name not in self._states:
             raise KeyError(f"RNGStatesTracker: no stream {name!r}; known: {sorted(self._states)}")
+        # Saved so the block's draws do not advance the default stream: TP replicas keep identical masks.
         original = _get_state(self.device_type)
         _set_state(self._states[name], self.device_type)
         try:
             yield
         finally:
+            # Keep the advanced state, or the next fork would replay the same dropout mask.
             self._states[name] = _get_state(self.device_type)
             _set_state(original, self.device_type)
 
@@ -82,6 +84,7 @@ def model_parallel_manual_seed(seed: int, tp_rank: int, device_type: str = "cpu"
     Callers that add pipeline stages offset ``seed`` per stage before calling (Megatron adds
     ``100 * pp_rank``)."""
     if device_type == "cuda":
+        # Only the current CUDA device's generator: each rank drives one device.
         torch.cuda.manual_seed(seed)
     else:
         torch.manual_seed(seed)

@@ -138,6 +138,7 @@ def shard_full(full: torch.Tensor, rank: int, tp: int, partition_dim: int, block
     if tp == 1:
         return full.contiguous()
     _check(full.shape[partition_dim], partition_dim, blocks, tp, full.shape)
+    # Chunk each block, not the whole tensor: a plain chunk of [gate | up] would give rank 0 only gates.
     pieces = [block.chunk(tp, dim=partition_dim)[rank] for block in full.chunk(blocks, dim=partition_dim)]
     return torch.cat(pieces, dim=partition_dim).contiguous()
 
@@ -152,6 +153,7 @@ def gather_full(local: torch.Tensor, group: Group, partition_dim: int, blocks: i
     local = local.contiguous()
     gathered = [torch.empty_like(local) for _ in range(tp)]
     dist.all_gather(gathered, local, group=group)
+    # Each rank's shard is [its gate chunk | its up chunk]; rebuild block by block, rank order within.
     blocks_of_rank = [g.chunk(blocks, dim=partition_dim) for g in gathered]
     full_blocks = [
         torch.cat([blocks_of_rank[r][b] for r in range(tp)], dim=partition_dim) for b in range(blocks)

@@ -27,6 +27,7 @@ def embedding_group_ranks(groups: ParallelGroups) -> List[List[int]]:
     if groups.pp.size == 1:
         return []
     grid = rank_grid(groups.world_size, tp=groups.tp.size, pp=groups.pp.size, ep=groups.ep.size)
+    # rank_grid's order is the same on every rank, so the new_group calls below match up.
     return [[ranks[0], ranks[-1]] for ranks in grid["pp"]]
 
 
@@ -35,6 +36,7 @@ def build_embedding_group(groups: ParallelGroups) -> Optional[dist.ProcessGroup]
     rank's, or None when this rank is on neither the first nor the last stage (or pp == 1)."""
     mine = None
     for ranks in embedding_group_ranks(groups):
+        # new_group is collective over the world: every rank creates every group and keeps its own.
         group = dist.new_group(ranks)
         if groups.rank in ranks:
             mine = group
@@ -50,6 +52,7 @@ def embedding_grad_params(chunks: Iterable[torch.nn.Module]) -> List[torch.nn.Pa
         if not getattr(model, "share_embeddings_and_output_weights", False):
             continue
         pipe = model.pipeline
+        # Only split ends need the sum: a chunk holding both uses one tensor for both.
         if pipe.pre_process and not pipe.post_process:
             out.append(model.embedding.word_embeddings.weight)
         elif model.has_shared_embedding_copy:

@@ -33,6 +33,7 @@ def _header(t: torch.Tensor, device) -> torch.Tensor:
         raise ValueError(
             f"pipeline p2p sends float tensors of at most {_MAX_DIMS} dims, got {t.dtype} {tuple(t.shape)}"
         )
+    # Filled on the host and copied once: writing a device tensor element by element costs a copy each.
     h = torch.zeros(_HEADER, dtype=torch.int64)
     h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
     h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
@@ -40,6 +41,7 @@ def _header(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def _from_header(h: torch.Tensor, device) -> torch.Tensor:
+    # The shape must be known on the host to allocate the receive buffer (one device sync per receive).
     h = h.cpu()
     dtype, ndim = _DTYPES[int(h[0])], int(h[1])
     return torch.empty(tuple(int(d) for d in h[2 : 2 + ndim]), dtype=dtype, device=device)
@@ -89,6 +91,7 @@ class PipelineP2P:
         ]
         recvs = [
             (peer, tag)
+            # What the previous stage sends us travels DOWN (its send_next), so receives from prev use _DOWN.
             for want, peer, tag in ((recv_prev, self.prev, _DOWN), (recv_next, self.next, _UP))
             if want
         ]
@@ -98,7 +101,9 @@ class PipelineP2P:
         ]
         ops += [dist.P2POp(dist.irecv, h, peer, self.group, tag) for h, (peer, tag) in zip(headers, recvs)]
         self._batch(ops)
+        # Only now are the shapes known: the payloads need a second batch, posted in the same order.
         received = [_from_header(h, self.device) for h in headers]
+        # Only values travel: the sent activation stays in this stage's graph for its own backward.
         ops = [
             dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group, tag) for t, peer, tag in sends
         ]
@@ -106,5 +111,6 @@ class PipelineP2P:
             dist.P2POp(dist.irecv, buf, peer, self.group, tag) for buf, (peer, tag) in zip(received, recvs)
         ]
         self._batch(ops)
+        # received follows recvs, which lists prev before next.
         out = iter(received)
         return (next(out) if recv_prev else None), (next(out) if recv_next else None)

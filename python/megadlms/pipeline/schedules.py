@@ -109,10 +109,13 @@ class _Pipeline:
 
     # -- indices (Megatron's get_model_chunk_id / micro-batch id in the interleaved order)
     def chunk_id(self, k: int, forward: bool) -> int:
+        # Virtual step k runs a group of pp micro-batches through chunk 0, the same group through chunk 1,
+        # ...; backward walks the chunks in reverse, starting from the last (the one holding the loss).
         c = (k % (self.pp * self.vp)) // self.pp
         return c if forward else self.vp - 1 - c
 
     def micro_id(self, k: int) -> int:
+        # Group index (one group per pp*vp steps) times pp, plus the position inside the group.
         return (k // (self.pp * self.vp)) * self.pp + k % self.pp
 
     def first_stage(self, c: int) -> bool:
@@ -124,6 +127,8 @@ class _Pipeline:
     # -- queues fed by the p2p calls
     def add_input(self, c: int, x: Optional[torch.Tensor]) -> None:
         if x is not None and not self.forward_only:
+            # The received activation is a leaf of this stage's graph: requires_grad is what makes backward
+            # leave x.grad, the gradient to send upstream.
             x.requires_grad_()
         self.inputs[c][self.received[c]] = x
         self.received[c] += 1
@@ -144,6 +149,7 @@ class _Pipeline:
             out = self.forward_step(c, i, x)
         self._record("F", c, i, start)
         if self.forward_only:
+            # Nothing is kept for a backward, so validation holds one micro-batch's activations at a time.
             self.inputs[c].pop(i, None)
         else:
             self.inputs[c][i] = x  # the first stage's None too: backward pops one per micro-batch
@@ -152,6 +158,7 @@ class _Pipeline:
                 raise TypeError(
                     "forward_step of the last pipeline stage must return (loss_to_backprop, loss_for_logging)"
                 )
+            # Detached: logging must not keep every micro-batch's graph alive until the step ends.
             self.losses[i] = out[1].detach() if isinstance(out[1], torch.Tensor) else out[1]
             if not self.forward_only:
                 self.outputs[c][i] = out[0]
@@ -167,8 +174,10 @@ class _Pipeline:
     def backward(self, k: int) -> Optional[torch.Tensor]:
         """Backward of virtual micro-batch k; returns the input grad for the previous stage."""
         c, i = self.chunk_id(k, False), self.micro_id(k)
+        # Pop, so a micro-batch's activations are freed right after its backward (1F1B's memory bound).
         x, out = self.inputs[c].pop(i), self.outputs[c].pop(i)
         if self.last_stage(c):
+            # The last stage starts from the loss (scaled); others start from the grad the next stage sent.
             tensors, grad = self.backward_loss(out), None
         else:
             tensors, grad = out, self.grads[c].pop(i)
@@ -186,6 +195,8 @@ def _one_f_one_b(s: _Pipeline) -> None:
     """Warm-up forwards, steady 1F1B, cool-down backwards (Megatron's non-interleaved order)."""
     p2p, r, pp, m = s.p2p, s.rank, s.pp, s.m
     first, last = r == 0, r == pp - 1
+    # Forwards before this stage's first backward: the later stages' pipeline depth, so the last stage
+    # starts 1F1B at once and stage 0 fills the whole pipeline.
     warm = m if s.forward_only else min(pp - r - 1, m)
     rest = m - warm
 
@@ -197,6 +208,7 @@ def _one_f_one_b(s: _Pipeline) -> None:
         recv_forward()
         out = s.forward(k)
         p2p.communicate(send_next=out)
+    # The steady phase's first input is received here; later ones arrive with each grad sent upstream.
     if rest:
         recv_forward()
     for i in range(rest):
@@ -207,15 +219,20 @@ def _one_f_one_b(s: _Pipeline) -> None:
             if not final:
                 recv_forward()
             continue
+        # send_forward_recv_backward: one batch, paired with the next stage's send_backward_recv_forward
+        # below, so the two neighbours' sends and receives are posted together and cannot deadlock.
         g = p2p.communicate(send_next=out, recv_next=not last)[1]
         if not last:
             s.add_grad(0, g)
+        # Steady state: forward of micro-batch warm + i, then backward of the oldest in flight, i.
         grad_in = s.backward(i)
+        # After the final steady forward no input is left to receive.
         x = p2p.communicate(send_prev=grad_in, recv_prev=not first and not final)[0]
         if not first and not final:
             s.add_input(0, x)
     if s.forward_only:
         return
+    # Cool-down: the warm-up's micro-batches (rest .. m - 1) still owe their backward, oldest first.
     for i in range(warm):
         if not last:
             s.add_grad(0, p2p.communicate(recv_next=True)[1])
@@ -228,7 +245,10 @@ def _interleaved(s: _Pipeline) -> None:
     p2p, r, pp, vp, m = s.p2p, s.rank, s.pp, s.vp, s.m
     first, last = r == 0, r == pp - 1
     total = m * vp
+    # m == pp: the warm-up below would already cover every forward, so run them all, then all backwards.
     all_warmup = s.forward_only or m == pp
+    # Megatron's count: (vp - 1) rounds of pp forwards to reach the last chunk, plus two per later stage,
+    # as earlier ranks wait longer for the first grad to come back up.
     warm = total if all_warmup else min((pp - r - 1) * 2 + (vp - 1) * pp, total)
     rest = total - warm
     if not first:
@@ -236,7 +256,10 @@ def _interleaved(s: _Pipeline) -> None:
     for k in range(warm):
         out = s.forward(k)
         nxt = s.chunk_id(k + 1, True)
+        # Rank 0 reads chunk 0's input from the data; its other chunks receive from the last rank (ring).
         recv_prev = not (first and nxt == 0) and k != total - 1
+        # The last warm-up step also posts the receive of the first grad (for the last chunk), to match the
+        # next stage's first backward send.
         if k == warm - 1 and not all_warmup:
             x, g = p2p.communicate(send_next=out, recv_prev=recv_prev, recv_next=not last)
             if not last:
@@ -246,20 +269,25 @@ def _interleaved(s: _Pipeline) -> None:
         if recv_prev:
             s.add_input(nxt, x)
     for i in range(rest):
+        # Forward runs warm virtual steps ahead of backward.
         fk, bk = warm + i, i
         out = s.forward(fk)
         grad_in = s.backward(bk)
         recv_prev, recv_next = True, True
         if first:  # what arrives now from the last rank feeds the chunk after its current one
             nf = s.chunk_id(fk - (pp - 1), True)
+            # The last rank's last chunk produced a loss, not an activation: nothing arrives for it.
             recv_prev, nf = nf != vp - 1, nf + 1
         else:
             nf = s.chunk_id(fk + 1, True)
         if last:
+            # Mirror of the first rank: a grad arriving from rank 0 belongs to the chunk before the one rank 0
+            # ran backward on; rank 0's chunk 0 (the first stage) sends none.
             nb = s.chunk_id(bk - (pp - 1), False)
             recv_next, nb = nb != 0, nb - 1
         else:
             nb = s.chunk_id(bk + 1, False)
+        # The final steady forward was the step's last: no input left to receive.
         recv_prev = recv_prev and i != rest - 1
         x, g = p2p.communicate(send_next=out, send_prev=grad_in, recv_prev=recv_prev, recv_next=recv_next)
         if recv_prev:
@@ -268,11 +296,13 @@ def _interleaved(s: _Pipeline) -> None:
             s.add_grad(nb, g)
     if s.forward_only:
         return
+    # With all forwards in warm-up the steady loop never received a grad: fetch the first one here.
     if all_warmup and not last:
         s.add_grad(vp - 1, p2p.communicate(recv_next=True)[1])
     for k in range(rest, total):
         grad_in = s.backward(k)
         nb = s.chunk_id(k + 1, False)
+        # The last rank's last chunk starts from its own loss; after the final backward nothing comes.
         recv_next = not (last and nb == vp - 1) and k != total - 1
         g = p2p.communicate(send_prev=grad_in, recv_next=recv_next)[1]
         if recv_next:
@@ -349,6 +379,7 @@ def forward_backward_no_pipelining(
     losses = []
     for i in range(len(micro_batches)):
         last = i == len(micro_batches) - 1
+        # Forward included, as Megatron: torch's DDP decides in forward whether its backward will reduce.
         with contextlib.nullcontext() if last or no_sync is None else no_sync(0):
             start = time.perf_counter()
             with torch.no_grad() if forward_only else contextlib.nullcontext():

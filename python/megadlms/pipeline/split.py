@@ -49,6 +49,7 @@ def _per_rank_layers(num_layers: int, pp: int, first: Optional[int], last: Optio
     ):
         if value is not None:
             _positive(name, value)
+    # Stages given an explicit count are not middle stages; the rest share what remains evenly.
     middle_stages = pp - (first is not None) - (last is not None)
     middle_layers = num_layers - (first or 0) - (last or 0)
     if middle_layers < 0 or (middle_stages == 0 and middle_layers != 0):
@@ -112,6 +113,7 @@ def stage_layers(
     start = 0
     for _v in range(vp):  # round v: chunk v of rank 0, then of rank 1, ...
         for r in range(pp):
+            # A rank's chunks are equal across rounds, so vp must divide each rank's count (checked above).
             size = counts[r] // vp
             out[r].append(range(start, start + size))
             start += size

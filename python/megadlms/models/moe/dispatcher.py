@@ -37,6 +37,7 @@ def permute(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The routed rows expert-major (expert 0's tokens first, each expert's in token order):
     (rows [R, H], token index of each row [R], rows per expert [E])."""
+    # nonzero of the transposed map walks expert by expert, tokens ascending: expert-major order.
     _, token_idx = routing_map_TE.t().nonzero(as_tuple=True)
     return x_TH[token_idx], token_idx, routing_map_TE.sum(dim=0, dtype=torch.int64)
 
@@ -45,6 +46,7 @@ def unpermute(rows_RH: torch.Tensor, token_idx: torch.Tensor, weight_R: torch.Te
     """``out[t] = sum of weight_r * rows_r over the rows r of token t`` in fp32, then the rows'
     dtype: the inverse of :func:`permute` (with weights 1 and top-1 routing, exactly)."""
     out = torch.zeros(num_tokens, rows_RH.shape[-1], dtype=torch.float32, device=rows_RH.device)
+    # index_add sums a token's top-k rows in fp32, cast once at the end: k adds no bf16 roundings.
     out = out.index_add(0, token_idx, rows_RH.float() * weight_R.unsqueeze(-1))
     return out.to(rows_RH.dtype)
 
@@ -55,12 +57,14 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, output_splits: List[int], input_splits: List[int], group):
+        # Stored swapped: the backward's output splits are the forward's input splits, and vice versa.
         ctx.splits, ctx.group = (input_splits, output_splits), group
         return _all_to_all(x, output_splits, input_splits, group)
 
     @staticmethod
     def backward(ctx, grad):
         back_out, back_in = ctx.splits
+        # An all-to-all is its own conjugate with the splits swapped: each row's grad returns to its sender.
         return _all_to_all(grad.contiguous(), back_out, back_in, ctx.group), None, None, None
 
 
@@ -93,11 +97,16 @@ class AllGatherDispatcher:
         if self.ep > 1:
             sizes = _gather_rows(torch.tensor([T], dtype=torch.int64, device=x_TH.device), self.group)
             t_max = int(sizes.max())  # T may differ per rank: pad every rank to the longest
+            # The single-tensor all-gather needs equal sizes; padded rows have an all-False routing map, so no
+            # expert ever computes them.
             x_TH, probs_TE, routing_map_TE = (_pad_rows(t, t_max) for t in (x_TH, probs_TE, routing_map_TE))
+            # Every rank's experts send grads to every rank's tokens: the backward reduce-scatter sums them
+            # and hands each rank its own rows (the SP gather's conjugate, reused over EP).
             x_TH = mappings.gather_from_sequence_parallel(x_TH, self.group, seq_dim=0, grad_is_partial=True)
             probs_TE = mappings.gather_from_sequence_parallel(
                 probs_TE, self.group, seq_dim=0, grad_is_partial=True
             )
+            # No grad needed for the map; bool is not a collective dtype on every backend, uint8 is.
             routing_map_TE = _gather_rows(routing_map_TE.to(torch.uint8), self.group).bool()
         else:
             t_max = T
@@ -111,6 +120,8 @@ class AllGatherDispatcher:
         token_idx, weight, num_rows, T = handle
         out = unpermute(rows_RH, token_idx, weight, num_rows)
         if self.ep > 1:
+            # Each rank holds partial outputs (its experts) for all ranks' tokens: sum them and keep own rows;
+            # [:T] drops this rank's padding.
             out = mappings.reduce_scatter_to_sequence_parallel(out, self.group, seq_dim=0)[:T]
         return out
 
@@ -126,6 +137,8 @@ class AllToAllDispatcher:
     def dispatch(self, x_TH, probs_TE, routing_map_TE):
         """-> (rows of the local experts [R, H], rows per local expert [El] int64, the handle
         that :meth:`combine` takes)."""
+        # Expert-major over GLOBAL experts is also destination-rank-major, as each rank's experts are
+        # contiguous: the rows are already laid out in all_to_all's send order.
         rows, token_idx, counts_E = permute(x_TH, routing_map_TE)
         weight = probs_TE.t()[routing_map_TE.t()]
         handle = (token_idx, weight, x_TH.shape[0])
@@ -134,6 +147,7 @@ class AllToAllDispatcher:
         El = self.hi - self.lo
         # recv[src, l]: rows rank src sends to my local expert l
         recv = torch.empty_like(counts_E)
+        # Counts first: the receiver must size its buffer and split the payload before the rows arrive.
         dist.all_to_all_single(recv, counts_E, group=self.group)
         recv = recv.view(self.ep, El)
         input_splits = counts_E.view(self.ep, El).sum(dim=1).tolist()
@@ -148,6 +162,7 @@ class AllToAllDispatcher:
         token_idx, weight, T = handle[:3]
         if self.ep > 1:
             input_splits, output_splits, order = handle[3:]
+            # Invert the expert-major reorder, so the rows go back in the source-major order they arrived in.
             back = torch.empty_like(order)
             back[order] = torch.arange(order.numel(), device=order.device)
             rows_RH = _AllToAll.apply(rows_RH[back], input_splits, output_splits, self.group)
@@ -157,6 +172,7 @@ class AllToAllDispatcher:
 def _chunk_order(counts_SL: torch.Tensor) -> torch.Tensor:
     """Row indices that reorder chunks laid out source-major ([s][l] for counts [S, L]) into
     local-expert-major ([l][s]). One host copy of the (small) count matrix."""
+    # The split sizes must be on the host anyway (all_to_all_single takes lists): one small sync.
     counts = counts_SL.tolist()
     S, L = len(counts), len(counts[0])
     starts, offset = [[0] * L for _ in range(S)], 0

@@ -31,6 +31,7 @@ def init_expert_normal_(param: torch.Tensor, std: float, ep_rank: int, ep: int) 
     local = param.shape[0]
     full = torch.empty((local * ep,) + tuple(param.shape[1:]), dtype=param.dtype, device=param.device)
     nn.init.normal_(full, mean=0.0, std=std)
+    # Contiguous slice: EP rank e owns experts [e*El, (e+1)*El), the layout the dispatchers assume.
     param.copy_(full[ep_rank * local : (ep_rank + 1) * local])
 
 
@@ -59,6 +60,7 @@ class GroupedLinear(nn.Module):
             layer_name=self.name,
         )
         if self.bias is not None:
+            # Rows are grouped by expert in order, so repeating each expert id by its count labels every row.
             expert_of_row = torch.repeat_interleave(
                 torch.arange(self.weight.shape[0], device=x_RK.device), tokens_per_expert
             )
@@ -95,6 +97,7 @@ class GroupedMLP(nn.Module):
             if init_expert is None:
                 init_expert_normal_(linear.weight, s, ep_rank, ep)
             else:
+                # A chunk skipping this layer still makes the full [E, ...] draws, keeping the RNG in step.
                 init_expert(linear.weight, s, ep)
             if linear.bias is not None:
                 linear.bias.zero_()

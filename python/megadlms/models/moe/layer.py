@@ -62,6 +62,7 @@ class MoELayer(nn.Module):
 
     def forward(self, x_BSH: torch.Tensor) -> torch.Tensor:
         B, S, H = x_BSH.shape
+        # Routing is per token: batch and sequence flatten into one token dim.
         x_TH = x_BSH.reshape(B * S, H)
         routed = self.router(x_TH, self.aux_loss_scale)
         r = routed.routing
@@ -70,6 +71,7 @@ class MoELayer(nn.Module):
         rows, tokens_per_expert, handle = self.dispatcher.dispatch(x_TH, r.probs_TE, r.routing_map_TE)
         out_TH = self.dispatcher.combine(self.experts(rows, tokens_per_expert), handle)
         if self.shared_experts is not None:
+            # Ungated, as Megatron's default (moe_shared_expert_gate off).
             out_TH = out_TH + self.shared_experts(x_TH)
         return out_TH.view(B, S, H)
 

@@ -70,21 +70,29 @@ def topk_routing(
             top_probs, top_idx = torch.topk(torch.softmax(logits_TE, dim=-1), k=topk, dim=-1)
         else:
             top_logits, top_idx = torch.topk(logits_TE, k=topk, dim=-1)
+            # Softmax over the k chosen only, so each token's kept weights sum to 1.
             top_probs = torch.softmax(top_logits, dim=-1)
     else:
         top_probs, top_idx = torch.topk(torch.sigmoid(logits_TE), k=topk, dim=-1)
         if topk > 1:
+            # Top-1 keeps the raw sigmoid (Megatron); 1e-20 guards a row whose sigmoids all underflow.
             top_probs = top_probs / (top_probs.sum(dim=-1, keepdim=True) + 1e-20)
+    # Dense [T, E]: capacity and dispatch work per expert column from here on.
     gates_TE = torch.zeros_like(logits_TE).scatter(1, top_idx, top_probs)
     topk_map_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter(1, top_idx, True)
+    # Counted before dropping: the balancing loss penalises what the router asked for, not what survived.
     tokens_per_expert = topk_map_TE.sum(dim=0, dtype=torch.int64)
     if capacity_factor is None:
         return Routing(gates_TE, topk_map_TE, tokens_per_expert)
     capacity = expert_capacity(T, E, topk, capacity_factor)
+    # "position": every chosen pair has key 1 (unchosen 0), so the stable sort keeps the earliest tokens.
     key = gates_TE.detach() if drop_policy == "probs" else topk_map_TE.to(torch.float32)
     # stable: among equal keys the earlier token wins (position order, deterministic)
+    # Sorted down the token dim, per expert column: the first ``capacity`` rows are each expert's keepers.
     order = torch.sort(key, dim=0, descending=True, stable=True).indices[:capacity]
     capacity_map_TE = torch.zeros_like(topk_map_TE).scatter(0, order, True)
+    # Padding keeps all capacity slots, also tokens that did not pick the expert: their gate is 0, so
+    # they cost compute but add nothing to the output.
     final_map = capacity_map_TE if pad_to_capacity else topk_map_TE & capacity_map_TE
     return Routing(gates_TE * final_map, final_map, tokens_per_expert)
 
@@ -120,11 +128,14 @@ class AuxLossAutoScaler(torch.autograd.Function):
     def forward(ctx, activation, aux_loss, scale: float):
         ctx.save_for_backward(aux_loss)
         ctx.scale = scale
+        # Unchanged: the aux loss must not show up in the forward value (or in the logged loss).
         return activation
 
     @staticmethod
     def backward(ctx, grad):
         (aux_loss,) = ctx.saved_tensors
+        # Backward is where the loss joins: its graph is seeded with d(total)/d(aux) = scale, and the
+        # activation's own grad passes through untouched.
         return grad, torch.ones_like(aux_loss) * ctx.scale, None  # scale: a float or a 0-d tensor
 
 
@@ -147,12 +158,15 @@ class TopKRouter(nn.Module):
 
     def forward(self, x_TH: torch.Tensor, aux_loss_scale: float = 1.0) -> RouterOutput:
         c = self.config
+        # fp32 logits: the softmax and top-k near-ties are sensitive to bf16 rounding.
         logits_TE = x_TH.float() @ self.weight.float().t()
+        # No backward will run in eval / no_grad, so there is nothing to attach the losses to.
         attach = self.training and torch.is_grad_enabled()
         z = None
         if c.moe_z_loss_coeff is not None:
             z = z_loss(logits_TE, c.moe_z_loss_coeff)
             if attach:
+                # On the logits, which the routing uses, so the z-loss graph is reached in every backward.
                 logits_TE = AuxLossAutoScaler.apply(logits_TE, z, aux_loss_scale)
         routing = topk_routing(
             logits_TE,
@@ -170,6 +184,7 @@ class TopKRouter(nn.Module):
                 scores, routing.tokens_per_expert_E, c.moe_router_topk, c.moe_aux_loss_coeff
             )
             if attach:
+                # On the probs, which every routed output depends on, so backward always reaches the aux loss.
                 probs = AuxLossAutoScaler.apply(routing.probs_TE, aux, aux_loss_scale)
                 routing = routing._replace(probs_TE=probs)
         return RouterOutput(

@@ -56,6 +56,8 @@ def moe_layer_stats(
     E = layers[0].config.num_moe_experts
     n = num_layers if num_layers is not None else layers[0].config.num_layers
     device = layers[0].router.weight.device
+    # One row per model layer (not per held layer), so every pipeline stage packs the same shape and a
+    # single all-reduce covers them all.
     packed = torch.zeros(n, 3 + E, dtype=torch.float64, device=device)
     for layer in layers:
         sums, tokens = layer.stats_tensors()
