@@ -53,7 +53,6 @@ def start_async_save(
     written = dcp.async_save(
         tensors, storage_writer=FileSystemWriter(tmp), process_group=group, no_dist=not dist.is_initialized()
     )
-    # Newer torch returns a response object whose write future is this attribute; older, the future.
     written = getattr(written, "upload_completion", written)  # AsyncSaveResponse with async stagers
     rank = dist.get_rank() if dist.is_initialized() else 0
     # A second future: DCP's resolves when the files are written, this one only after the commit

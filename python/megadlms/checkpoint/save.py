@@ -77,10 +77,10 @@ def _prepare(root: str, iteration: int, rank: int) -> str:
     """Rank 0 creates an empty ``iter_XXXXXXX.tmp`` (a torn one from a crash is removed)."""
     tmp = checkpoint_dir(root, iteration) + ".tmp"
     error = None
+    # Only rank 0 touches the directory; the others learn the outcome in agree() below.
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
-            # Only rank 0 touches the directory; the others learn the outcome in agree() below.
             if os.path.exists(tmp):  # left by a crashed save
                 shutil.rmtree(tmp)
             os.makedirs(os.path.join(tmp, "rng"))
@@ -141,7 +141,6 @@ def _check_format(ckpt_format: str, background: bool, layout: ParallelLayout) ->
         raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
     if background and ckpt_format != "torch_dist":
         raise ValueError("--async-save needs --ckpt-format torch_dist")
-    # The torch format is one file from rank 0, and rank 0 sees only the first stage.
     if layout.pp > 1 and ckpt_format == "torch":  # one file of full tensors from rank 0: one stage only
         raise ValueError("--ckpt-format torch needs --pipeline-model-parallel-size 1: use torch_dist")
 
