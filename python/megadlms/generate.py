@@ -58,6 +58,7 @@ def load_for_inference(path: str, device: Optional[torch.device] = None):
     # Model and tokenizer come from the checkpoint's own records, never from flag names.
     mcfg = common["model_config"]
     model = GPTModel(TransformerConfig.from_dict(mcfg))
+    # No layout: one process reads the full tensors whatever tp / pp / ep / dp saved them.
     load_model_state(ckpt, model, model_config=mcfg)
     tokenizer = TokenizerConfig.from_dict(tokenizer_record(common)).build()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,9 +71,11 @@ def _sample_causal(
 ) -> torch.Tensor:
     x = prompt
     for _ in range(gen_length):
+        # No KV cache: the whole sequence is re-run for every token (a reference sampler, not a fast one).
         logits = model(x)[:, -1].double()
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
+            # On the CPU with a CPU generator: the same seed gives the same text on any device.
             nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(x.device)
         else:
             nxt = logits.argmax(-1, keepdim=True)
@@ -106,9 +109,11 @@ def generate_text(
             f"prompt ({len(ids)} tokens) + --gen-length ({gen_length}) exceeds the "
             f"model's {max_len} positions; shorten one of them"
         )
+    # Samples differ only through the RNG: one batch of identical prompts.
     prompt_t = torch.tensor([ids] * num_samples, dtype=torch.int64, device=device)
     if common["model_config"].get("attention") == "causal":
         if not ids:
+            # Left-to-right needs a last position to predict from; a DLM denoises from all-[MASK] instead.
             raise ValueError("a causal (vanilla) model needs a non-empty --prompt")
         g = torch.Generator().manual_seed(seed)
         out = _sample_causal(model, prompt_t, gen_length, temperature, g)

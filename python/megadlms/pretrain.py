@@ -25,6 +25,7 @@ def _single_process_env() -> bool:
     Returns True when this process is such a world (no torchrun variables were set)."""
     if "RANK" in os.environ:
         return False
+    # A free port, so several single-process runs on one host do not collide on a fixed one.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -45,6 +46,7 @@ def collective_timeout(parallel) -> datetime.timedelta:
         try:
             value = float(seconds)
         except ValueError:
+            # Fall through to the one error message below rather than a bare float() traceback.
             value = -1.0
         if value <= 0:
             raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds, got {seconds!r}")
@@ -74,6 +76,7 @@ def init_distributed(parallel) -> None:
     if backend == "nccl":
         if not torch.cuda.is_available():
             raise RuntimeError("--distributed-backend nccl needs CUDA devices; use gloo on CPU")
+        # Before init_process_group: NCCL binds each rank's communicator to the current device.
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     timeout = collective_timeout(parallel)
     # A world of one rendezvous in-process: binding the port picked above could race with
@@ -117,6 +120,7 @@ def run(argv: Optional[Sequence[str]] = None):
     from megadlms.training.train import pretrain
 
     owned = not dist.is_initialized()
+    # The flags are validated before any process group exists: the world size comes from torchrun's env.
     world = dist.get_world_size() if not owned else int(os.environ.get("WORLD_SIZE", "1"))
     config = parse_config(list(argv) if argv is not None else None, world_size=world)
     if owned:
@@ -162,8 +166,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:  # bad flags / data / checkpoint: the message names the fix
         from megadlms.config import flag_message
 
+        # Every rank raises the same config error; printing it once keeps the log readable.
         if os.environ.get("RANK", "0") == "0":
             tb = exc.__traceback__
+            # The innermost frame is where the check that failed lives, the useful pointer for a bug report.
             while tb.tb_next is not None:
                 tb = tb.tb_next
             where = f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"

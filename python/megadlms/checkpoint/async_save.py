@@ -49,11 +49,14 @@ def start_async_save(
     tensors: Dict[str, torch.Tensor], tmp: str, root: str, iteration: int, common: dict, group
 ) -> PendingSave:
     """Stage ``tensors`` and write them to ``tmp`` in the background (collective over ``group``)."""
+    # DCP stages (copies to CPU) before returning, so training may mutate the tensors right after.
     written = dcp.async_save(
         tensors, storage_writer=FileSystemWriter(tmp), process_group=group, no_dist=not dist.is_initialized()
     )
     written = getattr(written, "upload_completion", written)  # AsyncSaveResponse with async stagers
     rank = dist.get_rank() if dist.is_initialized() else 0
+    # A second future: DCP's resolves when the files are written, this one only after the commit
+    # (manifest, rename, latest), which is what wait() must report.
     done: concurrent.futures.Future = concurrent.futures.Future()
 
     def finish() -> None:
@@ -66,6 +69,7 @@ def start_async_save(
         else:
             done.set_result(None)
 
+    # Daemon: a hung filesystem must not keep the process alive; the exit path calls wait() itself.
     threading.Thread(target=finish, name=f"megadlms-ckpt-{iteration}", daemon=True).start()
     return PendingSave(done, root, iteration)
 
@@ -74,4 +78,5 @@ def background_group(enabled: bool) -> Optional[object]:
     """The gloo group of all ranks for background saves (collective; None when not ``enabled``)."""
     if not enabled or not dist.is_initialized():
         return None
+    # new_group is itself a collective: every rank must build it, in the same order as other groups.
     return dist.new_group(backend="gloo")

@@ -44,6 +44,7 @@ class Checkpointer:
     ) -> None:
         self.config, self.layout = config, layout
         self.override_scheduler = override_scheduler
+        # Built here, once: creating a group is a collective and must not happen inside a save.
         self._group = background_group(config.async_save)
         self._pending: Optional[PendingSave] = None
 

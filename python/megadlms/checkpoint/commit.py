@@ -33,12 +33,15 @@ def fsync_dir(path: str) -> None:
 
 def write_atomic(path: str, data: str) -> None:
     """Replace ``path`` by ``data``: readers see the old or the new file, never a torn one."""
+    # Per-process temp name: two processes replacing the same file never write into one temp.
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w") as f:
         f.write(data)
         f.flush()
+        # Data on disk before the rename: otherwise a crash can leave the new name pointing at empty blocks.
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    # The rename lives in the directory entry, which needs its own fsync to survive a power loss.
     fsync_dir(os.path.dirname(path) or ".")
 
 
@@ -47,6 +50,7 @@ def save_error(exc: BaseException, root: str, iteration: int) -> BaseException:
     full = find_enospc(exc)
     if full is None:
         return exc
+    # What latest names now is what a restart would load: that is what to report as intact.
     previous = read_latest_iteration(root) if os.path.isdir(root) else None
     intact = (
         f"the previous checkpoint {checkpoint_dir(root, previous)} and {LATEST_FILE} are untouched"
@@ -67,10 +71,13 @@ def finalize_checkpoint(root: str, iteration: int, common: dict) -> str:
     checksum, write common.json, rename the directory into place, then replace ``latest``."""
     final = checkpoint_dir(root, iteration)
     tmp = final + ".tmp"
+    # The manifest must see every rank's finished files, which is why only rank 0 runs this, last.
     common = dict(common, files=file_manifest(tmp))
+    # common.json is the completeness marker (resolve_checkpoint looks for it), so it goes in last.
     write_atomic(os.path.join(tmp, COMMON_FILE), json.dumps(common, indent=1, default=str))
     if os.path.exists(final):  # re-saving the same iteration: swap, then drop the old one
         old = f"{final}.old.{os.getpid()}"
+        # A directory cannot be replaced over a non-empty one: move the old aside first, drop it after.
         os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)

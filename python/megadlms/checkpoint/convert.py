@@ -70,6 +70,7 @@ def convert_checkpoint(config) -> str:
             "converted_from": os.path.abspath(src),
             "converted_from_wrapper": common.get("wrapper"),
         },
+        # RNG states belong to the saving layout; a conversion has none to carry over.
         save_rng=False,
     )
     _log.info(f"converted {src} ({common['ckpt_format']}) -> {out} ({ck.ckpt_convert_format}); exiting")

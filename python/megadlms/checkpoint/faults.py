@@ -16,6 +16,7 @@ def agree(error: Optional[BaseException], what: str) -> None:
             raise error
         return
     gathered: list = [None] * dist.get_world_size()
+    # Every rank joins even without an error: the failing rank's peers must not block elsewhere.
     dist.all_gather_object(gathered, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error

@@ -21,14 +21,18 @@ def split_state(obj: Any, prefix: str, tensors: Dict[str, torch.Tensor]) -> Any:
         return {"__tensor__": prefix}
     if isinstance(obj, dict):
         for k in obj:
+            # '/' separates the levels of a flat key; a key holding one would split wrongly on load.
             if not isinstance(k, (str, int)) or "/" in str(k):
                 raise ValueError(f"checkpoint key {k!r} under {prefix!r} must be a str/int without '/'")
+        # Pairs, not a JSON object: int keys (torch.optim's param indices) would come back as strings.
         return {"__dict__": [[k, split_state(v, f"{prefix}/{k}", tensors)] for k, v in obj.items()]}
     if isinstance(obj, (list, tuple)):
+        # Tuples kept apart from lists so the state comes back exactly as saved (e.g. Adam's betas).
         kind = "__tuple__" if isinstance(obj, tuple) else "__list__"
         return {kind: [split_state(v, f"{prefix}/{i}", tensors) for i, v in enumerate(obj)]}
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
+    # numpy scalars (from schedulers, data loaders) are not JSON-able; their Python value is.
     if isinstance(obj, (np.integer, np.floating)):
         return obj.item()
     raise TypeError(
@@ -65,6 +69,7 @@ def tensor_paths(skel: Any, path: Tuple = ()):
 class _MetadataUnpickler(pickle.Unpickler):
     """Admits only the classes DCP's ``.metadata`` is made of."""
 
+    # An allow-list: .metadata is a pickle, and a pickle from an untrusted checkpoint can run code.
     _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner"}
     _NAMES = {
         ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
@@ -81,6 +86,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if module in self._MODULES or (module, name) in self._NAMES:
             return super().find_class(module, name)
+        # dtypes pickle as torch.<name>; admit those names only when they really are dtypes.
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(
@@ -97,6 +103,8 @@ class SafeFileSystemReader(FileSystemReader):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             metadata = _MetadataUnpickler(f).load()
+        # Mirrors FileSystemReader.read_metadata: older files have no storage_meta, and DCP's planner
+        # expects a load_id on it.
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

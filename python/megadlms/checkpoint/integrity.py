@@ -60,6 +60,7 @@ def check_file(ckpt: str, rel: str, record: dict) -> Optional[str]:
     if not os.path.isfile(path):
         return f"{path} is missing"
     size = os.path.getsize(path)
+    # Size first: it costs nothing and names truncation, the usual failure, more clearly than a CRC.
     if size != record["size"]:
         return f"{path} has {size} bytes, {record['size']} were written (truncated or overwritten)"
     crc = _crc32(path)
@@ -77,10 +78,12 @@ def verify_checkpoint(ckpt: str, common: dict) -> None:
         return
     ranked = dist.is_initialized()
     rank, world = (dist.get_rank(), dist.get_world_size()) if ranked else (0, 1)
+    # Sorted, so every rank agrees which files are its share (rank i checks files i, i+world, ...).
     mine = [p for i, (rel, rec) in enumerate(sorted(manifest.items())) if i % world == rank
             for p in [check_file(ckpt, rel, rec)] if p]  # fmt: skip
     if ranked and world > 1:
         gathered: List[Optional[List[str]]] = [None] * world
+        # Share the findings: a rank that raised alone would leave the others waiting in the next collective.
         dist.all_gather_object(gathered, mine)
         mine = [p for part in gathered for p in part or []]
     if mine:

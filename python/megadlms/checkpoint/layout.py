@@ -77,6 +77,7 @@ class ParallelLayout:
             "tp": self.tp,
             "pp": self.pp,
             "vp": self.vp,
+            # Megatron's grid: ep is carved out of dp, so tp * pp alone divides the world.
             "dp": world // (self.tp * self.pp),
             "world": world,
             "ep": self.ep,

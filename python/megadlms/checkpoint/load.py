@@ -47,8 +47,10 @@ def _optimizer_reads(ckpt: str, skel, shapes, params, layout: ParallelLayout) ->
     reads: Dict[str, tuple] = {}
     for path, key in tensor_paths(skel):
         shape, dtype = shapes[key]
+        # Skeleton paths are ("state", fqn, name): only those entries belong to a parameter.
         p = params.get(path[1]) if len(path) >= 3 and path[0] == "state" else None
         full = sharded_full_shape(p, layout.tp_group, layout.ep_group) if p is not None else None
+        # 0-d entries (Adam's step) are per-parameter scalars, never sharded: no shape to compare.
         if p is not None and len(shape) > 0 and shape != full:
             raise RuntimeError(
                 f"checkpoint {ckpt}: optimizer state {key[len(_STATE_PREFIX) :]} has shape {shape} "
@@ -127,6 +129,7 @@ def load_checkpoint(
     Returns the counters to continue from; ``model_config`` (a ``TransformerConfig.to_dict()``)
     is checked against the checkpoint's record first, and every file is verified against the
     sizes and checksums recorded at save time (``CheckpointCorruptError`` names the file)."""
+    # Verify before touching the model: a corrupt file must not leave it half loaded.
     verify_checkpoint(ckpt, read_common(ckpt))
     common = load_model_state(ckpt, model, model_config=model_config, layout=layout)
     if optimizer is not None:
@@ -137,6 +140,7 @@ def load_checkpoint(
             optimizer.reload_model_params()
     if scheduler is not None and restore_optimizer and common.get("scheduler") is not None:
         scheduler.load_state_dict(common["scheduler"], override=override_scheduler)
+    # RNG last, so no random draw made while loading the rest can shift the restored streams.
     rng = bool(load_rng) and load_rng_state(ckpt, layout=layout)
     return TrainState(
         iteration=int(common["iteration"]),

@@ -29,12 +29,14 @@ def read_latest_iteration(root: str) -> Optional[int]:
 
 def resolve_checkpoint(path: str) -> Optional[str]:
     """``path`` may be a --save root (uses its latest file) or one iter_* directory."""
+    # An iter_* directory is recognised by its common.json, which the commit writes last.
     if os.path.isfile(os.path.join(path, COMMON_FILE)):
         return path
     it = read_latest_iteration(path)
     if it is None:
         return None
     ckpt = checkpoint_dir(path, it)
+    # latest is only written after the rename, so a missing target means damage, not a save in flight.
     if not os.path.isfile(os.path.join(ckpt, COMMON_FILE)):
         raise RuntimeError(
             f"{os.path.join(path, LATEST_FILE)} names iteration {it} but {ckpt} "
@@ -50,6 +52,7 @@ def older_checkpoints(root: str, before: int) -> list:
     for name in os.listdir(root) if os.path.isdir(root) else []:
         it = name[5:]
         if name.startswith("iter_") and it.isdigit() and int(it) < before:
+            # Skips .tmp directories and torn ones: only committed checkpoints can be fallen back to.
             if os.path.isfile(os.path.join(root, name, COMMON_FILE)):
                 found.append((int(it), os.path.join(root, name)))
     return [path for _, path in sorted(found, reverse=True)]

@@ -37,6 +37,8 @@ def pp_size(pp_group) -> int:
 
 def shared_copies(params: Dict[str, torch.nn.Parameter]) -> Dict[str, str]:
     """{name of a tied-embedding copy on this rank: the name it is stored under}."""
+    # At pp > 1 the last stage holds its own copy (equal: the gradients are summed), not an alias:
+    # it is marked on the parameter, since the names alone cannot tell.
     return {n: EMBEDDING for n, p in params.items() if sharding_of(p).tied_copy}
 
 
@@ -45,7 +47,9 @@ def stage_owner(rank: int, world: int, pp: int, spread: bool) -> Callable[[int],
     (ranks of a stage are ``world / pp`` consecutive global ranks: Megatron's order), spread
     round-robin (``spread``, DCP) or the stage's first rank."""
     size = world // pp
+    # A stage's ranks are consecutive, so the position inside the stage is rank mod its size.
     local = rank % size
+    # Owners only within the stage: another stage never gathered these tensors.
     return (lambda i: i % size == local) if spread else (lambda i: local == 0)
 
 
@@ -64,6 +68,7 @@ def drop_shared_optimizer_state(state: dict, copies: Dict[str, str]) -> dict:
 def _elsewhere() -> torch.Tensor:
     """Placeholder for another stage's optimizer tensor: in the skeleton, not in the files."""
     t = torch.empty(0)
+    # An empty tensor, so split_state records it in the skeleton; the flag lets drop_elsewhere find it.
     t.megadlms_elsewhere = True
     return t
 
@@ -76,6 +81,7 @@ def merged_optimizer_state(state: dict, pp_group) -> dict:
     if pp_size(pp_group) == 1:
         return state
     mine = {
+        # Only the names of each parameter's state entries travel: the skeleton needs no tensor data.
         "state": {fqn: sorted(v) for fqn, v in state.get("state", {}).items()},
         "param_groups": state.get("param_groups", []),
     }
@@ -87,6 +93,8 @@ def merged_optimizer_state(state: dict, pp_group) -> dict:
         for fqn, keys in desc["state"].items():
             merged_state[fqn] = state["state"][fqn] if s == me else {k: _elsewhere() for k in keys}
         for g in desc["param_groups"]:
+            # Stages build the same groups (decay / no decay) for their own params: merge them by
+            # hyper-parameters so the saved optimizer looks like the pp=1 one.
             hyper = {k: v for k, v in g.items() if k != "params"}
             same = next((m for m in groups if {k: v for k, v in m.items() if k != "params"} == hyper), None)
             if same is None:
@@ -110,6 +118,7 @@ def check_stage_keys(template: Set[str], saved: Set[str], pp_group, ckpt: str) -
         keys: List[Optional[list]] = [None] * pp_size(pp_group)
         dist.all_gather_object(keys, sorted(template), group=pp_group)
         union = {k for ks in keys for k in ks}
+    # Unexpected is judged on the union: a key only another stage reads is not unexpected here.
     missing, unexpected = set(template) - saved, saved - union
     if missing or unexpected:
         raise RuntimeError(
@@ -130,6 +139,7 @@ def own_skeleton(skel: dict, own: Set[str], copies: Dict[str, str]) -> dict:
     entries = dict(state["__dict__"])
     # (a torch.optim optimizer keys its state by index: kept as it is)
     kept = [[fqn, v] for fqn, v in state["__dict__"] if not isinstance(fqn, str) or fqn in own]
+    # The tied copy was never saved: it gets the embedding's state, which is the same parameter at pp=1.
     kept += [[copy, entries[src]] for copy, src in copies.items() if src in entries]
     out = [[k, {"__dict__": kept} if k == "state" else v] for k, v in skel["__dict__"]]
     return {"__dict__": out}

@@ -50,16 +50,19 @@ def open_checkpoint(path: str, what: str = "--load") -> Tuple[str, dict]:
 
 def _torch_file(ckpt: str) -> Dict[str, torch.Tensor]:
     """The torch-format file, memory-mapped (tensors are read from disk when copied)."""
+    # mmap: a one-file checkpoint of a large model never sits in RAM whole on every rank.
     return torch.load(os.path.join(ckpt, TORCH_FILE), map_location="cpu", weights_only=True, mmap=True)
 
 
 def tensor_shapes(ckpt: str, common: dict) -> Dict[str, Tuple[tuple, torch.dtype]]:
     """``{key: (full shape, dtype)}`` of every tensor stored in checkpoint dir ``ckpt``."""
     if common["ckpt_format"] == "torch_dist":
+        # DCP's .metadata records every key's full (global) shape, so no tensor data is read here.
         md = SafeFileSystemReader(ckpt).read_metadata()
         return {
             k: (tuple(v.size), v.properties.dtype)
             for k, v in md.state_dict_metadata.items()
+            # Non-tensor entries (BytesStorageMetadata) are not ours: the non-tensor state is in common.json.
             if isinstance(v, TensorStorageMetadata)
         }
     return {k: (tuple(v.shape), v.dtype) for k, v in _torch_file(ckpt).items()}
@@ -126,11 +129,13 @@ def load_model_state(
     params = named_params(module)
     copies = shared_copies(params)  # stored as (and read from) the embedding
     sd = module.state_dict()
+    # state_dict() tensors share storage with the parameters: reading into them loads in place.
     template = {f"{MODEL_PREFIX}{k}": v for k, v in sd.items() if isinstance(v, torch.Tensor)}
     # The key each tensor is read from: its own, or the embedding's for a tied copy.
     stored = {k: MODEL_PREFIX + copies.get(k[6:], k[6:]) for k in template}
     shapes = tensor_shapes(ckpt, common)
     saved_model = {k for k in shapes if k.startswith(MODEL_PREFIX)}
+    # Compared against what all stages need together: one stage alone holds only part of the keys.
     check_stage_keys(set(stored.values()), saved_model, layout.pp_group, ckpt)
     _check_shapes(ckpt, template, stored, params, shapes, layout)
     reads = {}

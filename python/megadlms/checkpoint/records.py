@@ -20,6 +20,7 @@ MODEL_CONFIG_FLAGS = {
     "position_embedding_type": "--position-embedding-type",
     "normalization": "--normalization",
     "swiglu": "--swiglu",
+    # Two field names per setting where Megatron's TransformerConfig and ours differ; either may be saved.
     "gated_linear_unit": "--swiglu",
     "add_bias_linear": "--disable-bias-linear",
     "qk_layernorm": "--qk-layernorm",
@@ -42,6 +43,7 @@ class RunRecords:
 def check_model_config(saved: dict, current: dict, ckpt: str) -> None:
     """Raise naming the first architecture field that differs between checkpoint and run."""
     for field, flag in MODEL_CONFIG_FLAGS.items():
+        # Fields missing on either side are skipped: older checkpoints recorded fewer of them.
         if field in saved and field in current and saved[field] != current[field]:
             raise ValueError(
                 f"checkpoint {ckpt} was trained with {field}={saved[field]!r} but this "

@@ -43,6 +43,7 @@ def resume_path(load: Optional[str], save: Optional[str], auto_resume: bool) -> 
         try:
             found = _find(load, save, auto_resume)
         except (OSError, RuntimeError) as exc:
+            # A string, not the exception: it must pickle for broadcast_object_list.
             error = f"{type(exc).__name__}: {exc}"
     if dist.is_initialized() and dist.get_world_size() > 1:
         shared = [found, error]
@@ -73,6 +74,7 @@ def with_fallback(path: str, load: Callable[[str], T], fallback: bool) -> Tuple[
     except CheckpointCorruptError as exc:
         if not fallback:
             raise
+        # A corrupt checkpoint's common.json is still readable: it is written last and atomically.
         root, it = os.path.dirname(path), int(read_common(path)["iteration"])
         for older in older_checkpoints(root, it):
             _log.warning(f"{exc}\n--ckpt-fallback: trying {older}")

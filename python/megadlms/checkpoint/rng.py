@@ -23,6 +23,7 @@ def rng_state(rng_tracker=None) -> dict:
         "python": list(random.getstate()[1]),
         "python_version": random.getstate()[0],
         "python_gauss": random.getstate()[2],
+        # A tensor, not a numpy array: weights_only=True loads tensors but refuses numpy objects.
         "numpy": torch.from_numpy(np_state[1].astype(np.int64)),
         "numpy_pos": int(np_state[2]),
         "numpy_has_gauss": int(np_state[3]),
@@ -55,6 +56,7 @@ def same_layout(common: dict, world: int, tp: int, pp: int = 1, ep: int = 1) -> 
     """True when the checkpoint recorded in ``common`` was saved at this world size, tp, pp and
     ep (checkpoints without a ``parallel`` record, or without one of its keys, were saved
     without that dimension): a rank's dropout stream belongs to its place in the grid."""
+    # Defaults of 1: a checkpoint from before a dimension existed was saved without it.
     par = common.get("parallel", {})
     return (
         common.get("world_size") == world

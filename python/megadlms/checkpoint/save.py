@@ -77,6 +77,7 @@ def _prepare(root: str, iteration: int, rank: int) -> str:
     """Rank 0 creates an empty ``iter_XXXXXXX.tmp`` (a torn one from a crash is removed)."""
     tmp = checkpoint_dir(root, iteration) + ".tmp"
     error = None
+    # Only rank 0 touches the directory; the others learn the outcome in agree() below.
     if rank == 0:
         try:
             os.makedirs(root, exist_ok=True)
@@ -105,12 +106,14 @@ def _collect(
         if isinstance(v, torch.Tensor) and k not in copies:  # skip extra_state objects
             tensors[f"model/{k}"] = v
     opt_skel = None
+    # No parameters, no gathers: at tp = ep = 1 every tensor is already full.
     params = all_params if layout.tp > 1 or layout.ep > 1 else {}
     if optimizer is not None:
         state = drop_shared_optimizer_state(optimizer.state_dict(), copies)
         if params:
             check_optimizer_keys(state.get("state", {}), params)
         opt_skel = split_state(merged_optimizer_state(state, layout.pp_group), "optimizer", tensors)
+        # Other stages' placeholders only had to reach the skeleton; their stage writes the tensors.
         drop_elsewhere(tensors)
     # Last: the gathers are collectives in sorted key order, so every key must be final here.
     gather_for_save(tensors, params, layout.tp_group, owner, ep_group=layout.ep_group)
@@ -124,6 +127,7 @@ def _write(tensors, tmp: str, ckpt_format: str, rank: int, rng: Optional[dict], 
     if background:
         return
     if ckpt_format == "torch_dist":
+        # DCP's planner dedups keys replicated across ranks and rank 0 writes the global .metadata.
         dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
         return
     full = {k: _full(v) for k, v in tensors.items()}  # collective for DTensors
@@ -192,6 +196,7 @@ def save_checkpoint(
         "ckpt_format": ckpt_format,
         "iteration": iteration,
         "consumed_samples": consumed_samples,
+        # The layout recorded here decides whether a later load may restore the RNG states (rng.py).
         "world_size": layout.world,
         "parallel": layout.record(),
         "wrapper": type(model).__name__,
@@ -212,5 +217,6 @@ def save_checkpoint(
     # Before the finish: rank 0 must not commit a checkpoint another rank failed to write.
     agree(error, f"saving checkpoint iteration {iteration}")
     if async_group is not None:
+        # Only after agree(): a background write must not start for a checkpoint a rank failed to prepare.
         return start_async_save(tensors, tmp, root, iteration, common, async_group)
     return _finish(root, iteration, common, rank)

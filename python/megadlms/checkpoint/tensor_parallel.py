@@ -79,6 +79,7 @@ def _local_from_full(
 
 def named_params(module: torch.nn.Module) -> Dict[str, torch.nn.Parameter]:
     """Every parameter of ``module`` by state-dict name (tied weights under each name)."""
+    # remove_duplicate=False: a tied weight must be found under the output layer's name too.
     return dict(module.named_parameters(remove_duplicate=False))
 
 
@@ -93,6 +94,7 @@ def param_of(key: str, params: Dict[str, torch.nn.Parameter]) -> Optional[torch.
 
 def check_optimizer_keys(state: dict, params: Dict[str, torch.nn.Parameter]) -> None:
     """At tp > 1 optimizer state must be keyed by parameter name to be matched to its shard."""
+    # torch.optim keys state by index, which names no parameter, so no shard spec can be found.
     foreign = [k for k in state if not isinstance(k, str) or k not in params]
     if foreign:
         raise ValueError(
@@ -107,6 +109,7 @@ def _to_gather(tensors: Dict[str, torch.Tensor], params, tp_group, ep_group) -> 
     for key in sorted(tensors):
         p = param_of(key, params)
         spec = None if p is None else _spec(p, tp_group, ep_group)
+        # Scalars such as Adam's step are identical on every rank and never gathered.
         if spec is None or tensors[key].dim() == 0:
             continue
         if tuple(tensors[key].shape) != tuple(p.shape):
@@ -134,7 +137,9 @@ def gather_for_save(
     for i, (key, (group, dim, blocks)) in enumerate(list(_to_gather(tensors, params, tp_group, ep_group))):
         if hasattr(tensors[key], "to_local"):
             raise ValueError(f"tensor-parallel checkpoint: {key} is a DTensor; FSDP2 runs with tp = 1 only")
+        # Every rank of the group gathers every key, owner or not: a skipped gather would deadlock.
         full = gather_full(tensors[key].detach(), group, dim, blocks)
+        # Dropping the full tensor on non-owners right away bounds the memory to ~1/world of them.
         if owner(i):
             tensors[key] = full.cpu()
         else:
@@ -169,6 +174,7 @@ def read_resharded(
         dst, like = reads[key]
         batch[key] = torch.empty(sharded_full_shape(like, tp_group, ep_group), dtype=dst.dtype)
         size += batch[key].numel() * batch[key].element_size()
+        # The last key always flushes, so every rank makes the same number of reads (DCP collectives).
         if size >= batch_bytes or n == len(sharded) - 1:
             read(batch)
             with torch.no_grad():

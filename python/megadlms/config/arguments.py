@@ -64,6 +64,7 @@ def _attention(args) -> str:
 def _from_args(cls, args, **explicit):
     """``cls`` built from the flags whose dest equals a field name, plus ``explicit`` values
     for fields whose flag differs (the few mappings that are not one to one)."""
+    # Matching by name: a new flag whose dest equals a field name reaches its config with no code here.
     kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     kw.update(explicit)
     return cls(**kw)
@@ -89,6 +90,7 @@ def _model_config(args) -> TransformerConfig:
 
 def _diffusion_config(args) -> DiffusionConfig:
     vanilla = args.model_running_mode == "vanilla"
+    # --mask-token may be a string ("<|mask|>") that only the tokenizer can turn into an id.
     placeholder = args.mask_token if isinstance(args.mask_token, int) else 0  # real id: with_tokenizer
     return _from_args(
         DiffusionConfig,
@@ -150,6 +152,7 @@ def _checkpoint_config(args) -> CheckpointConfig:
 
 
 def _notes(args) -> List[str]:
+    # getattr with `off` as default: a flag another entry point's parser lacks counts as not given.
     notes = [f"{flag}: {why}" for dest, flag, off, why in WITHOUT_EFFECT if getattr(args, dest, off) != off]
     if not args.wandb_project and any(getattr(args, d, None) is not None for d in WANDB_DESTS):
         notes.append("--wandb-*: no Weights & Biases client; the flags are ignored")
@@ -208,10 +211,12 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
         "checkpoint": _collect(problems, lambda: _checkpoint_config(args)),
         "logging": _collect(problems, lambda: _from_args(LoggingConfig, args, notes=_notes(args))),
     }
+    # Training is built last: its batch rule needs dp, which only a valid ParallelConfig derives.
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None
     parts["training"] = _collect(problems, lambda: _training_config(args, dp))
     problems += layout_problems(parts["model"], parts["parallel"], parts["ddp"])
     problems += pipeline_problems(parts["model"], parts["parallel"], parts["training"], parts["checkpoint"])
+    # Flag-level problems first: an unsupported flag usually explains the field errors after it.
     problems = cross_flag_problems(args, parts["ddp"], parts["optimizer"]) + problems
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
@@ -241,4 +246,5 @@ def parse_args(argv: Optional[List[str]] = None, *, world_size: Optional[int] = 
 
 def fsdp_mixed_precision(config: RunConfig):
     """FSDP2 MixedPrecisionPolicy for --bf16 (fp32 grad reduction), None for fp32 runs."""
+    # fp32 reduction always, as Megatron does for bf16: a bf16 all-reduce of many ranks loses bits.
     return mixed_precision_policy(config.optimizer.bf16, grad_reduce_in_fp32=True)

@@ -96,6 +96,7 @@ def _lr_flags(g):
     )
     add_flag(
         g,
+        # Megatron's own spelling mixes '_' and '-'; scripts use both, so both are accepted.
         "--override-opt_param-scheduler",
         "--override-opt-param-scheduler",
         action="store_true",
@@ -138,6 +139,7 @@ def _robustness_flags(g):
     )
     add_flag(
         g,
+        # Megatron names only the opt-out; the check is on by default.
         "--no-check-for-nan-in-loss-and-grad",
         action="store_false",
         dest="check_for_nan_in_loss_and_grad",
@@ -234,6 +236,7 @@ def _save_load_flags(g):
         g,
         "--ckpt-format",
         default="torch_dist",
+        # Megatron's other formats parse, so validation can answer "not supported yet" instead of argparse.
         choices=["torch_dist", "torch", "torch_dcp", "fsdp_dtensor", "zarr"],
         help="torch_dist: sharded torch.distributed.checkpoint, reshardable across wrappers and dp sizes; "
         "torch: one rank-0 file.",
@@ -439,6 +442,7 @@ def _pipeline_args(p):
     add_flag(
         g,
         "--virtual-pipeline-model-parallel-size",
+        # Newer Megatron's name for the same setting; one dest, so both spellings agree downstream.
         "--num-virtual-stages-per-pipeline-rank",
         type=int,
         default=None,
@@ -466,6 +470,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The full Megatron-compatible parser (no validation; see :func:`parse_args`)."""
     p = argparse.ArgumentParser(
         prog="pretrain_difflm.py",
+        # No prefix matching: a misspelt or newer Megatron flag must fail, not bind to a longer one.
         allow_abbrev=False,
         description="Pretrain a diffusion language model (megadlms).",
     )

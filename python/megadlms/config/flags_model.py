@@ -5,6 +5,7 @@ from __future__ import annotations
 
 
 def _int_or_str(value: str):
+    # A token string that looks like a number would be taken as an id: name such tokens by their id.
     return int(value) if value.lstrip("-").isdigit() else value
 
 
@@ -161,6 +162,7 @@ def _model_inert_flags(g):
         action="store_true",
         help="Accepted for Megatron scripts (no effect).",
     )
+    # Negative flags with positive dests (store_false): the inert value in megatron_compat is True.
     for name in ("gelu", "dropout", "swiglu"):
         add_flag(
             g,
@@ -402,6 +404,8 @@ def _grad_accumulation_flags(g):
     )
     add_flag(
         g,
+        # Both flags share one dest with default None: None means "not given", resolved by ParallelConfig
+        # (on for DDP, off for FSDP2), so an explicit --gradient-accumulation-fusion can be refused.
         "--no-gradient-accumulation-fusion",
         action="store_false",
         dest="gradient_accumulation_fusion",
@@ -449,6 +453,7 @@ def precision_args(p):
     add_flag(
         g, "--loss-scale", type=float, default=None, help="Static fp16 loss scale; default dynamic scaling."
     )
+    # Megatron's defaults: start high and let the first overflows back the scale off quickly.
     add_flag(g, "--initial-loss-scale", type=float, default=2.0**32, help="Initial dynamic loss scale.")
     add_flag(g, "--min-loss-scale", type=float, default=1.0, help="Lower bound of the dynamic loss scale.")
     add_flag(

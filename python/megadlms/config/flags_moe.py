@@ -19,6 +19,7 @@ def moe_layer_freq(value: str):
     except ValueError:
         pass
     try:
+        # Parsed, not eval'd: a flag value must not run code, yet Megatron's list expressions must work.
         pattern = _pattern(ast.parse(value, mode="eval").body)
     except (SyntaxError, ValueError) as exc:
         raise argparse.ArgumentTypeError(
@@ -37,6 +38,7 @@ def _pattern(node):
         return [_pattern(e) for e in node.elts]
     if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
         left, right = _pattern(node.left), _pattern(node.right)
+        # Python's own list semantics ([0]*3, [1]+[0]); a result that is not a list is refused by the caller.
         return left + right if isinstance(node.op, ast.Add) else left * right
     raise ValueError(f"unsupported element {ast.dump(node)[:40]}")
 

@@ -6,6 +6,7 @@ to read and to review.
 """
 
 # (dest, flag, value that means "off") -> rejected with "not supported yet" when changed.
+# Refused rather than ignored: a run relying on one would train otherwise than it asked for.
 UNSUPPORTED = (
     ("context_parallel_size", "--context-parallel-size", 1),
     ("fp8", "--fp8-format", None),
@@ -72,6 +73,7 @@ WITHOUT_EFFECT = (
         "the format is always read from the checkpoint",
     ),
     (
+        # The dest is the positive name; its flag is the negative one, so the inert value is True.
         "torch_fsdp2_reshard_after_forward",
         "--torch-fsdp2-no-reshard-after-forward",
         True,

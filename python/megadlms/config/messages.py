@@ -23,6 +23,7 @@ _FIELD_FLAG_OVERRIDES = {
     "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",
     "bucket_size": "--ddp-bucket-size",
     "average_in_collective": "--ddp-average-in-collective",
+    # Inverted flags: the field is True when the flag is absent, but the flag is what the user can change.
     "add_bias_linear": "--disable-bias-linear",
     "num_moe_experts": "--num-experts",
 }
@@ -36,6 +37,7 @@ def _field_flags() -> Dict[str, str]:
     for action in build_parser()._actions:
         long = [s for s in action.option_strings if s.startswith("--")]
         if long and action.dest not in _NOT_MAPPED:
+            # setdefault: a dest set by two flags (--x and --no-x) keeps the first one registered.
             flags.setdefault(action.dest, long[0])
     flags.update(_FIELD_FLAG_OVERRIDES)
     return flags

@@ -38,6 +38,7 @@ def checkpoint_steps(args) -> Optional[tuple]:
     """--checkpoint-steps '100,2000' -> (100, 2000); () when not given, None when malformed."""
     text = args.checkpoint_steps
     try:
+        # None (not an exception) on a bad list: the caller reports it among the other problems.
         return tuple(int(x) for x in text.split(",") if x.strip()) if text else ()
     except ValueError:
         return None
@@ -48,6 +49,7 @@ def _unsupported_problems(args) -> List[str]:
     for dest, flag, off in UNSUPPORTED:
         value = getattr(args, dest, off)
         if value != off:
+            # A store_true flag is named alone: "--recompute-activations True" would not parse.
             shown = "" if isinstance(value, bool) else f" {value}"
             fix = "remove it" if off in (None, False) else f"remove it (or set it to {off})"
             out.append(f"{flag}{shown} is not supported yet by megadlms: {fix}")
@@ -72,6 +74,7 @@ def _megadlms_problems(args) -> List[str]:
             f"--core-attn-implementation FlexAttention has no attention dropout: add --attention-dropout 0 "
             f"(got {args.attention_dropout}) or use TEDotProductAttention"
         )
+    # Checked at parse time, not at the first backward: the CPU error would come after minutes of setup.
     if args.core_attn_implementation == "FlexAttention" and not torch.cuda.is_available():
         out.append(
             "--core-attn-implementation FlexAttention needs CUDA: torch's flex_attention has no CPU "
@@ -159,6 +162,7 @@ def layout_problems(model, parallel: Optional[ParallelConfig], ddp) -> List[str]
         try:
             check_instances(parallel.data_parallel_size, ddp.num_distributed_optimizer_instances)
         except ValueError as exc:
+            # Worded as the field so flag_message below turns it into the flag name like every other problem.
             out.append(str(exc).replace("the data-parallel size", "data_parallel_size"))
     ep = parallel.expert_model_parallel_size
     if model is not None:
@@ -178,6 +182,7 @@ def pipeline_problems(model, parallel: Optional[ParallelConfig], training, check
     if model is not None:
         try:
             vp = parallel.virtual_stages(model.num_layers)
+            # Called only for its ValueError: the split itself is recomputed when the model is built.
             stage_layers(
                 model.num_layers,
                 pp,

@@ -32,6 +32,7 @@ CKPT_FORMATS = ("torch_dist", "torch")
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
     """Megatron's padding of the embedding table: round up to divisible_by x tp."""
+    # Megatron pads to divisible_by x tp so every TP rank holds an equal, aligned slice of the rows.
     multiple = max(1, divisible_by) * max(1, tensor_parallel_size)
     return -(-vocab_size // multiple) * multiple
 
@@ -71,6 +72,7 @@ class ParallelConfig:
         bad = Problems("ParallelConfig")
         self._check_pipeline(bad)
         if self.tensor_model_parallel_size == 1:
+            # Sequence parallelism shards over the TP group; without one there is nothing to shard.
             self.sequence_parallel = False
         if self.gradient_accumulation_fusion is None:
             self.gradient_accumulation_fusion = not self.use_torch_fsdp2
@@ -85,6 +87,7 @@ class ParallelConfig:
         except ValueError as exc:
             bad.add(str(exc))
         if self.distributed_backend is None:
+            # Decided here, before init_process_group: the same answer on every rank of a homogeneous job.
             self.distributed_backend = "nccl" if torch.cuda.is_available() else "gloo"
         bad.check(
             self.distributed_backend in ("nccl", "gloo"),
@@ -127,6 +130,7 @@ class ParallelConfig:
         pp = self.pipeline_model_parallel_size
         uneven = self.decoder_first_pipeline_num_layers or self.decoder_last_pipeline_num_layers
         if uneven:
+            # Megatron computes chunks as layers / pp / per_chunk, which uneven first/last stages would break.
             raise ValueError(
                 "num_layers_per_virtual_pipeline_stage cannot be combined with uneven first/last stages "
                 "(decoder_first_pipeline_num_layers / decoder_last_pipeline_num_layers): pass "
@@ -169,6 +173,7 @@ class TrainingConfig:
         mbs, dp = self.micro_batch_size, self.data_parallel_size
         if isinstance(mbs, int) and mbs > 0 and isinstance(dp, int) and dp > 0:
             if self.global_batch_size is None:
+                # Megatron's default: one micro-batch per rank per step, no gradient accumulation.
                 self.global_batch_size = mbs * dp
             gbs = self.global_batch_size
             bad.check(
@@ -204,6 +209,7 @@ class LRScheduleConfig:
     def __post_init__(self) -> None:
         bad = Problems("LRScheduleConfig")
         if self.lr_decay_iters is None:
+            # Megatron: decay over the whole run unless told otherwise; warmup fraction is of the decay span.
             self.lr_decay_iters = self.train_iters
         decay = self.lr_decay_iters
         if self.lr_warmup_fraction is not None:
@@ -213,6 +219,7 @@ class LRScheduleConfig:
                 self.lr_warmup_iters = int(self.lr_warmup_fraction * decay)
         if bad.check(self.lr_warmup_iters >= 0, f"lr_warmup_iters must be >= 0, got {self.lr_warmup_iters}"):
             bad.check(
+                # Warmup at or past the decay end leaves the decay formula dividing by zero or going negative.
                 decay is None or self.lr_decay_style == "constant" or not self.lr_warmup_iters >= decay > 0,
                 f"lr_warmup_iters {self.lr_warmup_iters} must be smaller than lr_decay_iters {decay}",
             )
@@ -380,7 +387,10 @@ class RunConfig:
         vocab = self.data.tokenizer.vocab_size or tokenizer.vocab_size
         tp = self.parallel.tensor_model_parallel_size
         padded = padded_vocab_size(vocab, self.vocab_divisible_by, tp)
+        # Fewer rows than the tokenizer has ids cannot be the same model: then the mismatch is real.
         if checkpoint_vocab and checkpoint_vocab != padded and checkpoint_vocab >= vocab:
+            # Not a multiple of tp: the rows cannot be split here, so the ordinary padding (and the mismatch
+            # error at load) stands.
             padded = checkpoint_vocab if checkpoint_vocab % tp == 0 else padded
         model = dataclasses.replace(self.model, vocab_size=padded)
         vanilla = self.diffusion.model_running_mode == "vanilla"

@@ -31,6 +31,7 @@ from megadlms.generate import load_for_inference
 
 
 def _bool(v) -> bool:
+    # lm-eval hands model_args over as strings: bool("False") would be True.
     return v if isinstance(v, bool) else str(v).lower() in ("1", "true", "yes")
 
 
@@ -63,6 +64,8 @@ class MegaDLMsLM(LM):
         self.model, self.tokenizer, self.common = load_for_inference(
             pretrained, torch.device(device) if device else None
         )
+        # LLaDA's estimator needs every position to see the whole sequence: a causal model's scores
+        # would mean nothing.
         if self.model.config.attention != "bidirectional":
             raise ValueError(f"pretrained={pretrained} is a causal (vanilla) model; this adapter is for DLMs")
         self.mask_id = self.tokenizer.mask_token_id
@@ -79,6 +82,8 @@ class MegaDLMsLM(LM):
     def _split(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
         """Token ids of (context, continuation), tokenized together so a merge across the
         boundary stays in the continuation (lm-eval's HF convention)."""
+        # Trailing spaces move to the continuation: BPE joins " word" into one token, which belongs to
+        # the answer being scored, not to the prompt.
         spaces = len(context) - len(context.rstrip())
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
@@ -86,6 +91,7 @@ class MegaDLMsLM(LM):
         ctx = self.tokenizer.tokenize(context)
         n = len(ctx)
         if whole[:n] != ctx:
+            # The context's last token merged with the continuation: it is scored as part of the answer.
             n = max(0, n - 1)
         prompt, answer = whole[:n], whole[n:]
         if not prompt:  # RoPE: an all-[MASK] input has no positions; give one real token
@@ -93,6 +99,7 @@ class MegaDLMsLM(LM):
         keep = self.max_length - len(answer)
         if keep < 1:
             raise ValueError(f"continuation of {len(answer)} tokens does not fit {self.max_length} positions")
+        # Cut the prompt from the left: the answer is scored whole, the oldest context matters least.
         return prompt[-keep:], answer
 
     def score(self, context: str, continuation: str) -> float:
@@ -118,6 +125,7 @@ class MegaDLMsLM(LM):
             x,
             mask_token_id=self.mask_id,
             gen_length=L,
+            # One token per step in one block, as LLaDA's own is_greedy check decodes.
             steps=L,
             block_length=L,
             cfg_scale=self.cfg_scale,
@@ -140,6 +148,8 @@ class MegaDLMsLM(LM):
         out = []
         for req in requests:
             ids = self.tokenizer.tokenize(req.args[0])
+            # One position holds the eod prefix (RoPE needs a real token); windows are disjoint, so a
+            # later one sees none of the earlier text.
             width = self.max_length - 1
             total = 0.0
             for start in range(0, len(ids), width):
@@ -162,6 +172,7 @@ class MegaDLMsLM(LM):
             context, gen_kwargs = req.args[0], dict(req.args[1]) if len(req.args) > 1 else {}
             until = gen_kwargs.get("until") or []
             until = [until] if isinstance(until, str) else list(until)
+            # Left-truncate so prompt + gen_length fits the positions; an empty prompt gets one eod token.
             prompt = self.tokenizer.tokenize(context)[-(self.max_length - self.gen_length) :] or [
                 self.tokenizer.eod
             ]
@@ -179,6 +190,7 @@ class MegaDLMsLM(LM):
                 seed=self.seed,
             )[0, len(prompt) :].tolist()
             text = self.tokenizer.detokenize(ids)
+            # The sampler has no stop sequences (all positions are decoded at once): cut after the fact.
             for stop in until:
                 if stop and stop in text:
                     text = text[: text.index(stop)]

@@ -43,12 +43,14 @@ def hf_config(cfg: TransformerConfig, special: Dict[str, Optional[int]], dtype: 
             "AutoModel": "modeling_megadlms.MegaDLMsModelLM",
             "AutoModelForMaskedLM": "modeling_megadlms.MegaDLMsModelLM",
         },
+        # The padded size (Megatron's divisible-by rows): the embedding has that many rows, so HF must agree.
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.ffn_hidden_size,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_query_groups,
+        # head_dim explicitly: kv_channels need not be hidden_size / heads, HF's default guess.
         "head_dim": cfg.kv_channels,
         "max_position_embeddings": cfg.max_position_embeddings,
         "normalization": cfg.normalization,
@@ -66,6 +68,7 @@ def hf_config(cfg: TransformerConfig, special: Dict[str, Optional[int]], dtype: 
         "eos_token_id": special.get("eos_token_id"),
         "pad_token_id": special.get("pad_token_id"),
         "dtype": str(dtype).replace("torch.", ""),
+        # The full config too: re-importing an export rebuilds it exactly, without the HF-name round trip.
         "megadlms_model_config": cfg.to_dict(),
     }
 
@@ -78,6 +81,7 @@ def save_safetensors(tensors: Dict[str, torch.Tensor], out_dir: str, max_shard_b
     for name in sorted(tensors):
         t = tensors[name]
         nbytes = t.numel() * t.element_size()
+        # `current and`: a tensor larger than the limit still gets a shard of its own, never an empty one.
         if current and size + nbytes > max_shard_bytes:
             shards.append(current)
             current, size = {}, 0
@@ -90,6 +94,8 @@ def save_safetensors(tensors: Dict[str, torch.Tensor], out_dir: str, max_shard_b
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for name, shard in zip(names, shards):
+        # safetensors refuses views (the q/k/v and gate/up slices); {"format": "pt"} is what
+        # transformers checks in the header before loading.
         save_file(
             {k: v.contiguous() for k, v in shard.items()}, os.path.join(out_dir, name), {"format": "pt"}
         )
@@ -120,6 +126,7 @@ def export_hf(
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    # The inference loader: any format, wrapper and dp, and the checkpoint's own tokenizer record.
     model, tokenizer, common = load_for_inference(load, torch.device("cpu"))
     cfg = model.config
     os.makedirs(output, exist_ok=True)
@@ -133,6 +140,7 @@ def export_hf(
     with open(os.path.join(output, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     generation = {
+        # Default steps = gen_length: one token unmasked per step, the slowest, most careful schedule.
         "steps": steps or gen_length,
         "gen_length": gen_length,
         "block_length": block_length or gen_length,

@@ -58,6 +58,7 @@ def import_hf(
     real_tokens = tok.get_vocab_size(with_added_tokens=True)
     mask_id, added = _mask_token(tok, mask_token)
     hf = read_hf_config(hf_dir)
+    # Either size may be larger: HF pads vocab_size, and added tokens can go past it.
     vocab = padded_vocab_size(
         max(hf["vocab_size"], tok.get_vocab_size(with_added_tokens=True)), vocab_divisible_by
     )
@@ -69,6 +70,7 @@ def import_hf(
         model,
         hf_dir,
         mean_init_ids=[mask_id] if added else [],
+        # real_tokens is counted before the mask token is added, so the mean excludes the new row.
         num_real_tokens=min(real_tokens, hf["vocab_size"]),
     )
     tok_dir = os.path.join(os.path.abspath(output), "tokenizer")
@@ -97,6 +99,7 @@ def import_hf(
         f"--load {output} --finetune",
     ]
     if attention == "causal":
+        # A causal import continues as an AR model: the flag that makes the run's attention causal.
         flags.append("--model-running-mode vanilla")
     return {"checkpoint": ckpt, "mask_token_id": mask_id, "added": added, "flags": flags}
 

@@ -36,6 +36,7 @@ from megadlms.models import TransformerConfig
 
 from .mapping import hf_to_megadlms
 
+# Families whose weights are exactly GPTModel's (pre-norm RMSNorm, RoPE, SwiGLU, GQA).
 SUPPORTED = ("llama", "qwen2", "megadlms")
 ARCH_FIELDS = (
     "num_layers",
@@ -65,6 +66,7 @@ def read_hf_config(hf_dir: str) -> dict:
 
 
 def _rope_base(hf: dict, where: str) -> float:
+    # Newer transformers write RoPE settings to rope_parameters; older files use rope_scaling.
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling")
     kind = (
@@ -73,6 +75,7 @@ def _rope_base(hf: dict, where: str) -> float:
     if kind != "default":
         raise ValueError(f"{where}: RoPE scaling {kind!r} cannot be mapped (megadlms has plain RoPE only)")
     base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
+    # An int when exact: --rotary-base is an int flag, and the printed flags must parse back.
     return int(base) if float(base).is_integer() else float(base)
 
 
@@ -82,6 +85,7 @@ def transformer_config_from_hf(
     """The GPTModel config of HF config.json ``hf``; raises naming what cannot be mapped."""
     kind = hf.get("model_type")
     if kind == "megadlms":
+        # Our own export: the recorded config is exact, no mapping of HF fields needed.
         d = dict(hf["megadlms_model_config"])
         if seq_length:
             d["seq_length"] = seq_length
@@ -94,6 +98,7 @@ def transformer_config_from_hf(
     if kind == "qwen2" and hf.get("use_sliding_window"):
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window) cannot be mapped")
     if kind == "qwen2":
+        # Qwen2 always has q/k/v biases and none elsewhere, whatever its config says.
         bias, qkv_bias = False, True
     else:
         attn_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
@@ -109,10 +114,12 @@ def transformer_config_from_hf(
         num_layers=hf["num_hidden_layers"],
         hidden_size=hf["hidden_size"],
         num_attention_heads=heads,
+        # HF omits num_key_value_heads / head_dim when they are the multi-head defaults.
         num_query_groups=hf.get("num_key_value_heads") or heads,
         kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
         ffn_hidden_size=hf["intermediate_size"],
         vocab_size=hf["vocab_size"],
+        # max_position_embeddings can be 128k: capped so the default run fits in memory.
         seq_length=seq_length or min(max_pos, 4096),
         max_position_embeddings=max_pos,
         normalization="RMSNorm",
@@ -122,8 +129,11 @@ def transformer_config_from_hf(
         add_qkv_bias=qkv_bias,
         position_embedding_type="rope",
         rotary_base=_rope_base(hf, where),
+        # transformers' PretrainedConfig defaults tie_word_embeddings to True, but Llama's and Qwen2's configs
+        # default it to False; a file without the key comes from those, hence False.
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         init_method_std=hf.get("initializer_range", 0.02),
+        # The HF models were trained without dropout; continued pretraining keeps it off unless overridden.
         attention_dropout=0.0,
         hidden_dropout=0.0,
     )
@@ -138,6 +148,7 @@ def load_hf_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         with open(index) as f:
+            # The index maps every tensor to its shard; each shard file is read once.
             files = sorted(set(json.load(f)["weight_map"].values()))
     elif os.path.isfile(os.path.join(hf_dir, "model.safetensors")):
         files = ["model.safetensors"]
@@ -166,6 +177,7 @@ def model_flags(cfg: TransformerConfig) -> List[str]:
         f"--position-embedding-type {cfg.position_embedding_type}",
         f"--rotary-base {cfg.rotary_base}",
     ]
+    # Megatron ignores --num-query-groups without --group-query-attention: both are needed.
     if cfg.num_query_groups != cfg.num_attention_heads:
         flags.append(f"--group-query-attention --num-query-groups {cfg.num_query_groups}")
     flags += [
@@ -236,9 +248,11 @@ def init_from_hf(
     for name, src in sd.items():
         dst = target[name]
         if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+            # Vocab sizes differ (our padding, an added mask, HF's own padding): copy the common rows.
             n = min(dst.shape[0], src.shape[0])
             dst[:n].copy_(src[:n])
             if mean_rows:
+                # Mean over real tokens only (HF's padding rows are untrained), summed in fp64 not bf16.
                 dst[mean_rows] = src[:real].to(torch.float64).mean(0).to(dst.dtype)
         elif tuple(dst.shape) != tuple(src.shape):
             raise ValueError(f"{where}: {name} has shape {tuple(src.shape)}, the model {tuple(dst.shape)}")

@@ -17,6 +17,7 @@ from megadlms.models import TransformerConfig
 _PER_LAYER = {
     "input_layernorm.weight": "input_layernorm.weight",
     "input_layernorm.bias": "input_layernorm.bias",
+    # Same norm, two names: HF names it after the attention it follows, Megatron after the MLP it feeds.
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "pre_mlp_layernorm.bias": "post_attention_layernorm.bias",
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
@@ -41,7 +42,11 @@ def _qkv_split(t: torch.Tensor, cfg: TransformerConfig):
     """Megatron grouped [G * (n + 2) * D, ...] -> (q [N*D, ...], k [G*D, ...], v [G*D, ...])."""
     G, D = cfg.num_query_groups, cfg.kv_channels
     n = cfg.num_attention_heads // G
+    # Megatron interleaves per kv group: [q_0 .. q_{n-1}, k, v] for each group, not [all q; all k; all v],
+    # so a plain three-way chunk would mix heads of different groups.
     grouped = t.reshape(G, n + 2, D, *t.shape[1:])
+    # No rotary permutation of q/k rows: GPTModel's RoPE is rotate-half (apply_rotary), HF Llama's layout.
+    # The permute in Meta -> HF converters is for Meta's interleaved pairs and is not needed here.
     q = grouped[:, :n].reshape(G * n * D, *t.shape[1:])
     return q, grouped[:, n].reshape(G * D, *t.shape[1:]), grouped[:, n + 1].reshape(G * D, *t.shape[1:])
 
@@ -50,6 +55,7 @@ def _qkv_join(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cfg: Transforme
     """Inverse of :func:`_qkv_split` (query head h belongs to kv group h // (N / G), as in HF)."""
     G, D = cfg.num_query_groups, cfg.kv_channels
     n = cfg.num_attention_heads // G
+    # Works for weights [rows, hidden] and biases [rows] alike: the trailing dims are carried along.
     rest = q.shape[1:]
     grouped = torch.cat(
         [q.reshape(G, n, D, *rest), k.reshape(G, 1, D, *rest), v.reshape(G, 1, D, *rest)], dim=1
@@ -77,10 +83,12 @@ def megadlms_to_hf(sd: Dict[str, torch.Tensor], cfg: TransformerConfig) -> Dict[
         elif rest.startswith("mlp.linear_fc1."):
             kind = rest.rsplit(".", 1)[1]
             if cfg.swiglu:
+                # The fused fc1 is [gate; up] (GPTModel applies silu to the first half).
                 gate, up = t.chunk(2, dim=0)
                 out[f"{pre}mlp.gate_proj.{kind}"] = gate.contiguous()
                 out[f"{pre}mlp.up_proj.{kind}"] = up.contiguous()
             else:
+                # Without a gate, fc1 is HF's up_proj alone.
                 out[f"{pre}mlp.up_proj.{kind}"] = t
         elif rest in _PER_LAYER:
             out[pre + _PER_LAYER[rest]] = t
@@ -114,6 +122,7 @@ def hf_to_megadlms(sd: Dict[str, torch.Tensor], cfg: TransformerConfig) -> Dict[
             "up_proj",
         ):
             _, proj, kind = rest.split(".")
+            # Fused tensors need all their parts: hold them per (layer, weight|bias) until the loop is done.
             pending.setdefault(f"{i}.{kind}", {})[proj] = t
         else:
             raise KeyError(f"cannot map Hugging Face tensor {name!r} onto megadlms' GPTModel")
@@ -126,6 +135,7 @@ def hf_to_megadlms(sd: Dict[str, torch.Tensor], cfg: TransformerConfig) -> Dict[
             out[f"{pre}self_attention.linear_qkv.{kind}"] = _qkv_join(
                 group["q_proj"], group["k_proj"], group["v_proj"], cfg
             )
+        # A missing gate_proj with swiglu raises KeyError here, which callers report as an unmappable tensor.
         if "up_proj" in group:
             fc1 = torch.cat([group["gate_proj"], group["up_proj"]]) if cfg.swiglu else group["up_proj"]
             out[f"{pre}mlp.linear_fc1.{kind}"] = fc1

@@ -25,6 +25,7 @@ def _bytes_to_unicode() -> dict:
     for b in range(256):
         if b not in bs:
             bs.append(b)
+            # Unprintable bytes move to code points past 255 so every byte has a visible, unique character.
             cs.append(256 + n)
             n += 1
     return dict(zip(bs, (chr(c) for c in cs)))
@@ -36,8 +37,10 @@ def byte_tokenizer_json(path: str) -> None:
 
     vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    # No prefix space, no GPT-2 split regex, no merges: one byte is one token, exactly ByteTokenizer's ids.
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
+    # Added in this order so they get ids 256, 257, 258, the ids ByteTokenizer uses.
     tok.add_special_tokens(["<|endoftext|>", "<|mask|>", "<|pad|>"])
     tok.save(path)
 
@@ -57,6 +60,7 @@ def write_tokenizer_files(tokenizer, tokenizer_record: dict, out_dir: str, model
 
     tok = Tokenizer.from_file(path)
     ids = {
+        # Tokenizers without an eod / mask raise RuntimeError: those roles are left out, not guessed.
         "eos_token_id": _optional(lambda: tokenizer.eod),
         "pad_token_id": tokenizer.pad,
         "mask_token_id": _optional(lambda: tokenizer.mask_token_id),
