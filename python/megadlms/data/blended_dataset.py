@@ -39,10 +39,13 @@ def build_blending_indices(weights: Sequence[float], size: int) -> Tuple[np.ndar
     dataset_index = np.empty(size, dtype=np.int16)
     dataset_sample_index = np.empty(size, dtype=np.int64)
     for k in range(size):
+        # At k = 0 every error is 0; using 1 makes the first pick the heaviest dataset, as Megatron's C++
+        # does.
         kk = max(float(k), 1.0)
         best, best_err = 0, w[0] * kk - counts[0]
         for i in range(1, n):
             err = w[i] * kk - counts[i]
+            # Strict >: ties keep the lower index, the rule the Megatron indices are built with.
             if err > best_err:
                 best, best_err = i, err
         dataset_index[k] = best
@@ -87,6 +90,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         )
         self.cache_hit = False
         self.dataset_index, self.dataset_sample_index = self._load_or_build(data_cache_path)
+        # Fail at build time, not mid-run: the greedy order may ask a small member for more than it holds.
         for i, d in enumerate(self.datasets):
             used = self.dataset_sample_index[self.dataset_index == i]
             if used.size and int(used.max()) >= len(d):
@@ -122,6 +126,8 @@ class BlendedDataset(torch.utils.data.Dataset):
             raise IndexError(f"BlendedDataset: sample {idx} out of range [0, {self.size})")
         d = int(self.dataset_index[idx])
         item = dict(self.datasets[d][int(self.dataset_sample_index[idx])])
+        # sample_idx seeds the diffusion noise: the inner index repeats across members, the blended one is
+        # unique, so two members' samples never share masks.
         item["sample_idx"] = torch.tensor(int(idx), dtype=torch.int64)
         item["dataset_id"] = torch.tensor(d, dtype=torch.int64)
         return item

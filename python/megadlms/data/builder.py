@@ -43,6 +43,7 @@ def parse_blend(
         raise ValueError(f"{flag} is empty; give a dataset prefix or 'W1 P1 W2 P2 ...'")
     weights: Optional[List[float]] = None
     prefixes = items
+    # Only an even count can be weight/prefix pairs; an odd one is a list of prefixes.
     if len(items) % 2 == 0:
         pairs = list(zip(items[0::2], items[1::2]))
         parsed = []
@@ -58,6 +59,7 @@ def parse_blend(
                 f"{flag} {' '.join(items)}: mixes weights and prefixes; write either "
                 "'W1 P1 W2 P2 ...' or 'P1 P2 ...'"
             )
+    # A number where a prefix belongs is a misplaced weight far more often than a file named '0.3'.
     for p in prefixes:
         try:
             float(p)
@@ -72,6 +74,7 @@ def parse_blend(
 
 def parse_split(split: str) -> List[float]:
     """'969,30,1' -> normalised [train, valid, test] shares (missing ones are 0)."""
+    # Take the numbers, whatever separates them: Megatron accepts '969,30,1', '969, 30, 1' and '98/1/1'.
     parts = re.findall(r"[.0-9]+", str(split))
     try:
         vec = [float(x) for x in parts]
@@ -94,6 +97,8 @@ def split_document_ranges(split: Sequence[float], num_documents: int) -> List[Op
         if share == 0:
             out.append(None)
         else:
+            # Round the cumulative bookends, not each share: neighbouring splits meet exactly and cover all
+            # documents.
             beg, end = int(round(lo * num_documents)), int(round(hi * num_documents))
             out.append(np.arange(beg, end, dtype=np.int64))
         lo = hi
@@ -101,6 +106,7 @@ def split_document_ranges(split: Sequence[float], num_documents: int) -> List[Op
 
 
 def _sizes_per_dataset(weights: Sequence[float], sizes: Sequence[int]) -> List[List[int]]:
+    # 0.5 % spare per member: the greedy blend can ask a member for a few samples more than N * w.
     return [[int(math.ceil(math.ceil(n * w) * (1 + _SURPLUS))) for n in sizes] for w in weights]
 
 
@@ -215,6 +221,7 @@ class _SplitBuilder:
         parts = []
         for p, w in zip(prefixes, want):
             docs = doc_ranges_of(self.open(p))
+            # The split shares are the same for every member, so one None means the split has no data at all.
             if docs is None:
                 return None
             parts.append(self._gpt(self.open(p), docs, w[i], name))
@@ -226,6 +233,7 @@ class _SplitBuilder:
         if any(r is None for r in ranges):
             return None
         parts = [self._gpt(self.open(p), r, None, name) for p, r in zip(prefixes, ranges)]
+        # One epoch of each member: an unweighted blend cannot repeat data, so it holds at most total samples.
         total = sum(len(d) for d in parts)
         if n > total:
             raise ValueError(

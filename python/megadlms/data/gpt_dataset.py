@@ -44,9 +44,13 @@ def _build_document_index(
     documents: np.ndarray, num_epochs: int, rng: np.random.RandomState, separate_final_epoch: bool
 ) -> np.ndarray:
     if not separate_final_epoch or num_epochs == 1:
+        # All epochs in one shuffle, so documents of different epochs interleave; int32 and this exact call
+        # sequence are Megatron's, which is what makes the permutation equal to theirs.
         doc_idx = np.tile(np.asarray(documents), num_epochs).astype(np.int32)
         rng.shuffle(doc_idx)
         return doc_idx
+    # Shuffle the final epoch apart: the full epochs then hold every document equally often, and the small
+    # used part of the last one cannot bias which documents are seen twice.
     first = _build_document_index(documents, num_epochs - 1, rng, False)
     last = _build_document_index(documents, 1, rng, False)
     return np.concatenate((first, last))
@@ -58,12 +62,15 @@ def _build_sample_index(
     """Vectorised form of Megatron's helpers.build_sample_idx (drop_last_partial_sequence)."""
     doc_lengths = np.asarray(sizes, dtype=np.int64)[document_index]
     ends = np.cumsum(doc_lengths)  # exclusive end token of each document-index entry
+    # Stride seq_length but read seq_length + 1: the last token of sample j is the first of j + 1, so every
+    # token is a label exactly once. num_samples + 1 starts give the end of the last sample.
     starts = np.arange(num_samples + 1, dtype=np.int64) * seq_length
     # The document holding token p: the first entry whose end exceeds p (skips empty docs).
     pos = np.searchsorted(ends, starts, side="right")
     offsets = starts - (ends[pos] - doc_lengths[pos])
     # Megatron always records (0, 0) for the first sample, even if document 0 is empty.
     pos[0], offsets[0] = 0, 0
+    # Megatron's dtype rule, so the arrays compare equal to its helper's output.
     dtype = np.int32 if max(len(document_index), int(doc_lengths.max(initial=0))) < 2**31 - 1 else np.int64
     return np.stack([pos, offsets], axis=1).astype(dtype)
 
@@ -74,6 +81,8 @@ def _build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Rando
     rng.shuffle(first)
     if num_samples == total_size:
         return first
+    # The samples of a separated final epoch are shuffled among themselves after the others, so the first
+    # num_samples entries stay a permutation of the full epochs' samples.
     last = np.arange(num_samples, total_size, dtype=dtype)
     rng.shuffle(last)
     return np.concatenate((first, last))
@@ -89,9 +98,12 @@ def _make_item(
     text: np.ndarray, idx: int, eod: Optional[int], eod_mask_loss: bool
 ) -> Dict[str, torch.Tensor]:
     text_t = torch.from_numpy(np.ascontiguousarray(text, dtype=np.int64))
+    # clone: as views of one buffer, an in-place edit of tokens would also change labels and text.
     tokens, labels = text_t[:-1].clone(), text_t[1:].clone()
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
     if eod_mask_loss:
+        # Keyed on the input token, as Megatron: the label dropped is the one after an eod (the next
+        # document's first token, unpredictable from the previous document).
         loss_mask[tokens == eod] = 0.0
     return {
         "tokens": tokens,
@@ -171,6 +183,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def _num_epochs(self) -> int:
         if self.num_samples is None:
             return 1
+        # + 1: the last sample reads one token past its seq_length (its final label). -(-a // b) is ceil.
         needed = self.num_samples * self.seq_length + 1
         return max(1, -(-needed // self.tokens_per_epoch))
 
@@ -179,12 +192,16 @@ class GPTDataset(torch.utils.data.Dataset):
         num_epochs = self._num_epochs()
         separate_final_epoch = False
         if num_epochs > 1:
+            # Samples the full epochs yield (their last token only serves as a label); the final epoch is
+            # separated when under 80 % of its samples are needed.
             sans_final = ((num_epochs - 1) * tpe - 1) // s
             from_final = self.num_samples - sans_final
             per_epoch = (tpe - 1) // s
             separate_final_epoch = from_final < int(_FINAL_EPOCH_THRESHOLD * per_epoch)
+        # One RandomState for both shuffles, document index first: Megatron's draw order, hence its arrays.
         rng = np.random.RandomState(self.seed)
         document_index = _build_document_index(self.document_ids, num_epochs, rng, separate_final_epoch)
+        # The sample index covers every sample of all epochs, not only num_samples, as Megatron's does.
         total = (num_epochs * tpe - 1) // s
         sample_index = _build_sample_index(self.indexed.sequence_lengths, document_index, s, total)
         n = sample_index.shape[0] - 1
@@ -200,6 +217,7 @@ class GPTDataset(torch.utils.data.Dataset):
         paths = [f"{base}-{n}.npy" for n in names]
         if all(os.path.isfile(p) for p in paths + [f"{base}-description.txt"]):
             self.cache_hit = True
+            # mmap: the ranks on a node share the page cache instead of each holding a copy.
             return tuple(np.load(p, mmap_mode="r", allow_pickle=False) for p in paths)
         arrays = self._build()
         try:
@@ -222,11 +240,13 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def sample_text(self, idx: int) -> np.ndarray:
         """The ``seq_length + 1`` token ids of sample ``idx`` (after the shuffle)."""
+        # The shuffle permutes whole samples; the tokens of one sample stay contiguous in document order.
         j = int(self.shuffle_index[idx])
         (d0, o0), (d1, o1) = self.sample_index[j], self.sample_index[j + 1]
         d0, o0, d1, o1 = int(d0), int(o0), int(d1), int(o1)
         doc = lambda i: int(self.document_index[i])  # noqa: E731
         if d0 == d1:
+            # o1 is where the next sample starts; its token is also this sample's last label, hence + 1.
             return np.asarray(self.indexed.get(doc(d0), o0, o1 - o0 + 1), dtype=np.int64)
         parts = [self.indexed.get(doc(d0), o0)]
         parts += [self.indexed.get(doc(i)) for i in range(d0 + 1, d1)]
@@ -276,6 +296,7 @@ class MockGPTDataset(torch.utils.data.Dataset):
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:
         if not 0 <= idx < self.num_samples:
             raise IndexError(f"MockGPTDataset: sample {idx} out of range [0, {self.num_samples})")
+        # A generator per sample: item i is the same whichever worker, batch or order asks for it.
         rng = np.random.default_rng([self.seed, self.stream, int(idx)])
         if self.mask is None:
             text = rng.integers(0, self.vocab_size, self.seq_length + 1, dtype=np.int64)

@@ -57,6 +57,7 @@ def dtype_code(dtype) -> int:
 
 def optimal_dtype(vocab_size: Optional[int]):
     """Token dtype Megatron's preprocessing picks: uint16 below 65500 ids, else int32."""
+    # 65500 rather than 65536 is Megatron's cut-off; keeping it gives our .bin the same dtype and bytes.
     if vocab_size is not None and vocab_size < 65500:
         return np.uint16
     return np.int32
@@ -85,6 +86,8 @@ class _Index:
         with open(idx_path, "rb") as f:
             head = f.read(_HEADER_BYTES)
         where = f"index file {idx_path}"
+        # A file that ends inside the magic is a truncated index, not a foreign file: say so before the magic
+        # check below would call it 'not Megatron'.
         if len(head) < 9 and _INDEX_HEADER.startswith(head):
             raise ValueError(
                 f"{where} is truncated: {size} bytes, the header alone needs "
@@ -101,6 +104,7 @@ class _Index:
                 f"{where} is truncated: {size} bytes, the header alone needs "
                 f"{_HEADER_BYTES}; re-run the preprocessing that wrote it"
             )
+        # '<' is little-endian with no alignment padding: the 1-byte dtype code sits right between two Qs.
         version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:])
         if version != 1:
             raise ValueError(
@@ -112,6 +116,7 @@ class _Index:
                 "(uint8,int8,int16,int32,int64,float64,float32,uint16)"
             )
         self.dtype = np.dtype(DTYPE_CODES[code])
+        # Per sequence an int32 length and an int64 pointer; per document entry an int64.
         expected = _HEADER_BYTES + n_seq * (4 + 8) + n_doc * 8
         if size < expected:
             raise ValueError(
@@ -134,6 +139,7 @@ class _Index:
         self.sequence_pointers = np.frombuffer(buf, np.int64, n_seq, off)
         off += 8 * n_seq
         self.document_indices = np.frombuffer(buf, np.int64, n_doc, off)
+        # Hold the mmap: the three frombuffer views above borrow its memory.
         self._buf = buf
         docs = self.document_indices
         if docs[0] != 0 or docs[-1] != n_seq or (n_doc > 1 and np.any(np.diff(docs) < 0)):
@@ -144,6 +150,7 @@ class _Index:
         if n_seq:
             if self.sequence_lengths.min() < 0:
                 raise ValueError(f"{where} is corrupt: negative sequence length")
+            # Pointers are in bytes, lengths in tokens: scale by the itemsize before comparing with the .bin.
             end = int(self.sequence_pointers[-1]) + int(self.sequence_lengths[-1]) * self.dtype.itemsize
             if self.sequence_pointers[0] != 0 or end > bin_size:
                 raise ValueError(
@@ -175,6 +182,7 @@ class IndexedDataset:
         self.index = _Index(idx_path, os.path.getsize(bin_path))
         self._bin = _mmap(bin_path)
 
+    # np.memmap objects do not pickle usefully; workers re-open the files from the prefix instead.
     def __getstate__(self):
         return self.path_prefix
 
@@ -210,6 +218,7 @@ class IndexedDataset:
                 f"{self.path_prefix}: tokens [{offset}, {offset + length}) are "
                 f"outside sequence {idx} of length {seq_len}"
             )
+        # A zero-copy view into the read-only mmap: callers that want to write must copy first.
         ptr = int(self.index.sequence_pointers[idx]) + offset * self.dtype.itemsize
         return np.frombuffer(self._bin, self.dtype, length, ptr)
 
@@ -253,6 +262,7 @@ class IndexedDatasetBuilder:
         if hasattr(tokens, "numpy"):  # torch tensor
             tokens = tokens.detach().cpu().numpy()
         arr = np.asarray(tokens)
+        # Check before the cast: astype wraps silently (id 70000 would be stored as 4464 in uint16).
         if arr.size and self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
             lo, hi = arr.min(), arr.max()
@@ -293,6 +303,7 @@ class IndexedDatasetBuilder:
             )
         base = len(self.sequence_lengths)
         self.sequence_lengths.extend(int(n) for n in other.sequence_lengths)
+        # Drop the other index's leading 0 (we already hold one) and shift its entries past our sequences.
         self.document_indices.extend(int(d) + base for d in other.document_indices[1:])
         with open(get_bin_path(path_prefix), "rb") as f:
             while chunk := f.read(1 << 24):
@@ -310,10 +321,12 @@ class IndexedDatasetBuilder:
             raise ValueError(
                 f"{self.bin_path}: a sequence has {lengths.max()} tokens; the .idx stores lengths as int32"
             )
+        # Sequence i starts where the bytes of sequences 0..i-1 end; the first one at byte 0.
         pointers = np.zeros(lengths.size, dtype=np.int64)
         if lengths.size > 1:
             np.cumsum(lengths[:-1] * self.dtype.itemsize, out=pointers[1:])
         docs = np.asarray(self.document_indices, dtype=np.int64)
+        # Temp file + rename: a reader or a crashed run never sees a half-written .idx.
         tmp = f"{idx_path}.tmp.{os.getpid()}"
         with open(tmp, "wb") as f:
             f.write(_INDEX_HEADER)

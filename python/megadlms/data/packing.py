@@ -27,6 +27,7 @@ def reset_position_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
 
 def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
     """Document index [B, S] of each ``labels`` position: eods in tokens[0..j] (inclusive)."""
+    # Inclusive: after an eod at j, labels[j] is already the next document's first token.
     return (tokens == eod).to(torch.int64).cumsum(dim=1)
 
 

@@ -78,6 +78,7 @@ def _encode(item: Tuple[int, str]) -> Tuple[int, Dict[str, np.ndarray]]:
                 lengths.append(len(sentence_ids))
         if ids and _worker_state["append_eod"]:
             ids.append(_worker_state["eod"])
+            # The eod joins the last sequence instead of forming one of its own, as in Megatron.
             lengths[-1] += 1
         out[key] = (np.asarray(ids, dtype=np.int64), lengths)
     return len(line.encode("utf-8")), out
@@ -86,6 +87,7 @@ def _encode(item: Tuple[int, str]) -> Tuple[int, Dict[str, np.ndarray]]:
 def _lines(path: str):
     with open(path, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
+            # enumerate counts blank lines too, so error messages name the real line number.
             if line.strip():
                 yield lineno, line
 
@@ -137,6 +139,7 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
     tok = build_tokenizer(args.tokenizer_type, args.tokenizer_model)
     if args.append_eod:
         _ = tok.eod  # fail before any work if the tokenizer has no eod token
+    # Megatron's dtype rule: the same corpus and tokenizer give byte-identical .bin files.
     dtype = optimal_dtype(tok.vocab_size)
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
     os.makedirs(out_dir, exist_ok=True)
@@ -163,6 +166,7 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
                     file=sys.stderr,
                     flush=True,
                 )
+    # BaseException: after Ctrl-C too, no .bin may be left that looks like a finished dataset.
     except BaseException:
         for k, b in builders.items():  # leave no half-written .bin behind
             b.close()
@@ -173,6 +177,7 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
         if pool is not None:
             pool.terminate()
     for k, b in builders.items():
+        # Indices only once every document is in: an .idx is the mark of a complete dataset.
         b.finalize(prefixes[k] + ".idx")
     print(
         f"wrote {n} documents to {', '.join(p + '.bin/.idx' for p in prefixes.values())} "

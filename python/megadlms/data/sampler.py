@@ -50,12 +50,15 @@ class PretrainingSampler:
         full, rest = divmod(left, self._global)
         if self.drop_last or rest == 0:
             return full
+        # The partial global batch: a rank gets a last micro-batch only if its slice starts before the end.
         return full + int(rest > self.data_parallel_rank * self.micro_batch_size)
 
     def __iter__(self) -> Iterator[List[int]]:
         lo = self.data_parallel_rank * self.micro_batch_size
         start = self.consumed_samples
         while start + self._global <= self.total_samples:
+            # Positions depend only on (start, rank): resuming at a checkpoint's consumed_samples continues
+            # exactly, and the indices are global, so the noise they seed ignores the dp layout.
             yield list(range(start + lo, start + lo + self.micro_batch_size))
             start += self._global
         if not self.drop_last and start < self.total_samples:

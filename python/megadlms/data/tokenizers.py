@@ -27,9 +27,11 @@ _PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 
 def _resolve_mask(mask_token: Union[str, int], token_to_id, vocab_size: int, where: str) -> int:
     """--mask-token as a token string, or as an id (int or decimal string), inside the vocab."""
+    # A string is tried as a token first: a vocabulary that really holds the token '5' keeps it.
     tid = token_to_id(mask_token) if isinstance(mask_token, str) else None
     if tid is None:
         text = str(mask_token).strip()
+        # lstrip('-'): a negative id is parsed so the range check names it, rather than 'not a token'.
         if text.lstrip("-").isdigit():
             tid = int(text)
             if not 0 <= tid < vocab_size:
@@ -114,6 +116,8 @@ class HuggingFaceTokenizer:
         except Exception as exc:  # tokenizers raises a bare Exception on parse errors
             raise ValueError(f"tokenizer_model {path}: not a valid tokenizer.json ({exc})") from exc
         self.path = path
+        # with_added_tokens: eod and mask are usually added tokens; without them their ids would fall outside
+        # the embedding table.
         self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._eod = self._find(_EOD_NAMES)
         self._pad = self._find(_PAD_NAMES)
@@ -138,6 +142,7 @@ class HuggingFaceTokenizer:
         return self._tok.get_vocab(with_added_tokens=True)
 
     def tokenize(self, text: str) -> List[int]:
+        # No BOS/EOS from the post-processor: document boundaries are the eod that --append-eod adds.
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -247,5 +252,6 @@ class TokenizerConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> TokenizerConfig:
+        # Unknown keys are dropped: a checkpoint written by a newer version with more fields still loads.
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})

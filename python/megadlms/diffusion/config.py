@@ -10,6 +10,7 @@ from megadlms.config_errors import Problems
 MODEL_RUNNING_MODES = ("difflm-noshift", "vanilla")
 P_MASK_MODES = ("sampled", "realised")
 OBJECTIVES = ("megadlms", "llada")
+# (mask_eps, p_mask) of each objective: what each reference implementation trains with.
 _OBJECTIVE_DEFAULTS = {"megadlms": (0.0, "realised"), "llada": (1e-3, "sampled")}
 
 

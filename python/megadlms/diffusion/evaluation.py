@@ -77,6 +77,7 @@ def validation_nelbo(
             for k in range(num_mc_samples):
                 t = validation_times(seed, sample_idx, k, num_mc_samples)
                 # draw k+1: training uses draw 0, so validation masks never alias training ones.
+                # 'sampled' even when training uses 'realised': only 1/p(t) makes the NELBO an unbiased bound.
                 noisy, masked, p_mask = forward_process(
                     clean, sample_idx, config, loss_mask, t=t, draw=k + 1, p_mask_mode="sampled"
                 )
@@ -88,6 +89,8 @@ def validation_nelbo(
                     loss_mask,
                     token_cross_entropy_of(model),
                 )
+                # The K draws are averaged into the sum while the tokens are counted once: K copies estimate
+                # one sequence's NELBO, they are not K more sequences.
                 total += loss_sum.double().item() / num_mc_samples
             count += num_tokens.double().item()
     finally:
@@ -97,4 +100,5 @@ def validation_nelbo(
             "validation_nelbo got no loss tokens: empty validation data or an all-zero loss_mask"
         )
     nelbo = total / count
+    # exp overflows float64 past ~709: a diverged early evaluation still reports a (huge) number.
     return {"nelbo": nelbo, "ppl_bound": math.exp(min(nelbo, 700.0)), "loss_sum": total, "num_tokens": count}

@@ -36,12 +36,18 @@ Ids = Union[Sequence[int], torch.Tensor]
 def answer_masks(length: int, rows: int, batch: int, seed: int, device=None) -> torch.Tensor:
     """bool [rows, length]: the masked answer positions of batch ``batch`` (rows stratified)."""
     u = counter_uniform(seed, TAG_LL_LENGTH, torch.tensor([batch]), device=device)
+    # min(): u * length can round up to length in float64 when u is within 2**-53 of 1.
     k = 1 + min(int(u.item() * length), length - 1)
     r = torch.arange(rows, device=device)
+    # A regular grid of counts rotated by k: each row alone is still uniform on 1..L (unbiased), while the
+    # rows of a batch cover 1..L evenly (lower variance).
     num = (k - 1 + (r * length) // rows) % length + 1
+    # Keyed without the prompt or the answer's ids: answers of equal length get the same masks (common random
+    # numbers for comparing the choices of one question).
     pos_u = counter_uniform(
         seed, TAG_LL_MASK, batch, r[:, None], torch.arange(length, device=device)[None, :]
     )
+    # Masking the num smallest uniforms of a row picks a uniformly random num-subset of the answer.
     rank = pos_u.argsort(dim=1).argsort(dim=1)  # 0 = smallest uniform
     return rank < num[:, None]
 
@@ -50,6 +56,7 @@ def _logits(model, x: torch.Tensor, prompt_len: int, mask_token_id: int, cfg_sca
     if cfg_scale <= 0:
         return model(x)
     uncond = x.clone()
+    # Classifier-free guidance: the unconditional copy has its prompt masked; both run in one forward.
     uncond[:, :prompt_len] = mask_token_id
     cond, unc = model(torch.cat([x, uncond])).chunk(2)
     return unc + (cfg_scale + 1) * (cond - unc)
@@ -86,11 +93,13 @@ def answer_nll_draws(
             rows = min(batch_size, mc_samples - start)
             masked = answer_masks(L, rows, batch, seed, device)
             x = seq.expand(rows, -1).clone()
+            # x[:, P:] is a view, so the boolean assignment writes into x itself.
             x[:, P:][masked] = mask_token_id
             logits = _logits(model, x, P, mask_token_id, cfg_scale)[:, P:]
             ce = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), answer_t.repeat(rows), reduction="none"
             ).reshape(rows, L)
+            # L / l: the ELBO weight for l masked tokens out of L, the discrete counterpart of training's 1/t.
             weight = L / masked.sum(dim=1).to(torch.float64)
             out.append((ce.double() * masked).sum(dim=1) * weight)
     finally:

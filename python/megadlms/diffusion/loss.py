@@ -16,6 +16,7 @@ TokenCrossEntropy = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def plain_token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token cross-entropy over the full vocab, in fp32 (the default scorer)."""
+    # fp32 whatever the logits' dtype: a bf16 log-softmax over a large vocabulary loses the loss's precision.
     flat = logits.reshape(-1, logits.shape[-1]).float()
     return F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape)
 
@@ -63,11 +64,17 @@ def diffusion_loss(
             f"shape mismatch: logits {tuple(logits.shape)}, tokens "
             f"{tuple(tokens.shape)}, masked {tuple(masked.shape)}"
         )
+    # The ELBO weight 1/p: a masked token's CE counts as if every token had been masked with probability p,
+    # which makes the sum an unbiased NELBO estimate; unmasked positions get weight 0.
     weight = masked.to(torch.float32) / p_mask.to(torch.float32)
     if loss_mask is not None:
         weight = weight * loss_mask.to(torch.float32)
+    # Select before the CE: only ~p of the positions reach the fp32 softmax. The boolean index syncs with the
+    # host (the size of the selection is data-dependent).
     sel = weight != 0
     ce = cross_entropy(logits[sel], tokens[sel])
+    # The count is of all loss tokens, masked or not: the NELBO is per token of the sequence, and the trainer
+    # divides the step's summed losses once by the global count.
     return (ce * weight[sel]).sum(), _num_tokens(tokens, loss_mask)
 
 
@@ -119,6 +126,8 @@ def objective_inputs(
     loss_mask, position_ids = batch.get("loss_mask"), batch.get("position_ids")
     document_ids = batch.get("document_ids")
     if config.objective == "megadlms":
+        # labels[j] is text[j + 1] and position_ids[j + 1] is its position: the two slices are one token apart
+        # but describe the same tokens text[1:L].
         lab, pos = slice(0, L - 1), slice(1, L)
     else:
         lab, pos = slice(0, L), slice(0, L)
@@ -128,6 +137,7 @@ def objective_inputs(
         idx = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
         new_doc = torch.ones_like(docs, dtype=torch.bool)
         new_doc[:, 1:] = docs[:, 1:] != docs[:, :-1]
+        # cummax carries the start of the latest document forward; subtracting it restarts positions at 0.
         position_ids = idx - torch.where(new_doc, idx, torch.zeros_like(idx)).cummax(dim=1).values
         pos = slice(None)
     return {
@@ -145,6 +155,8 @@ def loss_token_count(
     count ``compute_loss`` returns; the trainer sums it over the step before the forward.
     With a difflm-noshift ``config`` its objective's inputs are counted (MegaDLMs': L-1)."""
     if config is not None and config.model_running_mode != "vanilla":
+        # The same objective_inputs as compute_loss, so the counted N is exactly the tokens the losses sum
+        # over.
         inputs = objective_inputs(batch, config, crop)
         return _num_tokens(inputs["clean"], inputs["loss_mask"])
     labels, loss_mask = batch["labels"], batch.get("loss_mask")
@@ -200,6 +212,7 @@ def compute_loss(
             "that seed the noise); use the data package's collate"
         )
     if crop is _AUTO:
+        # A model that does not say is assumed bidirectional: the difflm default.
         bidirectional = getattr(model, "attention", "bidirectional") != "causal"
         crop = micro_batch_crop(
             config, iteration, 0, 1, batch["labels"].shape[1], bidirectional=bidirectional

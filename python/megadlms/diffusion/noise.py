@@ -43,6 +43,8 @@ def _srl(x: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
+    # torch lacks full uint64 arithmetic, but int64 + and * wrap modulo 2**64 with the same bits, so this is
+    # SplitMix64 exactly; only the shifts need _srl.
     z = x + _GOLDEN
     z = (z ^ _srl(z, 30)) * _M1
     z = (z ^ _srl(z, 27)) * _M2
@@ -59,12 +61,14 @@ def counter_uniform(
     """
     if device is None:
         device = next((k.device for k in keys if isinstance(k, torch.Tensor)), torch.device("cpu"))
+    # Fold any Python int (negative, or over 64 bits) into 64 bits before reinterpreting it as int64.
     h = _mix(torch.tensor(_signed(seed % (1 << 64)), dtype=torch.int64, device=device))
     h = _mix(h ^ tag)
     for key in keys:
         if not isinstance(key, torch.Tensor):
             key = torch.tensor(key, dtype=torch.int64, device=device)
         h = _mix(h ^ key.to(device=device, dtype=torch.int64))
+    # The top 53 bits fit a float64 mantissa exactly: an even grid on [0, 1) that never reaches 1.
     return _srl(h, 11).to(torch.float64) * (2.0**-53)
 
 
@@ -76,9 +80,12 @@ def varilen_length(seed: int, iteration: int, seq_length: int, prob: float) -> O
     """
     if prob <= 0.0 or seq_length < 2:
         return None
+    # Keys 0 and 1 of the same counter: the crop decision and the length are independent draws. No rank or
+    # micro-batch in the key, which is what lets all ranks agree without a collective.
     u = counter_uniform(seed, TAG_VARILEN, torch.tensor([iteration]), torch.tensor([0, 1]))
     if u[0].item() >= prob:
         return None
+    # min(): u * (S - 1) can round up to S - 1 in float64 when u is within 2**-53 of 1.
     return 2 + min(int(u[1].item() * (seq_length - 1)), seq_length - 2)
 
 
@@ -105,7 +112,9 @@ def micro_batch_crop(
         return varilen_length(config.seed, iteration, seq_length, config.varilen_prob)
     if not bidirectional or config.varilen_prob <= 0.0:
         return None
+    # MegaDLMs' seeding, not config.seed: reproducing its crops bit for bit needs its exact numpy stream.
     rng = np.random.RandomState(iteration * num_micro_batches + micro_batch)
+    # Draw order u then L, and L drawn even when unused: MegaDLMs' sequence of draws.
     u = rng.uniform(0, 1)
     length = int(rng.randint(low=2, high=seq_length + 1))
     return length if u < config.varilen_prob else None
@@ -143,21 +152,32 @@ def forward_process(
         raise ValueError(f"sample_idx has {sample_idx.numel()} entries for a batch of {b} rows")
     mode = p_mask_mode or config.p_mask
     if t is None:
+        # Keyed by the global sample index, not the row: the same t for any dp size, micro-batch size,
+        # pipeline stage or resume point.
         t = counter_uniform(config.seed, TAG_TIME, sample_idx, draw)
     t = torch.as_tensor(t, dtype=torch.float64, device=device).reshape(b)
+    # eps > 0 keeps p >= eps, so the 1/p loss weight stays bounded as t -> 0 (LLaDA's 1e-3); MegaDLMs uses 0
+    # and bounds it by forcing a mask instead ('realised' below).
     p_b = (1.0 - config.mask_eps) * t + config.mask_eps
     positions = torch.arange(S, dtype=torch.int64, device=device)
+    # One uniform per (sample, draw, absolute position): a cropped row sees the masks of the uncropped prefix,
+    # and thresholding one uniform per position means a larger t masks a superset of positions.
     u_bS = counter_uniform(config.seed, TAG_MASK, sample_idx[:, None], draw, positions[None, :])
     masked = u_bS < p_b[:, None]
     if mode == "sampled":
         p_mask = p_b.to(torch.float32)[:, None].expand(b, S)
     elif mode == "realised":
         is_loss = torch.ones_like(masked) if loss_mask is None else loss_mask > 0
+        # A row with loss tokens but none masked would add nothing and make the realised p 0; force one mask,
+        # as MegaDLMs. Rows without any loss token are left alone.
         none_masked = ((masked & is_loss).sum(dim=1) == 0) & is_loss.any(dim=1)
+        # 2.0 is above every uniform: a non-loss position never wins the argmin.
         first = torch.where(is_loss, u_bS, torch.full_like(u_bS, 2.0)).argmin(dim=1)
         force = torch.zeros_like(masked)
         force[torch.arange(b, device=device), first] = none_masked
         masked = masked | force
+        # clamp and the frac > 0 fallback only matter for rows without loss tokens, whose weights are 0
+        # anyway: they just avoid 0/0 and 1/0.
         num_loss = is_loss.sum(dim=1).clamp(min=1).to(torch.float32)
         frac = (masked & is_loss).sum(dim=1).to(torch.float32) / num_loss
         p_mask = torch.where(frac > 0, frac, torch.ones_like(frac))[:, None].expand(b, S)

@@ -48,6 +48,8 @@ def add_gumbel_noise(
         return logits
     logits = logits.to(torch.float64)
     u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
+    # Gumbel-max in product form: log of this is l - T log(-log u) = l + T g with g ~ Gumbel, so the argmax
+    # samples softmax(l / T).
     return logits.exp() / (-torch.log(u)) ** temperature
 
 
@@ -104,6 +106,7 @@ def generate(
     b, P = prompt.shape
     x = torch.full((b, P + gen_length), mask_token_id, dtype=torch.int64, device=device)
     x[:, :P] = prompt
+    # By value, as LLaDA: a [MASK] id inside the prompt counts as a position to fill, not as prompt.
     prompt_index = x != mask_token_id
     steps_per_block = steps // num_blocks
     was_training = model.training
@@ -137,10 +140,13 @@ def generate(
                 else:
                     conf = torch.rand(x0.shape, dtype=torch.float64, device=device, generator=generator)
                 conf[:, end:] = float("-inf")  # later blocks wait their turn
+                # Positions not masked (prompt, committed) keep their value in x0 and get -inf confidence, so
+                # even a topk that reaches them changes nothing.
                 x0 = torch.where(mask_index, x0, x)
                 conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
                 transfer = torch.zeros_like(mask_index)
                 k_per_row = num_transfer[:, step].tolist()
+                # topk row by row: rows may commit different k (their blocks held different numbers of masks).
                 for j, k in enumerate(k_per_row):
                     if k > 0:
                         transfer[j, torch.topk(conf[j], k).indices] = True

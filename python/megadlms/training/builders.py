@@ -56,6 +56,8 @@ def build_parallel(config: RunConfig, device: torch.device, seed: int):
         device_type=device.type,
         num_distributed_optimizer_instances=config.ddp.num_distributed_optimizer_instances,
     )
+    # Default generator shared, model-parallel stream per TP rank: dropout inside sharded regions must differ
+    # between shards, outside them it must match.
     tracker = model_parallel_manual_seed(seed, groups.tp.rank, device_type=device.type)
     tp = TensorParallelContext(
         group=groups.tp.group if groups.tp.size > 1 else None,
@@ -91,6 +93,7 @@ def wrap_model(model: torch.nn.Module, config: RunConfig, groups: Optional[Paral
     opt: OptimizerConfig = config.optimizer
     ddp: DistributedDataParallelConfig = config.ddp
     if config.parallel.use_torch_fsdp2:
+        # FSDP2 applies its own mixed precision; Float16Module would cast the weights it shards in fp32.
         return TorchFullyShardedDataParallel(model, ddp, mixed_precision=fsdp_mixed_precision(config))
     if opt.bf16 or opt.fp16:
         model = Float16Module(model, dtype=torch.bfloat16 if opt.bf16 else torch.float16)
@@ -107,6 +110,7 @@ def build_scheduler(
         max_lr=optimizer_config.lr,
         min_lr=optimizer_config.min_lr,
         init_lr=schedule.lr_warmup_init,
+        # In samples, as Megatron: the scheduler steps by the global batch size.
         lr_warmup_steps=schedule.lr_warmup_iters * global_batch_size,
         lr_decay_steps=schedule.lr_decay_iters * global_batch_size,
         lr_decay_style=schedule.lr_decay_style,

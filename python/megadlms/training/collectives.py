@@ -17,6 +17,7 @@ class CollectiveError(RuntimeError):
     """A collective of the training step failed or timed out (a peer died or stopped responding)."""
 
 
+# Message signs as a fallback: older torch and gloo raise plain RuntimeErrors when a peer fails.
 _COMM_SIGNS = ("Timed out", "timed out", "Connection closed", "Connection reset", "Broken pipe", "NCCL")
 
 
@@ -32,6 +33,7 @@ def named_collective(name: str, iteration: int, always: bool = True):
     try:
         yield
     except RuntimeError as exc:
+        # Already named by an inner block, or (always=False) not a communication error: keep it as it is.
         if isinstance(exc, CollectiveError) or not (always or is_comm_error(exc)):
             raise
         rank = dist.get_rank() if dist.is_initialized() else 0

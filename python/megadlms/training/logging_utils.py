@@ -32,6 +32,7 @@ def setup_logging(rank: int) -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         handler._megadlms = True
         root.addHandler(handler)
+        # No propagation: a root handler set by the user (or pytest) would print every line twice.
         root.propagate = False
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
 

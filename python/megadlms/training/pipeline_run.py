@@ -63,6 +63,8 @@ def build_chunks(
     pp=1 model (and the tied embedding's copy on the last stage equals the embedding)."""
     out = []
     for chunk in chunk_layout(config, pp_rank):
+        # The same seed for every chunk: each replays the whole model's init draws and keeps its layers, so
+        # the chunks' weights are the pp=1 model's bit for bit.
         torch.manual_seed(seed)
         model = GPTModel(
             config.model, core_attn_implementation=core_attn_implementation, tp=tp, pipeline=chunk
@@ -174,6 +176,7 @@ class PipelineRunner:
         loss, the loss scale on what its backward starts from)."""
         step = self._step_fn(
             lambda i: _train_inputs(micro_batches[i], cfg, crops[i]),
+            # (what backward starts from, what is reported): the 1/N-scaled loss, and the raw sum detached.
             lambda loss_sum: (loss_sum * scales.loss, loss_sum.detach().to(torch.float64)),
         )
         losses = self.schedule(
@@ -198,9 +201,11 @@ class PipelineRunner:
             raise ValueError(f"num_mc_samples must be >= 1, got {num_mc_samples}")
         cfg = dataclasses.replace(cfg, seed=seed) if seed != cfg.seed else cfg
         k = 1 if cfg.model_running_mode == "vanilla" else num_mc_samples
+        # One pipeline micro-batch per (batch, draw): the K draws flow through the stages like more batches.
         micro = [(b, d) for b in batches for d in range(k)]
         step = self._step_fn(
             lambda i: _valid_inputs(micro[i][0], cfg, micro[i][1], k),
+            # / k: the mean over draws, validation_nelbo's 1/K.
             lambda loss_sum: (loss_sum, loss_sum.detach().to(torch.float64) / k),
         )
         was_training = [c.training for c in self.chunks]
@@ -213,6 +218,7 @@ class PipelineRunner:
         finally:
             for c, mode in zip(self.chunks, was_training):
                 c.train(mode)
+        # Counted from the inputs alone, on every stage: all stages agree on N without sending it.
         tokens = 0.0
         for b in batches:
             inputs = objective_inputs(b, cfg) if cfg.model_running_mode != "vanilla" else None

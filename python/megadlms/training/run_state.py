@@ -38,9 +38,11 @@ class SignalFlag:
         self.received = False
         self._previous = None
         if enabled:
+            # Keep the previous handler so restore() gives a caller's own handler (or the default) back.
             self._previous = signal.signal(signal.SIGTERM, self._handler)
 
     def _handler(self, signum, frame) -> None:
+        # Only a flag: the loop acts at the step boundary, where the all-reduce makes every rank agree.
         self.received = True
 
     def restore(self) -> None:

@@ -70,10 +70,12 @@ def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, dev
     # a TP peer's (equal) loss is counted by its owner; its NaN flag still counts
     loss = torch.where(nonfinite > 0, 0.0, local_loss) if loss_owner else torch.zeros_like(local_loss)
     loss = loss.reshape(1)
+    # One packed all-reduce instead of four: every rank learns the loss and all the flags at once.
     packed = torch.cat([loss, nonfinite.reshape(1), failed, flags])
     with named_collective("all-reduce of [loss, NaN flag, failure flag, exit flags]", iteration):
         dist.all_reduce(packed)
     loss_total, nan_ranks, failed_ranks, *exit_reduced = packed.tolist()
+    # Every rank raises, so none goes on to a collective that its failed peer will never join.
     if failed_ranks > 0:
         if error is not None:
             raise error
@@ -96,6 +98,7 @@ def _count(micro_batches, diff_cfg, iteration, bidirectional, data_error):
         local_tokens = torch.stack(
             [loss_token_count(b, c, diff_cfg).to(torch.float64) for b, c in zip(micro_batches, crops)]
         ).sum()
+    # A rank without data contributes 0 micro-batches and sets the no-data flag for its lockstep peers.
     n_micro = float(len(micro_batches)) if data_error is None else 0.0
     rest = torch.tensor([n_micro, float(data_error is not None)], dtype=torch.float64)
     return crops, torch.cat([local_tokens.reshape(1), rest.to(local_tokens.device)])
@@ -152,6 +155,8 @@ def train_step(
     # a lockstep schedule (pipeline stages) runs on every rank or on none; `and` keeps the
     # one-stage schedule free of the host sync
     run = data_error is None and not (runner.lockstep and counts[2].item() > 0)
+    # From the global N: each micro-batch's summed loss is scaled by 1/N, so the step divides exactly once and
+    # the gradient is independent of dp size and accumulation.
     scales = step_scales(model, counts[0], counts[1], optimizer.get_loss_scale())
     set_moe_aux_loss_scale(model, scales.moe_aux)
 
@@ -163,18 +168,22 @@ def train_step(
         # also after a failure: completes this rank's collectives for its peers
         finalize_model_grads(model, tied=runner.tied, tied_group=runner.embedding_group)
 
+    # exit_flags() is read only now: a SIGTERM during forward/backward still stops after this step.
     loss_total, nan_ranks, exit_reduced = _reduce_step(
         local_loss, error, exit_flags(), iteration, device, loss_owner
     )
     seq_length = micro_batches[0]["labels"].shape[1] if crops[0] is None else crops[0]
     n_global = float(counts[0].item())
+    # Both values come from all-reduces, so every rank skips the optimizer step alike.
     if nan_ranks > 0 or n_global <= 0:
         return StepOut(float("nan"), None, False, True, exit_reduced, seq_length)
+    # always=False: only communication errors are renamed; an optimizer bug keeps its own traceback.
     with named_collective(
         "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
     ):
         success, grad_norm = optimizer.step(grad_unscale=scales.grad_unscale)
     return StepOut(
+        # The global per-token loss: the sum over all ranks' loss tokens divided once by their global count.
         loss_total / n_global,
         float(grad_norm) if grad_norm is not None else None,
         bool(success),

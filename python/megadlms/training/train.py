@@ -59,8 +59,11 @@ class Trainer:
             ParallelLayout.of_run(self.groups, self.tp, vp),
             override_scheduler=config.schedule.override_opt_param_scheduler,
         )
+        # Find the checkpoint before building the model: a tp-dependent padded vocabulary it recorded is kept
+        # when this layout can split it, so a resumed run builds the embedding shape it saved.
         self._resume_from = self.checkpointer.find()
         vocab = self.checkpointer.recorded_vocab(self._resume_from)
+        # Rebound: everything below must see the tokenizer-derived vocab, not the one the caller passed.
         self.config = config = config.with_tokenizer(tokenizer, vocab)
         self.gbs, self.mbs, self.num_micro = t.global_batch_size, t.micro_batch_size, t.num_micro_batches
         self.dp_size = config.parallel.data_parallel_size
@@ -89,15 +92,21 @@ class Trainer:
         parts = model if pp.size > 1 else [model]
         check_model_for_mode(parts[0], config.diffusion)  # once, not per micro-batch
         self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
+        # A collective (all-reduce over the world): every rank reaches this line in the same order.
         self.num_params = _logical_params(parts, self.groups)
+        # Wrap after init_model: the wrapper buckets (DDP) or shards (FSDP2) the parameters as they are, so
+        # they must already hold their final values.
         self.model = builders.wrap_model(model, config, self.groups)
         self.runner = pipeline_run.PipelineRunner(self.groups, self.model)  # the step's schedule
         self.pipeline = self.runner if pp.size > 1 else None  # validation's forward-only pipeline
+        # The optimizer after the wrapper: it must hold the wrapped (under FSDP2, sharded) parameters.
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
+        # Restore once model, optimizer and scheduler all exist: one load fills them all.
         self.ckpt = self._restore()
 
+        # Data after the restore: the train loader starts at the restored consumed_samples.
         self._build_data(tokenizer)
         log = config.logging
         self.metrics = MetricsLogger(
@@ -147,6 +156,8 @@ class Trainer:
         self.train_loader = loader(
             train_ds, consumed_samples=self.consumed, num_workers=config.data.num_workers
         )
+        # Evaluation loaders always start at sample 0: every evaluation reads the same batches, so the numbers
+        # compare.
         self.valid_loader = None if valid_ds is None else loader(valid_ds, consumed_samples=0, num_workers=0)
         self.test_loader = None if test_ds is None else loader(test_ds, consumed_samples=0, num_workers=0)
 
@@ -159,6 +170,8 @@ class Trainer:
             path, self.model, self.optimizer, self.scheduler, model_config=self.config.model.to_dict()
         )
         common = state.common
+        # --finetune takes the weights only: iteration, consumed samples and NaN counts start at 0, as in
+        # Megatron.
         if not ck.finetune:
             if not ck.no_load_rng and not state.rng_restored:
                 _log.info(
@@ -237,6 +250,7 @@ class Trainer:
                     "stopping (lower --lr, check the data, or raise --nan-skip-limit)"
                 )
         elif out.success:
+            # The schedule counts samples; a step the optimizer skipped (fp16 overflow) does not advance it.
             self.scheduler.step(self.gbs)
         else:
             self.skipped_total += 1
@@ -284,6 +298,7 @@ class Trainer:
         }
 
     def _stop_reason(self, out: StepOut) -> Optional[str]:
+        # exit_flags were summed over ranks in the step's all-reduce: every rank stops at the same iteration.
         if out.exit_flags[0] > 0:
             return "signal"
         if out.exit_flags[1] > 0:
@@ -338,11 +353,13 @@ class Trainer:
         t0 = time.perf_counter()
         micro, data_error = None, None
         try:
+            # Fetch the whole step up front: the global token count N must be known before the first forward.
             micro = [_to_device(next(data_iter), self.device) for _ in range(self.num_micro)]
             if self._packing is not None:
                 micro = [self._packing(b) for b in micro]
         except Exception as exc:  # noqa: BLE001 - carried by the step's reductions to every rank
             data_error = exc
+        # Read before the step: the logged lr is the one this step used, the scheduler advances after it.
         lr = self.optimizer.param_groups[0]["lr"]
         out = train_step(
             self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
@@ -351,6 +368,7 @@ class Trainer:
             loss_owner=self.loss_owner, runner=self.runner,
         )  # fmt: skip
         self.iteration += 1
+        # Also for a skipped step: its samples were read, and a resume must not read them again.
         self.consumed += self.gbs
         self._account(out, lr)
         window["time"] += time.perf_counter() - t0
@@ -359,6 +377,7 @@ class Trainer:
         window["flops"] += num_floating_point_operations(
             self.config.model, self.gbs, out.seq_length, causal=self.config.model.attention == "causal"
         )
+        # A NaN step would poison the window's mean loss; nan_total counts it instead.
         if not out.nonfinite:
             window["loss"] += out.loss
             window["n_loss"] += 1
@@ -371,15 +390,18 @@ class Trainer:
     def train(self) -> RunResult:
         """Optimizer steps until --train-iters or an exit request; saves as asked."""
         t, ck = self.config.training, self.config.checkpoint
+        # Installed only for the loop, which can act on it; the finally below puts the old handler back.
         signal_flag = SignalFlag(t.exit_signal_handler)
         start = time.perf_counter()
 
         def exit_flags():
             minutes = t.exit_duration_in_mins
+            # Each rank reads its own clock; the step's all-reduce of these flags lets the first one stop all.
             over_time = minutes is not None and (time.perf_counter() - start) / 60 > minutes
             return [float(signal_flag.received), float(over_time)]
 
         window = _new_window()
+        # A resumed run already has a checkpoint of its start iteration: do not write it again at the end.
         last_saved = self.iteration if self.ckpt is not None else None
         data_iter = iter(self.train_loader)
         self.model.train()
@@ -393,6 +415,8 @@ class Trainer:
                 scheduled = ck.save and (
                     self.iteration % ck.save_interval == 0 or self.iteration in ck.checkpoint_steps
                 )
+                # Any stop saves first (when saving is on): an exit request must not lose the steps since the
+                # last save.
                 if ck.save and (stop is not None or scheduled):
                     self.save()
                     last_saved = self.iteration
@@ -402,6 +426,7 @@ class Trainer:
                     break
             if ck.save and last_saved != self.iteration:
                 self.save()
+            # Final evaluation only after a full run: a signal or time-limit exit must leave quickly.
             if self.result.exit_reason == "done":
                 self._final_evaluation()
             self.wait_for_save()  # the exit waits for a background save

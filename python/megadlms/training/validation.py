@@ -38,6 +38,7 @@ def evaluate(
     ``packing``: adds the document-packing fields to each batch. ``loss_owner`` False: a
     tensor-parallel peer (or a rank off the last pipeline stage), whose sums its loss owner
     contributes. ``pipeline``: a ``pipeline_run.PipelineRunner`` (forward-only schedule)."""
+    # A fresh iterator each call: every evaluation reads the same first batches.
     batches = (to_device(b, device) for b in islice(iter(loader), num_micro_batches))
     if packing is not None:
         batches = (packing(b) for b in batches)
@@ -49,6 +50,7 @@ def evaluate(
     else:
         res = validation_nelbo(model, batches, diff_cfg, num_mc_samples=num_mc_samples, seed=seed)
     t = torch.tensor([float(res["loss_sum"]), float(res["num_tokens"])], dtype=torch.float64, device=device)
+    # Non-owners still join (the all-reduce is collective) but add zeros: the shared TP loss counts once.
     dist.all_reduce(t if loss_owner else t.zero_())
     loss_sum, n = t.tolist()
     nelbo = loss_sum / max(n, 1.0)
