@@ -15,6 +15,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from megadlms.checkpoint import load_model_state, open_checkpoint, tokenizer_record
+from megadlms.data import TokenizerConfig
+from megadlms.diffusion import generate
+from megadlms.models import GPTModel, TransformerConfig
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megadlms-generate", description=__doc__.split("\n\n")[0])
@@ -50,9 +55,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_for_inference(path: str, device: Optional[torch.device] = None):
     """(model in eval mode, tokenizer, common.json dict) from a checkpoint path."""
-    from megadlms.checkpoint import load_model_state, open_checkpoint, tokenizer_record
-    from megadlms.data import TokenizerConfig
-    from megadlms.models import GPTModel, TransformerConfig
 
     ckpt, common = open_checkpoint(path)
     # Model and tokenizer come from the checkpoint's own records, never from flag names.
@@ -99,7 +101,6 @@ def generate_text(
     num_samples: int = 1,
 ) -> list:
     """Completions (strings, prompt excluded) of ``prompt``."""
-    from megadlms.diffusion import generate
 
     device = next(model.parameters()).device
     ids = tokenizer.tokenize(prompt)

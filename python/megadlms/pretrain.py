@@ -18,6 +18,12 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megadlms.checkpoint.convert import convert_checkpoint
+from megadlms.config import flag_message, parse_config
+from megadlms.hf.importer import init_from_hf
+from megadlms.training.logging_utils import setup_logging
+from megadlms.training.train import pretrain
+
 
 def _single_process_env() -> bool:
     """Let ``python pretrain_difflm.py ...`` (no torchrun) run as a world of one.
@@ -97,8 +103,6 @@ def hf_initializer(hf_dir: str):
     plain model the trainer built; an architecture mismatch is an error naming the flags.
 
     Made here, at the top: ``hf/`` sits above ``training/``, which only calls it."""
-    from megadlms.config import flag_message
-    from megadlms.hf.importer import init_from_hf
 
     def init(model) -> None:
         try:
@@ -115,9 +119,6 @@ def run(argv: Optional[Sequence[str]] = None):
     Uses the default process group when one exists (tests call this from spawned
     ranks); otherwise creates it from the environment and destroys it afterwards.
     """
-    from megadlms.config import parse_config
-    from megadlms.training.logging_utils import setup_logging
-    from megadlms.training.train import pretrain
 
     owned = not dist.is_initialized()
     # The flags are validated before any process group exists: the world size comes from torchrun's env.
@@ -129,8 +130,6 @@ def run(argv: Optional[Sequence[str]] = None):
     ok = False
     try:
         if config.checkpoint.ckpt_convert_format:  # Megatron: convert, then exit
-            from megadlms.checkpoint.convert import convert_checkpoint
-
             result = convert_checkpoint(config)
         else:
             hf_dir = config.checkpoint.hf_init
@@ -164,8 +163,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         run(argv if argv is not None else sys.argv[1:])
     except ValueError as exc:  # bad flags / data / checkpoint: the message names the fix
-        from megadlms.config import flag_message
-
         # Every rank raises the same config error; printing it once keeps the log readable.
         if os.environ.get("RANK", "0") == "0":
             tb = exc.__traceback__

@@ -20,7 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .gpt_dataset import _atomic_save
+from .gpt_dataset import atomic_save_npy
 
 
 def normalize_weights(weights: Sequence[float], what: str = "data_path") -> List[float]:
@@ -111,7 +111,7 @@ class BlendedDataset(torch.utils.data.Dataset):
         arrays = build_blending_indices(self.weights, self.size)
         os.makedirs(cache_dir, exist_ok=True)
         for p, a in zip(paths, arrays):
-            _atomic_save(p, a)
+            atomic_save_npy(p, a)
         tmp = f"{base}-description.txt.tmp.{os.getpid()}"
         with open(tmp, "w") as f:
             f.write(self.description)

@@ -88,7 +88,9 @@ def _build_shuffle_index(num_samples: int, total_size: int, rng: np.random.Rando
     return np.concatenate((first, last))
 
 
-def _atomic_save(path: str, array: np.ndarray) -> None:
+def atomic_save_npy(path: str, array: np.ndarray) -> None:
+    """Write ``array`` to ``path`` (.npy) through a temporary file and a rename: a reader never
+    sees a partial index file."""
     tmp = f"{path}.tmp.{os.getpid()}.npy"
     np.save(tmp, array, allow_pickle=False)
     os.replace(tmp, path)  # concurrent builders (several ranks) write identical bytes
@@ -223,7 +225,7 @@ class GPTDataset(torch.utils.data.Dataset):
         try:
             os.makedirs(cache_dir, exist_ok=True)
             for p, a in zip(paths, arrays):
-                _atomic_save(p, a)
+                atomic_save_npy(p, a)
             tmp = f"{base}-description.txt.tmp.{os.getpid()}"
             with open(tmp, "w") as f:  # written last: its presence marks a complete cache
                 f.write(self.description)

@@ -21,11 +21,11 @@ SUPPORTED_TOKENIZERS = ("ByteTokenizer", "HuggingFaceTokenizer")
 
 # Searched in order when a tokenizer.json does not say which token plays which role.
 _EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
-_MASK_NAMES = ("<|mdm_mask|>", "<|mask|>", "[MASK]", "<mask>", "<MASK>")
+MASK_NAMES = ("<|mdm_mask|>", "<|mask|>", "[MASK]", "<mask>", "<MASK>")
 _PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 
 
-def _resolve_mask(mask_token: Union[str, int], token_to_id, vocab_size: int, where: str) -> int:
+def resolve_mask_token(mask_token: Union[str, int], token_to_id, vocab_size: int, where: str) -> int:
     """--mask-token as a token string, or as an id (int or decimal string), inside the vocab."""
     # A string is tried as a token first: a vocabulary that really holds the token '5' keeps it.
     tid = token_to_id(mask_token) if isinstance(mask_token, str) else None
@@ -56,7 +56,7 @@ class ByteTokenizer:
     def __init__(self, mask_token: Optional[Union[str, int]] = None):
         self._mask = self.MASK
         if mask_token is not None:
-            self._mask = _resolve_mask(mask_token, self._SPECIAL.get, self.vocab_size, "ByteTokenizer")
+            self._mask = resolve_mask_token(mask_token, self._SPECIAL.get, self.vocab_size, "ByteTokenizer")
 
     @property
     def vocab_size(self) -> int:
@@ -122,9 +122,9 @@ class HuggingFaceTokenizer:
         self._eod = self._find(_EOD_NAMES)
         self._pad = self._find(_PAD_NAMES)
         if mask_token is not None:
-            self._mask = _resolve_mask(mask_token, self._tok.token_to_id, self._vocab_size, path)
+            self._mask = resolve_mask_token(mask_token, self._tok.token_to_id, self._vocab_size, path)
         else:
-            self._mask = self._find(_MASK_NAMES)
+            self._mask = self._find(MASK_NAMES)
 
     def _find(self, names) -> Optional[int]:
         for name in names:
@@ -167,7 +167,7 @@ class HuggingFaceTokenizer:
     def mask(self) -> int:
         if self._mask is None:
             raise RuntimeError(
-                f"{self.path} has none of the mask tokens {_MASK_NAMES}; a diffusion "
+                f"{self.path} has none of the mask tokens {MASK_NAMES}; a diffusion "
                 "LM needs one: pass mask_token TOKEN_OR_ID"
             )
         return self._mask

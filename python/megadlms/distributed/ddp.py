@@ -67,6 +67,7 @@ from megadlms.parallel.sharding import is_expert_param, sharding_of
 from .comm import build_communicator, resolve_group
 from .config import DistributedDataParallelConfig
 from .ddp_groups import data_parallel_group, instance_communicators, reduce_groups
+from .nan_check import agree_on_nan
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from .param_gather import ParamGather
 from .wrappers import model_wrapper, unwrap_model
@@ -354,49 +355,19 @@ class DistributedDataParallel(torch.nn.Module):
         flags once after the step. Raising here would leave the other ranks waiting."""
         self._nan_flags.append((bucket, ext.nonfinite_flag([bucket.grad_data])))
 
-    def _nan_detail(self, checked) -> Optional[str]:
-        """This rank's first bucket flagged before its collective, and its first parameter whose
-        gradient is non-finite now (a local NaN/Inf survives the reduction); None if none."""
-        for bucket, flag in checked:
-            # A host sync per flag is fine here: only reached once the agreement found a NaN.
-            if int(flag):
-                rank = dist.get_rank() if dist.is_initialized() else 0
-                name, shape = next(
-                    (
-                        (n, tuple(p.shape))
-                        for p, n in zip(bucket.params, bucket.names)
-                        if ext.has_nonfinite([p.main_grad])
-                    ),
-                    ("(none non-finite after the collective)", ()),
-                )
-                return (
-                    f"rank {rank} (dp rank {self.dp_rank}) found NaN/Inf in bucket {bucket.index} "
-                    f"before the data-parallel collective; first offending parameter: {name} (shape {shape})"
-                )
-        return None
-
     def _agree_on_nan(self) -> None:
-        """One flag all-reduce after the step's collectives: a NaN/Inf on any rank raises on
-        every rank, so no rank is left blocked in a collective the others never join. Over a
-        grid (``parallel``) the flags span the world: a NaN on one TP rank stops its TP
-        peers, whose data-parallel groups never saw it."""
-        comm = self._world_comm if self._world_comm is not None else self.comm
-        # One slot per rank rather than a single OR: the sum tells every rank which ranks failed.
-        flags = torch.zeros(comm.world_size, dtype=torch.float32, device=self.buckets[0].grad_data.device)
+        """One flag all-reduce after the step's collectives (``nan_check.agree_on_nan``): a
+        NaN/Inf on any rank raises on every rank. Over a grid (``parallel``) the flags span the
+        world: a NaN on one TP rank stops its TP peers, whose data-parallel groups never saw it."""
+        world = self._world_comm is not None
         checked, self._nan_flags = self._nan_flags, []
-        if checked:  # device-side sum of the bucket flags: the one host sync is tolist() below
-            flags[comm.rank] = torch.stack([f for _, f in checked]).sum()
-        comm.all_reduce(flags, "sum")
-        ranks = [r for r, f in enumerate(flags.tolist()) if f > 0]
-        if ranks:
-            detail = (
-                self._nan_detail(checked) or "this rank's gradients are finite; see the named rank's error"
-            )
-            where = "rank(s)" if self._world_comm is not None else "data-parallel rank(s)"
-            raise RuntimeError(
-                f"check_for_nan_in_grad: NaN/Inf gradients on {where} {ranks}; every "
-                f"rank stops. Here: {detail}"
-            )
+        agree_on_nan(
+            self._world_comm if world else self.comm,
+            checked,
+            self.buckets[0].grad_data.device,
+            where="rank(s)" if world else "data-parallel rank(s)",
+            dp_rank=self.dp_rank,
+        )
 
     def start_grad_sync(self) -> None:
         """Fold any pending gradients and launch every bucket's collective not yet launched."""

@@ -25,9 +25,11 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from megadlms.checkpoint import tokenizer_record
+from megadlms.generate import load_for_inference
 from megadlms.models import TransformerConfig
 
 from .mapping import megadlms_to_hf
+from .tokenizer_files import write_tokenizer_files
 
 MODELING_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote", "modeling_megadlms.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -120,9 +122,6 @@ def export_hf(
     block_length: Optional[int] = None,
 ) -> dict:
     """Export checkpoint ``load`` to Hugging Face directory ``output``; returns config.json."""
-    from megadlms.generate import load_for_inference
-
-    from .tokenizer_files import write_tokenizer_files
 
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")

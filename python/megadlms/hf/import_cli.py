@@ -16,15 +16,22 @@ from typing import Optional, Sequence
 
 import torch
 
+from megadlms.checkpoint import RunRecords, save_checkpoint
+from megadlms.config import padded_vocab_size
+from megadlms.data import TokenizerConfig
+from megadlms.data.tokenizers import MASK_NAMES, resolve_mask_token
+from megadlms.models import GPTModel
+
+from .importer import init_from_hf, model_flags, read_hf_config, transformer_config_from_hf
+
 
 def _mask_token(tok, requested: Optional[str]):
     """(mask id, added?) for tokenizers.Tokenizer ``tok``."""
-    from megadlms.data.tokenizers import _MASK_NAMES, _resolve_mask
 
     size = tok.get_vocab_size(with_added_tokens=True)
     if requested is not None:
-        return _resolve_mask(requested, tok.token_to_id, size, "the Hugging Face tokenizer"), False
-    for name in _MASK_NAMES:
+        return resolve_mask_token(requested, tok.token_to_id, size, "the Hugging Face tokenizer"), False
+    for name in MASK_NAMES:
         if tok.token_to_id(name) is not None:
             return int(tok.token_to_id(name)), False
     tok.add_special_tokens(["<|mask|>"])
@@ -43,13 +50,6 @@ def import_hf(
 ) -> dict:
     """Write the checkpoint; returns {"checkpoint", "mask_token_id", "added", "flags"}."""
     from tokenizers import Tokenizer
-
-    from megadlms.checkpoint import RunRecords, save_checkpoint
-    from megadlms.config import padded_vocab_size
-    from megadlms.data import TokenizerConfig
-    from megadlms.models import GPTModel
-
-    from .importer import init_from_hf, model_flags, read_hf_config, transformer_config_from_hf
 
     tok_path = os.path.join(hf_dir, "tokenizer.json")
     if not os.path.isfile(tok_path):

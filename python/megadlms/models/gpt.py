@@ -42,6 +42,7 @@ from megadlms.parallel.sharding import REPLICATED, set_sharding, sharding_of
 
 from .chunk import WHOLE_MODEL, PipelineChunk
 from .config import TransformerConfig, check_tensor_parallel, expert_parallel_problems
+from .init import init_normal_, init_transformer_weights
 from .transformer import (
     CORE_ATTN_IMPLEMENTATIONS,
     NO_TENSOR_PARALLEL,
@@ -49,8 +50,6 @@ from .transformer import (
     TransformerBlock,
     document_attention_mask,
     dropout_rng,
-    init_normal_,
-    init_transformer_weights,
 )
 
 

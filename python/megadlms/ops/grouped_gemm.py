@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 import megadlm_ext
-from megadlms.parallel.linear_impl import MISSING_MAIN_GRAD, _placeholder_grad
+from megadlms.parallel.linear_impl import MISSING_MAIN_GRAD, placeholder_grad
 
 
 def _host_sizes(tokens_per_expert: torch.Tensor, experts: int) -> torch.Tensor:
@@ -67,7 +67,7 @@ class _GroupedMatmul(torch.autograd.Function):
                 )
                 # As in parallel/linear_impl.py: DDP's hook must not fold the placeholder a second time.
                 w.grad_added_to_main_grad = True
-                grad_w = _placeholder_grad(w)
+                grad_w = placeholder_grad(w)
         return grad_x, grad_w, None, None, None
 
 

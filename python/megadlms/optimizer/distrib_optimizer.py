@@ -60,7 +60,7 @@ import torch
 import megadlm_ext as ext
 
 from .grid import GridReductions
-from .optimizer import Entry, _plain
+from .optimizer import Entry, full_plain
 
 
 class ShardedBufferLayout:
@@ -167,7 +167,7 @@ class ShardedBufferLayout:
 
     def local_piece(self, i: int, full) -> torch.Tensor:
         _, _, start, n = self.pieces[i]
-        return _plain(full).reshape(-1)[start : start + n]
+        return full_plain(full).reshape(-1)[start : start + n]
 
     def reload_main_from_model(self, i: int) -> None:
         _, _, start, n = self.pieces[i]

@@ -123,7 +123,7 @@ class ReplicaLayout:
 
     def local_piece(self, i: int, full: torch.Tensor) -> torch.Tensor:
         e = self.entries[i]
-        return _plain(full).reshape(e.main.shape)
+        return full_plain(full).reshape(e.main.shape)
 
     def reload_main_from_model(self, i: int) -> None:
         e = self.entries[i]
@@ -131,7 +131,7 @@ class ReplicaLayout:
             e.main.data.copy_(e.param.detach())
 
 
-def _plain(t):
+def full_plain(t):
     """A full plain tensor from a plain tensor or a DTensor."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
@@ -383,7 +383,7 @@ class MixedPrecisionOptimizer:
         if not isinstance(self.layout, DTensorLayout):
             # DTensor values (an FSDP2 checkpoint loaded in memory): gather to full tensors in
             # one rank-independent order BEFORE slicing, because this rank's pieces differ.
-            saved = {fqn: {k: _plain(v) for k, v in saved[fqn].items()} for fqn in sorted(saved)}
+            saved = {fqn: {k: full_plain(v) for k, v in saved[fqn].items()} for fqn in sorted(saved)}
         missing = [fqn for fqn, _ in self.layout.all_fqns() if fqn not in saved]
         if missing:
             raise RuntimeError(

@@ -42,7 +42,7 @@ MISSING_MAIN_GRAD = (
 )
 
 
-def _placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
+def placeholder_grad(weight: torch.Tensor) -> torch.Tensor:
     """A weight 'gradient' that costs nothing; its values are never used (module docstring)."""
     if weight.grad is None and not getattr(weight, "zero_out_wgrad", False):
         return weight.detach()  # a new alias: autograd steals it as param.grad, no copy
@@ -73,7 +73,7 @@ class _FusedLinear(torch.autograd.Function):
             megadlm_ext.wgrad_accumulate(main_grad, grad_output.contiguous(), x.contiguous(), alpha=scale)
             # Read by DDP's hook: the placeholder below must not be folded into main_grad a second time.
             weight.grad_added_to_main_grad = True
-            grad_weight = _placeholder_grad(weight)
+            grad_weight = placeholder_grad(weight)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             # The bias grad takes the ordinary param.grad route; DDP folds it like any unfused parameter.
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0)
