@@ -164,7 +164,7 @@ void scale_(py::handle tensors, double factor) {
   run_elementwise(kScale, device, a.segs, total, float(factor));
 }
 
-// Shared front of the two reductions.
+// Shared front of the reductions (l2_norm, nonfinite_flag, has_nonfinite).
 c10::Device reduce_setup(py::handle tensors, int64_t& total) {
   Arena& a = arena();
   const c10::Device device = parse_list("tensors", tensors.ptr(), a.items, c10::nullopt, "");
@@ -172,66 +172,47 @@ c10::Device reduce_setup(py::handle tensors, int64_t& total) {
   return device;
 }
 
-at::Tensor l2_norm(py::handle tensors) {
+// One reduction of the list into a 0-d tensor on its device: the CUDA kernel's result (no
+// host sync), or `from_cpu` applied to the CPU pass's result.
+template <typename FromCpu>
+at::Tensor reduce(py::handle tensors, OpKind op, FromCpu from_cpu) {
   int64_t total = 0;
   const c10::Device device = reduce_setup(tensors, total);
   const auto& segs = arena().segs;
 #ifdef MEGADLM_WITH_CUDA
   if (device.is_cuda()) {
     py::gil_scoped_release nogil;
-    return glue::cuda_run(kSumSquares, device, segs, total, 1.0f);
+    return glue::cuda_run(op, device, segs, total, 1.0f);
   }
 #endif
   if (!device.is_cpu())
     throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
-  double sum = 0.0;
+  CpuResult result;
   {
     py::gil_scoped_release nogil;
-    sum = cpu::run(kSumSquares, segs.data(), int64_t(segs.size()), total, 1.0f).sum_squares;
+    result = cpu::run(op, segs.data(), int64_t(segs.size()), total, 1.0f);
   }
-  return at::scalar_tensor(float(std::sqrt(sum)), at::TensorOptions().dtype(at::kFloat));
+  return from_cpu(result);
+}
+
+at::Tensor l2_norm(py::handle tensors) {
+  return reduce(tensors, kSumSquares, [](const CpuResult& r) {
+    return at::scalar_tensor(float(std::sqrt(r.sum_squares)),
+                             at::TensorOptions().dtype(at::kFloat));
+  });
 }
 
 // 0-d int32 tensor on the list's device: 1 if any element is NaN/Inf. No host sync on
 // CUDA (the flag stays on the device until the caller reads it).
 at::Tensor nonfinite_flag(py::handle tensors) {
-  int64_t total = 0;
-  const c10::Device device = reduce_setup(tensors, total);
-  const auto& segs = arena().segs;
-#ifdef MEGADLM_WITH_CUDA
-  if (device.is_cuda()) {
-    py::gil_scoped_release nogil;
-    return glue::cuda_run(kNonFinite, device, segs, total, 1.0f);
-  }
-#endif
-  if (!device.is_cpu())
-    throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
-  bool bad = false;
-  {
-    py::gil_scoped_release nogil;
-    bad = cpu::run(kNonFinite, segs.data(), int64_t(segs.size()), total, 1.0f).nonfinite;
-  }
-  return at::scalar_tensor(int32_t(bad), at::TensorOptions().dtype(at::kInt));
+  return reduce(tensors, kNonFinite, [](const CpuResult& r) {
+    return at::scalar_tensor(int32_t(r.nonfinite), at::TensorOptions().dtype(at::kInt));
+  });
 }
 
 bool has_nonfinite(py::handle tensors) {
-  int64_t total = 0;
-  const c10::Device device = reduce_setup(tensors, total);
-  const auto& segs = arena().segs;
-#ifdef MEGADLM_WITH_CUDA
-  if (device.is_cuda()) {
-    at::Tensor flag;
-    {
-      py::gil_scoped_release nogil;
-      flag = glue::cuda_run(kNonFinite, device, segs, total, 1.0f);
-    }
-    return flag.item<int32_t>() != 0;  // device -> host sync: the caller asked for a bool
-  }
-#endif
-  if (!device.is_cpu())
-    throw std::runtime_error("megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
-  py::gil_scoped_release nogil;
-  return cpu::run(kNonFinite, segs.data(), int64_t(segs.size()), total, 1.0f).nonfinite;
+  // device -> host sync on CUDA: the caller asked for a bool
+  return nonfinite_flag(tensors).item<int32_t>() != 0;
 }
 
 // ---- gradient-accumulation fusion ---------------------------------------------------------

@@ -10,19 +10,10 @@ set -euo pipefail
 REPO=$(cd "$1" && pwd); OUT=$2; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); shift 2
 PY=${PY:-python}
 export PYTHONPATH=$REPO/python:$REPO OMP_NUM_THREADS=1
-BASE="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2
- --global-batch-size 8 --train-iters 50 --lr 1e-3 --mock-data --log-interval 1 --seed 1234
- --lr-warmup-iters 5 --untie-embeddings-and-output-weights"
-RUNS=(
-  "ddp:"
-  "distopt:--use-distributed-optimizer --overlap-grad-reduce"
-  "fsdp2:--use-torch-fsdp2"
-  "tp2sp:--tensor-model-parallel-size 2 --sequence-parallel"
-  "pp2:--pipeline-model-parallel-size 2"
-  "ep2:--num-experts 4 --expert-model-parallel-size 2"
-  "vanilla:--model-running-mode vanilla"
-  "bf16:--bf16"
-)
+# shellcheck source=tools/curve_runs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/curve_runs.sh"
+BASE="$CURVE_BASE --train-iters 50"
+RUNS=("${CURVE_RUNS[@]}")
 port=${PORT:-29610}
 for run in "${RUNS[@]}"; do
   name=${run%%:*}; extra=${run#*:}

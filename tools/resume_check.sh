@@ -7,17 +7,11 @@ set -euo pipefail
 OLD=$(cd "$1" && pwd); NEW=$(cd "$2" && pwd); OUT=$3; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); shift 3
 PY=${PY:-python}
 export OMP_NUM_THREADS=1
-BASE="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2
- --global-batch-size 8 --train-iters 20 --lr 1e-3 --mock-data --log-interval 1 --seed 1234
- --lr-warmup-iters 5 --untie-embeddings-and-output-weights --save-interval 10"
-RUNS=(
-  "ddp:"
-  "distopt:--use-distributed-optimizer --overlap-grad-reduce"
-  "fsdp2:--use-torch-fsdp2"
-  "tp2sp:--tensor-model-parallel-size 2 --sequence-parallel"
-  "pp2:--pipeline-model-parallel-size 2"
-  "ep2:--num-experts 4 --expert-model-parallel-size 2"
-)
+# shellcheck source=tools/curve_runs.sh
+source "$(dirname "${BASH_SOURCE[0]}")/curve_runs.sh"
+BASE="$CURVE_BASE --train-iters 20 --save-interval 10"
+# the wrappers and parallel layouts (each stores its state differently); loss_curves.sh has all eight
+RUNS=("${CURVE_RUNS[@]:0:6}")
 port=${PORT:-29640}
 launch() {  # REPO LOG ARGS...
   local repo=$1 log=$2; shift 2

@@ -38,6 +38,7 @@ from .comm import build_communicator
 from .config import DistributedDataParallelConfig
 from .finalize import fsdp2_reduction
 from .fsdp2_units import UnitSpec, select_fsdp_units
+from .nan_check import flagged_ranks
 from .wrappers import model_wrapper
 
 _log = logging.getLogger(__name__)
@@ -349,10 +350,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         so no rank runs on into a collective the others never join."""
         bad = bool(local) and ext.has_nonfinite(local)
         # On the mesh's device type: NCCL reduces CUDA tensors only.
-        flags = torch.zeros(self.comm.world_size, dtype=torch.float32, device=self.mesh.device_type)
-        flags[self.comm.rank] = float(bad)
-        self.comm.all_reduce(flags, "sum")
-        ranks = [r for r, f in enumerate(flags.tolist()) if f > 0]
+        ranks = flagged_ranks(self.comm, float(bad), self.mesh.device_type)
         if not ranks:
             return
         names = [

@@ -5,7 +5,7 @@ the others never join. The per-bucket flags are queued on the device during back
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,17 +35,24 @@ def nonfinite_detail(checked: Sequence[Tuple[object, torch.Tensor]], dp_rank: in
     return None
 
 
+def flagged_ranks(comm, flag, device) -> List[int]:
+    """One all-reduce over ``comm``: the ranks whose ``flag`` (a number or 0-d tensor) is
+    nonzero, known to every rank. One slot per rank rather than a single OR, so every rank can
+    name the ranks that failed."""
+    flags = torch.zeros(comm.world_size, dtype=torch.float32, device=device)
+    flags[comm.rank] = flag
+    comm.all_reduce(flags, "sum")
+    return [r for r, f in enumerate(flags.tolist()) if f > 0]
+
+
 def agree_on_nan(comm, checked, device: torch.device, *, where: str, dp_rank: int) -> None:
     """One flag all-reduce over ``comm`` (the wrapper's communicator): ``checked`` holds this
     rank's (bucket, device flag) pairs of the step; a flag on any rank raises RuntimeError on
     every rank, naming the ranks (``where`` says which numbering) and, on the flagged rank,
     the bucket and parameter."""
-    # One slot per rank rather than a single OR: the sum tells every rank which ranks failed.
-    flags = torch.zeros(comm.world_size, dtype=torch.float32, device=device)
-    if checked:  # device-side sum of the bucket flags: the one host sync is tolist() below
-        flags[comm.rank] = torch.stack([f for _, f in checked]).sum()
-    comm.all_reduce(flags, "sum")
-    ranks = [r for r, f in enumerate(flags.tolist()) if f > 0]
+    # device-side sum of the bucket flags: the one host sync is in flagged_ranks
+    flag = torch.stack([f for _, f in checked]).sum() if checked else 0.0
+    ranks = flagged_ranks(comm, flag, device)
     if ranks:
         detail = nonfinite_detail(checked, dp_rank)
         detail = detail or "this rank's gradients are finite; see the named rank's error"

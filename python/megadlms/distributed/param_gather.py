@@ -91,10 +91,7 @@ class ParamGather:
 
     def finish(self) -> None:
         """Wait for every gather in flight: afterwards every parameter holds its new value."""
-        for bucket in self.buckets:
-            if bucket.gather_handle is not None:
-                bucket.gather_handle.wait()
-                bucket.gather_handle = None
+        _wait(self.buckets)
         self._in_flight.clear()
 
     def check_read(self, param: torch.nn.Parameter) -> None:
@@ -113,10 +110,7 @@ class ParamGather:
         self._unguarded.clear()
 
     def _pre_hook(self, module, args, params, buckets) -> None:
-        for bucket in buckets:
-            if bucket.gather_handle is not None:
-                bucket.gather_handle.wait()
-                bucket.gather_handle = None
+        _wait(buckets)
         self._in_flight.difference_update(params)
 
     def _post_hook(self, module, args, output) -> None:
@@ -137,3 +131,11 @@ class ParamGather:
             hook = functools.partial(self._pre_hook, params=mine, buckets=buckets)
             self.hooks.append(reader.register_forward_pre_hook(hook))
         self.hooks.append(module.register_forward_hook(self._post_hook))
+
+
+def _wait(buckets) -> None:
+    """Wait for the gathers of ``buckets`` still in flight (each handle waited once)."""
+    for bucket in buckets:
+        if bucket.gather_handle is not None:
+            bucket.gather_handle.wait()
+            bucket.gather_handle = None
