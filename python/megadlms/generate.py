@@ -53,18 +53,27 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_for_inference(path: str, device: Optional[torch.device] = None):
-    """(model in eval mode, tokenizer, common.json dict) from a checkpoint path."""
+def load_for_inference(path: str, device: Optional[torch.device] = None, *, prefer_fp32_params: bool = True):
+    """(model in eval mode, tokenizer, common.json dict) from a checkpoint path.
+
+    ``prefer_fp32_params``: a bf16/fp16 run's exact fp32 main params where the checkpoint
+    has them (False: its stored, rounded weights)."""
 
     ckpt, common = open_checkpoint(path)
     # Model and tokenizer come from the checkpoint's own records, never from flag names.
     mcfg = common["model_config"]
     model = GPTModel(TransformerConfig.from_dict(mcfg))
     # No layout: one process reads the full tensors whatever tp / pp / ep / dp saved them.
-    load_model_state(ckpt, model, model_config=mcfg)
+    load_model_state(ckpt, model, model_config=mcfg, prefer_fp32_params=prefer_fp32_params)
     tokenizer = TokenizerConfig.from_dict(tokenizer_record(common)).build()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval(), tokenizer, common
+
+
+def unpadded_vocab_size(tokenizer, common: dict) -> int:
+    """The vocabulary before Megatron's padding: --vocab-size when the run set it, else the
+    tokenizer's size (the rows past it pad the embedding and are never tokens)."""
+    return int(tokenizer_record(common).get("vocab_size") or tokenizer.vocab_size)
 
 
 @torch.no_grad()
@@ -130,6 +139,7 @@ def generate_text(
             remasking=remasking,
             cfg_scale=cfg_scale,
             seed=seed,
+            vocab_size=unpadded_vocab_size(tokenizer, common),
         )
     return [tokenizer.detokenize(row[len(ids) :].tolist()) for row in out.cpu()]
 

@@ -14,6 +14,8 @@ ROPE_SWIGLU = dict(
     add_bias_linear=False,
     qk_layernorm=True,
     num_query_groups=2,
+    # Room for MegaDLMs' dlm_inference.py call: its prompt + 256 new tokens.
+    max_position_embeddings=288,
 )
 LEARNED_GELU = dict(
     position_embedding_type="learned_absolute",
@@ -55,3 +57,14 @@ def rope_swiglu_ckpt(tmp_path_factory):
     shared by the tests that only read it (export, sampler, lm-eval)."""
     root = tmp_path_factory.mktemp("rope_swiglu") / "ck"
     return root, save_tiny(root, tiny_config(**ROPE_SWIGLU))
+
+
+@pytest.fixture(scope="session")
+def rope_swiglu_export(tmp_path_factory, rope_swiglu_ckpt):
+    """(export dir, model): the shared checkpoint exported once (default dtype, one file)."""
+    from megadlms.hf.export import export_hf
+
+    ck, ours = rope_swiglu_ckpt
+    out = tmp_path_factory.mktemp("rope_swiglu_export")
+    export_hf(str(ck), str(out))
+    return out, ours

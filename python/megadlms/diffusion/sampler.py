@@ -67,13 +67,15 @@ def generate(
     cfg_scale: float = 0.0,
     generator: Optional[torch.Generator] = None,
     seed: Optional[int] = None,
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """Complete ``prompt`` int64 [b, P] with ``gen_length`` tokens -> int64 [b, P + gen_length].
 
     ``model(x) -> logits [b, S, V]`` must be a bidirectional mask predictor. Randomness
     (temperature > 0 or random remasking) comes from ``generator`` or a generator seeded with
     ``seed`` (default 0), so a call is reproducible. The model is run in eval mode and its
-    training flag restored afterwards.
+    training flag restored afterwards. ``vocab_size``: logits past it (Megatron's padding
+    rows, never tokens) are dropped, as the Hugging Face export drops those rows.
     """
     if prompt.dim() != 2:
         raise ValueError(f"prompt must be int64 [batch, length], got shape {tuple(prompt.shape)}")
@@ -95,9 +97,9 @@ def generate(
         raise ValueError(f"temperature ({temperature}) and cfg_scale ({cfg_scale}) must be >= 0")
     # ``model`` is the plain model (unwrap wrappers with megadlms.distributed.unwrap_model);
     # a model without a config is still checked against its logits below.
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
-    if vocab_size is not None and not 0 <= mask_token_id < vocab_size:
-        raise ValueError(f"mask_token_id {mask_token_id} is outside the model's vocabulary of {vocab_size}")
+    model_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if model_vocab is not None and not 0 <= mask_token_id < model_vocab:
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the model's vocabulary of {model_vocab}")
     device = prompt.device
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)
@@ -124,6 +126,8 @@ def generate(
                     logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
                 else:
                     logits = model(x)
+                if vocab_size is not None:
+                    logits = logits[..., :vocab_size]
                 if not 0 <= mask_token_id < logits.shape[-1]:
                     raise ValueError(
                         f"mask_token_id {mask_token_id} is outside "

@@ -1,12 +1,24 @@
-"""``megadlms-export-hf --load CKPT --output DIR [--dtype bf16]``: a megadlms checkpoint as a
-Hugging Face model directory.
+"""``megadlms-export-hf --load CKPT --output DIR [--dtype auto|fp32|bf16|fp16]``: a megadlms
+checkpoint as a Hugging Face model directory.
 
 DIR receives ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards with
 ``model.safetensors.index.json``), ``config.json`` (``model_type`` "megadlms", ``auto_map``
-to the bundled ``modeling_megadlms.py``, ``mask_token_id``), ``generation_config.json``
-(the sampler settings), the modeling file and the tokenizer files. Load it with
+to the bundled ``modeling_megadlms.py`` for AutoConfig, AutoModel, AutoModelForCausalLM and
+AutoModelForMaskedLM, ``mask_token_id``), ``generation_config.json`` (the sampler
+settings), the modeling and sampler files and the tokenizer files. Load it as MegaDLMs'
+examples/dlm_generation/dlm_inference.py does:
 
-    AutoModel.from_pretrained(DIR, trust_remote_code=True)
+    AutoModelForCausalLM.from_pretrained(DIR, torch_dtype="auto", trust_remote_code=True)
+
+Vocabulary: ``vocab_size`` is the run's vocabulary before Megatron's padding (--vocab-size,
+else the tokenizer's size; MegaDLMs' hf_configs write 50289 for its GPT-NeoX tokenizer):
+the padding rows (whose number depends on --make-vocab-size-divisible-by and the tensor
+parallel size) are dropped, so dp and tp checkpoints of the same weights export the same
+files. Precision: ``--dtype auto`` (default) writes the weights as the run stored them (bf16
+for a --bf16 run: MegaDLMs' conversion writes the bf16 model weights too), so a direct
+export and one of a --ckpt-convert-format copy are identical; ``--dtype fp32`` writes a
+mixed-precision run's exact fp32 main parameters where the checkpoint has them (a
+conversion without optimizer state keeps only the bf16 weights).
 
 The checkpoint may be of either format (torch_dist, torch), from any wrapper and any
 data-parallel size: it is read by ``megadlms.checkpoint.load_model_state``, the loader every
@@ -24,15 +36,17 @@ from typing import Dict, Optional, Sequence
 
 import torch
 
-from megadlms.checkpoint import tokenizer_record
-from megadlms.generate import load_for_inference
+from megadlms.checkpoint import open_checkpoint, tensor_shapes, tokenizer_record
+from megadlms.generate import load_for_inference, unpadded_vocab_size
 from megadlms.models import TransformerConfig
 
 from .mapping import megadlms_to_hf
 from .tokenizer_files import write_tokenizer_files
 
-MODELING_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote", "modeling_megadlms.py")
+REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
+REMOTE_FILES = ("modeling_megadlms.py", "generation_megadlms.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EMBEDDING_KEY = "model/embedding.word_embeddings.weight"
 
 
 def hf_config(cfg: TransformerConfig, special: Dict[str, Optional[int]], dtype: torch.dtype) -> dict:
@@ -43,9 +57,11 @@ def hf_config(cfg: TransformerConfig, special: Dict[str, Optional[int]], dtype: 
         "auto_map": {
             "AutoConfig": "modeling_megadlms.MegaDLMsConfig",
             "AutoModel": "modeling_megadlms.MegaDLMsModelLM",
+            # MegaDLMs' dlm_inference.py loads through AutoModelForCausalLM.
+            "AutoModelForCausalLM": "modeling_megadlms.MegaDLMsModelLM",
             "AutoModelForMaskedLM": "modeling_megadlms.MegaDLMsModelLM",
         },
-        # The padded size (Megatron's divisible-by rows): the embedding has that many rows, so HF must agree.
+        # Unpadded (cfg is the sliced config): the embedding rows of the export, layout-independent.
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.ffn_hidden_size,
@@ -70,6 +86,8 @@ def hf_config(cfg: TransformerConfig, special: Dict[str, Optional[int]], dtype: 
         "eos_token_id": special.get("eos_token_id"),
         "pad_token_id": special.get("pad_token_id"),
         "dtype": str(dtype).replace("torch.", ""),
+        # transformers < 4.56 reads torch_dtype="auto" from this key.
+        "torch_dtype": str(dtype).replace("torch.", ""),
         # The full config too: re-importing an export rebuilds it exactly, without the HF-name round trip.
         "megadlms_model_config": cfg.to_dict(),
     }
@@ -111,33 +129,57 @@ def save_safetensors(tensors: Dict[str, torch.Tensor], out_dir: str, max_shard_b
     return names
 
 
+def _weights_source(load: str, dtype: str):
+    """(torch dtype to write, read the fp32 main params?, words for the summary line)."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    ckpt, common = open_checkpoint(load)
+    shapes = tensor_shapes(ckpt, common)
+    stored = shapes[EMBEDDING_KEY][1] if EMBEDDING_KEY in shapes else torch.float32
+    target = stored if dtype == "auto" else DTYPES[dtype]
+    has_main = any(k.endswith("/fp32_param") for k in shapes)
+    # The main params only when the stored weights are less precise than what is asked for.
+    use_main = has_main and target != stored
+    name = str(stored).replace("torch.", "")
+    return target, use_main, "fp32 main params" if use_main else f"the stored {name} weights"
+
+
+def slice_vocab(tensors: Dict[str, torch.Tensor], vocab: int) -> Dict[str, torch.Tensor]:
+    """Drop Megatron's padding rows of the embedding and output layer (rows >= ``vocab``)."""
+    out = dict(tensors)
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name in out:
+            if out[name].shape[0] < vocab:
+                raise ValueError(f"{name} has {out[name].shape[0]} rows, fewer than the vocabulary's {vocab}")
+            out[name] = out[name][:vocab]
+    return out
+
+
 def export_hf(
     load: str,
     output: str,
     *,
-    dtype: str = "fp32",
+    dtype: str = "auto",
     max_shard_size_mb: int = 5000,
     steps: Optional[int] = None,
     gen_length: int = 128,
     block_length: Optional[int] = None,
 ) -> dict:
-    """Export checkpoint ``load`` to Hugging Face directory ``output``; returns config.json."""
+    """Export checkpoint ``load`` to Hugging Face directory ``output``; returns config.json
+    (with ``megadlms_source``: the checkpoint, iteration and which weights were written)."""
 
-    if dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    target, use_main, source = _weights_source(load, dtype)
     # The inference loader: any format, wrapper and dp, and the checkpoint's own tokenizer record.
-    model, tokenizer, common = load_for_inference(load, torch.device("cpu"))
-    cfg = model.config
+    model, tokenizer, common = load_for_inference(load, torch.device("cpu"), prefer_fp32_params=use_main)
+    vocab = unpadded_vocab_size(tokenizer, common)
+    cfg = TransformerConfig.from_dict({**model.config.to_dict(), "vocab_size": vocab})
     os.makedirs(output, exist_ok=True)
-    sd = {k: v.detach().to(DTYPES[dtype]) for k, v in model.state_dict().items()}
-    tensors = megadlms_to_hf(sd, cfg)
+    sd = {k: v.detach().to(target) for k, v in model.state_dict().items()}
+    tensors = slice_vocab(megadlms_to_hf(sd, model.config), vocab)
     save_safetensors(tensors, output, max_shard_size_mb * 1024 * 1024)
     record = tokenizer_record(common)
     special = write_tokenizer_files(tokenizer, record, output, cfg.max_position_embeddings)
-    config = hf_config(cfg, special, DTYPES[dtype])
-    config["megadlms_source"] = {"checkpoint": os.path.abspath(load), "iteration": common.get("iteration")}
-    with open(os.path.join(output, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    config = hf_config(cfg, special, target)
     generation = {
         # Default steps = gen_length: one token unmasked per step, the slowest, most careful schedule.
         "steps": steps or gen_length,
@@ -145,13 +187,24 @@ def export_hf(
         "block_length": block_length or gen_length,
         "cfg_scale": 0.0,
         "remasking": "low_confidence",
-        "mask_token_id": special.get("mask_token_id"),
-        "eos_token_id": special.get("eos_token_id"),
-        "pad_token_id": special.get("pad_token_id"),
     }
+    # In config.json too: transformers loads generation_config.json only for GenerationMixin models.
+    config["generation_defaults"] = generation
+    config["megadlms_source"] = {
+        "checkpoint": os.path.abspath(load),
+        "iteration": common.get("iteration"),
+        "weights": source,
+    }
+    with open(os.path.join(output, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
     with open(os.path.join(output, "generation_config.json"), "w") as f:
-        json.dump(generation, f, indent=2)
-    shutil.copyfile(MODELING_FILE, os.path.join(output, "modeling_megadlms.py"))
+        json.dump(
+            {**generation, **{k: special.get(k) for k in ("mask_token_id", "eos_token_id", "pad_token_id")}},
+            f,
+            indent=2,
+        )
+    for name in REMOTE_FILES:
+        shutil.copyfile(os.path.join(REMOTE_DIR, name), os.path.join(output, name))
     return config
 
 
@@ -159,7 +212,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="megadlms-export-hf", description=__doc__.split("\n\n")[0])
     p.add_argument("--load", required=True, help="checkpoint: a --save directory or one iter_* directory")
     p.add_argument("--output", required=True, help="Hugging Face model directory to write")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
+    p.add_argument(
+        "--dtype",
+        choices=["auto", *sorted(DTYPES)],
+        default="auto",
+        help="weight dtype; auto (default): as the run stored them (bf16 for --bf16); "
+        "fp32: a bf16 run's fp32 main params",
+    )
     p.add_argument("--max-shard-size-mb", type=int, default=5000, help="largest safetensors shard")
     p.add_argument("--gen-length", type=int, default=128, help="generation_config.json: tokens to generate")
     p.add_argument(
@@ -186,8 +245,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     print(
         f"exported {args.load} -> {args.output} ({config['num_hidden_layers']} layers, hidden "
-        f"{config['hidden_size']}, vocab {config['vocab_size']}, {config['attention']}, {args.dtype}, "
-        f"mask_token_id {config['mask_token_id']})"
+        f"{config['hidden_size']}, vocab {config['vocab_size']}, {config['attention']}, {config['dtype']} "
+        f"from {config['megadlms_source']['weights']}, mask_token_id {config['mask_token_id']})"
     )
     return 0
 

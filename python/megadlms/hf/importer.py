@@ -17,7 +17,12 @@ with ``mlp_bias``), SwiGLU MLP, tied or untied output layer. What is refused, wi
 reason: other activations, RoPE scaling (llama3, yarn, ...), sliding-window attention,
 biases on some linears but not others (other than Qwen2's q/k/v), unknown tensors.
 
-Vocabulary rows: the first min(ours, theirs) rows are copied. Rows ours has beyond the
+MegaDLMs' own exports (tools/weights_conversion/hf_configs: ``DiffLM`` / ``CausalLM`` with
+``configuration_dlm`` / ``configuration_ar``; Qwen3-like, qk-norm, no biases) map too,
+and so do megadlms exports of any version (``megadlms_model_config``).
+
+Vocabulary rows: the first min(ours, theirs) rows are copied (exports hold the unpadded
+vocabulary; the run re-pads it to its own --make-vocab-size-divisible-by and tp). Rows ours has beyond the
 HF vocabulary (Megatron's padding, an added [MASK]) and an added [MASK] row inside it
 start at the mean of the HF embedding rows of the real tokens (input and, when untied,
 output), as ``transformers``' ``resize_token_embeddings`` does; a mask token chosen among
@@ -79,6 +84,15 @@ def _rope_base(hf: dict, where: str) -> float:
     return int(base) if float(base).is_integer() else float(base)
 
 
+def megadlms_family(hf: dict) -> Optional[str]:
+    """ "dlm" / "ar" for a config.json written by MegaDLMs' megatron_to_hf_te.py, else None."""
+    auto_config = (hf.get("auto_map") or {}).get("AutoConfig", "")
+    for family in ("dlm", "ar"):
+        if auto_config.startswith(f"configuration_{family}."):
+            return family
+    return None
+
+
 def transformer_config_from_hf(
     hf: dict, where: str = "the Hugging Face model", *, seq_length: Optional[int] = None, **overrides
 ) -> TransformerConfig:
@@ -87,10 +101,22 @@ def transformer_config_from_hf(
     if kind == "megadlms":
         # Our own export: the recorded config is exact, no mapping of HF fields needed.
         d = dict(hf["megadlms_model_config"])
+        # The rows the files hold: the unpadded vocabulary (older exports: the padded one, same in both).
+        d["vocab_size"] = hf["vocab_size"]
         if seq_length:
             d["seq_length"] = seq_length
         d.update(overrides)
         return TransformerConfig.from_dict(d)
+    family = megadlms_family(hf)
+    if family is not None:
+        # MegaDLMs' DLMAttention / ARAttention: per-head q/k RMSNorm, no bias anywhere; its own mask type.
+        kind = "qwen2"
+        overrides = {
+            "qk_layernorm": True,
+            "add_qkv_bias": False,
+            "attention": "causal" if hf.get("attn_mask_type") == "causal" else "bidirectional",
+            **overrides,
+        }
     if kind not in SUPPORTED:
         raise ValueError(f"{where}: model_type {kind!r} is not supported; megadlms imports {SUPPORTED}")
     if hf.get("hidden_act", "silu") != "silu":
@@ -98,8 +124,8 @@ def transformer_config_from_hf(
     if kind == "qwen2" and hf.get("use_sliding_window"):
         raise ValueError(f"{where}: sliding-window attention (use_sliding_window) cannot be mapped")
     if kind == "qwen2":
-        # Qwen2 always has q/k/v biases and none elsewhere, whatever its config says.
-        bias, qkv_bias = False, True
+        # Qwen2 always has q/k/v biases and none elsewhere, whatever its config says (MegaDLMs': none).
+        bias, qkv_bias = False, family is None
     else:
         attn_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
         if attn_bias != mlp_bias:

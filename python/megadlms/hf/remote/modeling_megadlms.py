@@ -1,14 +1,18 @@
 """Hugging Face modeling file of a megadlms export (loaded with ``trust_remote_code=True``).
 
-Self-contained on purpose: it needs only torch and transformers, so an exported directory
-works without megadlms installed. The network is megadlms' GPTModel (pre-norm transformer,
-LayerNorm or RMSNorm, RoPE or learned positions, SwiGLU or GeLU MLP, optional qk-norm,
-grouped-query attention), run bidirectionally (a masked-diffusion LM) or causally, with
-Llama-style parameter names (``model.layers.0.self_attn.q_proj.weight``, ...).
+Self-contained on purpose: it needs only torch and transformers (and the sampler next to
+it, ``generation_megadlms.py``), so an exported directory works without megadlms
+installed. The network is megadlms' GPTModel (pre-norm transformer, LayerNorm or RMSNorm,
+RoPE or learned positions, SwiGLU or GeLU MLP, optional qk-norm, grouped-query
+attention), run bidirectionally (a masked-diffusion LM) or causally, with Llama-style
+parameter names (``model.layers.0.self_attn.q_proj.weight``, ...).
 
-``MegaDLMsModelLM.generate(input_ids, steps, gen_length, block_length, temperature,
-cfg_scale, remasking)`` is LLaDA's semi-autoregressive sampler; at temperature 0 it gives
-the tokens ``megadlms-generate`` gives.
+``MegaDLMsModelLM`` is registered for AutoModel, AutoModelForCausalLM (what MegaDLMs'
+dlm_inference.py loads) and AutoModelForMaskedLM. Its ``generate`` is LLaDA's sampler,
+taking MegaDLMs' argument names or LLaDA's (see generation_megadlms.py); at temperature 0
+it gives the tokens ``megadlms-generate`` gives. Attention always runs through torch's
+scaled_dot_product_attention: ``attn_implementation="flash_attention_2"`` (MegaDLMs'
+script) is accepted and maps to it, with one warning.
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import MaskedLMOutput
+from transformers.utils import logging
+
+from .generation_megadlms import IGNORED, diffusion_generate, resolve
+
+logger = logging.get_logger(__name__)
 
 
 class MegaDLMsConfig(PretrainedConfig):
@@ -164,6 +173,19 @@ class MegaDLMsPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["MegaDLMsLayer"]
     _supports_sdpa = True
+    # Accepted so that attn_implementation="flash_attention_2" loads (MegaDLMs' script asks for it); the
+    # attention is SDPA whatever is requested (see _check_and_adjust_attn_implementation).
+    _supports_flash_attn = True
+    _supports_flash_attn_2 = True
+
+    def _check_and_adjust_attn_implementation(self, attn_implementation, *args, **kwargs):
+        if attn_implementation not in (None, "sdpa"):
+            logger.warning_once(
+                f"megadlms export: attn_implementation={attn_implementation!r} runs as torch SDPA "
+                "(its flash kernel on GPU when a batch is unpadded); the numerics are SDPA's"
+            )
+        # Never flash_attn itself: it is not needed (and often not installed) for SDPA.
+        return super()._check_and_adjust_attn_implementation("sdpa", *args, **kwargs)
 
     def _init_weights(self, module):
         std = getattr(self.config, "initializer_range", 0.02)
@@ -191,7 +213,11 @@ class MegaDLMsModel(MegaDLMsPreTrainedModel):
 
     def forward(self, input_ids, attention_mask=None, position_ids=None):
         B, S = input_ids.shape
-        if position_ids is None:
+        if position_ids is None and attention_mask is not None:
+            # MegaDLMs' rule: positions count from each row's first token, so left padding shifts nothing.
+            position_ids = attention_mask.to(torch.int64).cumsum(-1) - 1
+            position_ids = position_ids.masked_fill(attention_mask == 0, 1)
+        elif position_ids is None:
             position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
         x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
@@ -212,8 +238,8 @@ class MegaDLMsModel(MegaDLMsPreTrainedModel):
 
 
 class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
-    """The language model: ``forward(input_ids, attention_mask=None) -> .logits [B, S, V]``
-    over the padded vocabulary, and LLaDA's ``generate``."""
+    """The language model: ``forward(input_ids, attention_mask=None, position_ids=None)
+    -> .logits [B, S, V]`` over the tokenizer's vocabulary, and LLaDA's ``generate``."""
 
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
@@ -240,90 +266,67 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
     def generate(
         self,
         input_ids: torch.Tensor,
-        steps: Optional[int] = None,
-        gen_length: Optional[int] = None,
-        block_length: Optional[int] = None,
-        temperature: Optional[float] = None,
-        cfg_scale: Optional[float] = None,
-        remasking: Optional[str] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        *,
         mask_id: Optional[int] = None,
         seed: int = 0,
         generator: Optional[torch.Generator] = None,
+        verbose: bool = False,
+        **kwargs,
     ) -> torch.Tensor:
-        """LLaDA's sampler: complete ``input_ids`` [b, P] with ``gen_length`` tokens in
-        blocks of ``block_length``, ``steps`` denoising steps in all. Returns [b, P + gen_length].
+        """Complete (left-padded) ``input_ids`` [b, P] -> [b, P + gen_length] with LLaDA's sampler.
 
-        At each step every position is predicted, a token drawn (argmax at temperature 0,
-        Gumbel-max in float64 otherwise; never [MASK]), and in the current block the masked
-        positions with the highest confidence are committed: the model's probability of the
-        drawn token under the unmodified softmax ("low_confidence", LLaDA) or a uniform
-        draw ("random"). ``cfg_scale``: classifier-free guidance against a copy with the
-        prompt masked. Randomness comes from ``generator`` or one seeded with ``seed``.
-        Arguments left None take the export's generation_config.json values.
+        Keyword arguments under MegaDLMs' names (``sample_steps``, ``inference_block_size``,
+        ``max_new_tokens`` or ``max_length``, ``cfg``, ``remasking``, ``temperature``,
+        ``top_p``, a ``generation_config``) or LLaDA's (``steps``, ``gen_length``,
+        ``block_length``, ``temperature``, ``cfg_scale``, ``remasking``, ``mask_id``); see
+        generation_megadlms.py. Unset: the export's defaults (config.json
+        ``generation_defaults``), then temperature 0, and the model's positions after the
+        prompt as MegaDLMs. ``verbose``: one line per finished block on stderr.
         """
-        gen = getattr(self, "generation_config", None)
-
-        def default(name, fallback):
-            return getattr(gen, name, None) if getattr(gen, name, None) is not None else fallback
-
-        gen_length = gen_length or default("gen_length", 128)
-        steps = steps or default("steps", gen_length)
-        block_length = block_length or default("block_length", gen_length)
-        temperature = default("temperature", 0.0) if temperature is None else temperature
-        cfg_scale = default("cfg_scale", 0.0) if cfg_scale is None else cfg_scale
-        remasking = remasking or default("remasking", "low_confidence")
+        unknown = sorted(k for k in kwargs if k not in IGNORED and k not in _GENERATE_NAMES)
+        if unknown:
+            logger.warning_once(f"megadlms export: generate ignores {unknown}")
         mask_id = self.config.mask_token_id if mask_id is None else mask_id
         if mask_id is None:
             raise ValueError("generate needs the [MASK] id: the config has no mask_token_id; pass mask_id")
         if self.config.attention != "bidirectional":
             raise ValueError("generate is the diffusion sampler: this export is a causal model")
-        if gen_length % block_length:
-            raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
-        num_blocks = gen_length // block_length
-        if steps % num_blocks:
-            raise ValueError(f"steps ({steps}) must be a multiple of gen_length/block_length = {num_blocks}")
-        if remasking not in ("low_confidence", "random"):
-            raise ValueError(f"remasking must be 'low_confidence' or 'random', got {remasking!r}")
-        device = input_ids.device
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"generate: input_ids must be [batch, length], got shape {tuple(input_ids.shape)}"
+            )
+        defaults = getattr(self.config, "generation_defaults", None) or {}
+        args = {k: v for k, v in kwargs.items() if k in _GENERATE_NAMES}
+        s = resolve(args, defaults, input_ids.shape[1], self.config.max_position_embeddings)
+        total = input_ids.shape[1] + s["gen_length"]
+        if self.config.position_embedding_type != "rope" and total > self.config.max_position_embeddings:
+            raise ValueError(
+                f"generate: prompt + new tokens = {total} exceeds the {self.config.max_position_embeddings} "
+                "learned positions; generate fewer tokens"
+            )
         if generator is None:
-            generator = torch.Generator(device=device).manual_seed(seed)
-        b, P = input_ids.shape
-        x = torch.full((b, P + gen_length), mask_id, dtype=torch.int64, device=device)
-        x[:, :P] = input_ids
-        prompt_index = x != mask_id
-        steps_per_block = steps // num_blocks
-        for block in range(num_blocks):
-            start, end = P + block * block_length, P + (block + 1) * block_length
-            num = (x[:, start:end] == mask_id).sum(dim=1, keepdim=True)
-            ids = torch.arange(steps_per_block, device=device)[None, :]
-            num_transfer = num // steps_per_block + (ids < num % steps_per_block).to(torch.int64)
-            for step in range(steps_per_block):
-                mask_index = x == mask_id
-                if cfg_scale > 0:
-                    uncond = x.clone()
-                    uncond[prompt_index] = mask_id
-                    cond, unc = self(torch.cat([x, uncond])).logits.chunk(2)
-                    logits = unc + (cfg_scale + 1) * (cond - unc)
-                else:
-                    logits = self(x).logits
-                drawable = logits.clone()
-                drawable[..., mask_id] = float("-inf")  # a committed position never holds [MASK]
-                if temperature > 0:
-                    noisy = drawable.to(torch.float64)
-                    u = torch.rand(noisy.shape, dtype=torch.float64, device=device, generator=generator)
-                    drawable = noisy.exp() / (-torch.log(u)) ** temperature
-                x0 = drawable.argmax(dim=-1)
-                if remasking == "low_confidence":
-                    probs = F.softmax(logits.to(torch.float64), dim=-1)
-                    conf = probs.gather(-1, x0[..., None]).squeeze(-1)
-                else:
-                    conf = torch.rand(x0.shape, dtype=torch.float64, device=device, generator=generator)
-                conf[:, end:] = float("-inf")
-                x0 = torch.where(mask_index, x0, x)
-                conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
-                transfer = torch.zeros_like(mask_index)
-                for j, k in enumerate(num_transfer[:, step].tolist()):
-                    if k > 0:
-                        transfer[j, torch.topk(conf[j], k).indices] = True
-                x = torch.where(transfer, x0, x)
-        return x
+            generator = torch.Generator(device=input_ids.device).manual_seed(seed)
+        was_training = self.training
+        self.eval()
+        try:
+            return diffusion_generate(self, input_ids, attention_mask, s, mask_id, generator, verbose)
+        finally:
+            self.train(was_training)
+
+
+_GENERATE_NAMES = (
+    "steps",
+    "gen_length",
+    "block_length",
+    "temperature",
+    "cfg_scale",
+    "remasking",
+    "top_p",
+    "sample_steps",
+    "inference_block_size",
+    "max_new_tokens",
+    "max_length",
+    "cfg",
+    "generation_config",
+)

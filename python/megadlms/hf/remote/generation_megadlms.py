@@ -1,0 +1,198 @@
+"""The diffusion sampler of a megadlms export (``MegaDLMsModelLM.generate``); torch only.
+
+LLaDA's semi-autoregressive low-confidence remasking (Nie et al. 2025, their generate.py),
+called with either project's argument names:
+
+=====================  =====================  ==============================================
+MegaDLMs               LLaDA                  meaning
+=====================  =====================  ==============================================
+``sample_steps``       ``steps``              denoising steps in all (split over the blocks)
+``max_new_tokens``     ``gen_length``         tokens to generate (or ``max_length`` - prompt)
+``inference_block_size`` ``block_length``     semi-autoregressive block length
+``cfg``                ``cfg_scale``          classifier-free guidance scale
+``remasking``          ``remasking``          "low_confidence" or "random"
+``temperature``        ``temperature``        0: argmax; > 0: sample softmax(logits / T)
+``top_p``              (none)                 nucleus filter of the logits before sampling
+(config)               ``mask_id``            the [MASK] id (default: config.mask_token_id)
+=====================  =====================  ==============================================
+
+Batches are left-padded with an ``attention_mask`` (1 = token): positions count from each
+row's first token (MegaDLMs' ``cumsum - 1``) and padding is masked out of attention, so a
+row's completion does not depend on the other rows (greedy and deterministic settings).
+Sampling at temperature T draws from softmax(logits / T) after the top-p filter (MegaDLMs'
+order); Gumbel-max in float64 (LLaDA) with ``generator`` or one seeded with ``seed``, so
+a call is reproducible. [MASK] is excluded from the draw (as ``megadlms-generate``).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+# MegaDLMs' name -> LLaDA's (the sampler's own names).
+ALIASES = {
+    "sample_steps": "steps",
+    "inference_block_size": "block_length",
+    "max_new_tokens": "gen_length",
+    "cfg": "cfg_scale",
+}
+REMASKING = ("low_confidence", "random")
+# Generation arguments of HF's generate that change nothing in a fixed-length diffusion sampler.
+IGNORED = ("token_type_ids", "do_sample", "use_cache", "pad_token_id", "eos_token_id", "bos_token_id")
+
+
+def _pick(explicit: dict, llada: str, megadlms: Optional[str]):
+    """The value given under either name (an error when both are given and differ)."""
+    a, b = explicit.get(llada), explicit.get(megadlms) if megadlms else None
+    if a is not None and b is not None and a != b:
+        raise ValueError(f"generate: {llada}={a!r} and {megadlms}={b!r} disagree; pass one of them")
+    return a if a is not None else b
+
+
+def resolve(args: dict, defaults: dict, prompt_len: int, max_positions: int) -> dict:
+    """Sampler settings from generate()'s keyword arguments ``args`` (either name set, or a
+    ``generation_config`` object) over the export's ``defaults`` (config.json)."""
+    gen_cfg = args.pop("generation_config", None)
+    if gen_cfg is not None:
+        # A GenerationConfig the caller built (MegaDLMs reads temperature / top_p from it); kwargs win.
+        for key in ("temperature", "top_p", "max_new_tokens", "max_length"):
+            if args.get(key) is None and getattr(gen_cfg, key, None) is not None:
+                args[key] = getattr(gen_cfg, key)
+    reverse = {v: k for k, v in ALIASES.items()}
+    out = {}
+    for name in ("steps", "gen_length", "block_length", "cfg_scale", "remasking", "temperature", "top_p"):
+        out[name] = _pick(args, name, reverse.get(name))
+    if out["gen_length"] is None and args.get("max_length") is not None:
+        out["gen_length"] = int(args["max_length"]) - prompt_len  # HF: max_length counts the prompt
+    for name, fallback in (("gen_length", None), ("cfg_scale", 0.0), ("remasking", "low_confidence")):
+        if out[name] is None:
+            out[name] = defaults.get(name, fallback)
+    if out["gen_length"] is None:
+        # MegaDLMs' default: fill the model's positions after the prompt.
+        out["gen_length"] = max_positions - prompt_len
+    out["steps"] = out["steps"] or defaults.get("steps") or out["gen_length"]
+    out["block_length"] = out["block_length"] or defaults.get("block_length") or out["gen_length"]
+    out["temperature"] = 0.0 if out["temperature"] is None else float(out["temperature"])
+    out["top_p"] = 1.0 if out["top_p"] is None else float(out["top_p"])
+    _check(out)
+    return out
+
+
+def _check(s: dict) -> None:
+    gen, block, steps = s["gen_length"], s["block_length"], s["steps"]
+    if gen <= 0 or block <= 0 or steps <= 0:
+        raise ValueError(f"generate: gen_length ({gen}), block_length ({block}), steps ({steps}) must be > 0")
+    if gen % block:
+        raise ValueError(
+            f"generate: gen_length / max_new_tokens ({gen}) must be a multiple of block_length ({block})"
+        )
+    if steps % (gen // block):
+        raise ValueError(
+            f"generate: steps ({steps}) must be a multiple of gen_length/block_length = {gen // block}"
+        )
+    if s["remasking"] not in REMASKING:
+        raise ValueError(f"generate: remasking must be one of {REMASKING}, got {s['remasking']!r}")
+    if s["temperature"] < 0 or s["cfg_scale"] < 0 or not 0 < s["top_p"] <= 1:
+        raise ValueError(
+            f"generate: temperature ({s['temperature']}) and cfg ({s['cfg_scale']}) must be >= 0, "
+            f"top_p ({s['top_p']}) in (0, 1]"
+        )
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Logits outside the smallest set of most likely tokens holding ``top_p`` of the
+    probability set to -inf (the most likely token always stays; HF's TopPLogitsWarper)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    # Mass strictly above each token: a token goes once the more likely ones already reach top_p.
+    above = probs.cumsum(dim=-1) - probs
+    drop = torch.zeros_like(above, dtype=torch.bool).scatter(-1, order, above >= top_p)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def draw(logits: torch.Tensor, s: dict, mask_id: int, generator: torch.Generator) -> torch.Tensor:
+    """x0 per position: argmax (T = 0) or a sample of softmax(top_p(logits) / T)."""
+    scores = logits.clone()
+    scores[..., mask_id] = float("-inf")  # a committed position never holds [MASK]
+    if s["temperature"] == 0:
+        return scores.argmax(dim=-1)
+    scores = top_p_filter(scores.to(torch.float64), s["top_p"])
+    u = torch.rand(scores.shape, dtype=torch.float64, device=scores.device, generator=generator)
+    # Gumbel-max in product form (LLaDA): argmax of exp(l) / (-log u)^T samples softmax(l / T).
+    return (scores.exp() / (-torch.log(u)) ** s["temperature"]).argmax(dim=-1)
+
+
+def _num_transfer(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """[b, steps] tokens to commit per step: each row's masks spread evenly, remainder first."""
+    num = block_mask.sum(dim=1, keepdim=True)
+    ids = torch.arange(steps, device=block_mask.device)[None, :]
+    return num // steps + (ids < num % steps).to(torch.int64)
+
+
+def _logits(model, x, keep, position_ids, prompt_index, s, mask_id):
+    # The mask only when a row is padded: an unpadded batch runs the plain attention path.
+    mask = None if bool(keep.all()) else keep.to(torch.int64)
+    if s["cfg_scale"] <= 0:
+        return model(x, attention_mask=mask, position_ids=position_ids).logits
+    uncond = x.clone()
+    uncond[prompt_index] = mask_id
+    both = model(
+        torch.cat([x, uncond]),
+        attention_mask=None if mask is None else torch.cat([mask, mask]),
+        position_ids=torch.cat([position_ids, position_ids]),
+    ).logits
+    cond, unc = both.chunk(2)
+    return unc + (s["cfg_scale"] + 1) * (cond - unc)
+
+
+@torch.no_grad()
+def diffusion_generate(model, prompt, attention_mask, s: dict, mask_id: int, generator, verbose=False):
+    """Complete left-padded ``prompt`` [b, P] -> [b, P + gen_length] (settings ``s``)."""
+    b, P = prompt.shape
+    gen, block_len = s["gen_length"], s["block_length"]
+    device = prompt.device
+    if attention_mask is None:
+        attention_mask = torch.ones_like(prompt)
+    keep = torch.cat(
+        [attention_mask.to(device).bool(), torch.ones(b, gen, dtype=torch.bool, device=device)], 1
+    )
+    position_ids = keep.to(torch.int64).cumsum(-1) - 1
+    position_ids.masked_fill_(~keep, 1)  # padding: any position, it is never attended to
+    x = torch.full((b, P + gen), mask_id, dtype=torch.int64, device=device)
+    x[:, :P] = prompt
+    # Padding is never a position to fill, even when its id is the [MASK] id.
+    prompt_index = (x != mask_id) | ~keep
+    num_blocks = gen // block_len
+    steps = s["steps"] // num_blocks
+    for block in range(num_blocks):
+        start, end = P + block * block_len, P + (block + 1) * block_len
+        num_transfer = _num_transfer(x[:, start:end] == mask_id, steps)
+        for step in range(steps):
+            mask_index = (x == mask_id) & keep
+            logits = _logits(model, x, keep, position_ids, prompt_index, s, mask_id)
+            x0 = draw(logits, s, mask_id, generator)
+            if s["remasking"] == "low_confidence":
+                conf = F.softmax(logits.to(torch.float64), dim=-1).gather(-1, x0[..., None]).squeeze(-1)
+            else:
+                conf = torch.rand(x0.shape, dtype=torch.float64, device=device, generator=generator)
+            conf[:, end:] = float("-inf")  # later blocks wait their turn
+            x0 = torch.where(mask_index, x0, x)
+            conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
+            transfer = torch.zeros_like(mask_index)
+            # Row by row: rows may commit different numbers of tokens.
+            for j, k in enumerate(num_transfer[:, step].tolist()):
+                if k > 0:
+                    transfer[j, torch.topk(conf[j], k).indices] = True
+            x = torch.where(transfer, x0, x)
+        if verbose:
+            left = int(((x[:, start:end] == mask_id) & keep[:, start:end]).sum())
+            print(
+                f"generate: block {block + 1}/{num_blocks} done ({steps} steps, {left} masks left)",
+                file=sys.stderr,
+            )
+    return x
