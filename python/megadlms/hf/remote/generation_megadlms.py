@@ -67,14 +67,17 @@ def resolve(args: dict, defaults: dict, prompt_len: int, max_positions: int) -> 
         out[name] = _pick(args, name, reverse.get(name))
     if out["gen_length"] is None and args.get("max_length") is not None:
         out["gen_length"] = int(args["max_length"]) - prompt_len  # HF: max_length counts the prompt
-    for name, fallback in (("gen_length", None), ("cfg_scale", 0.0), ("remasking", "low_confidence")):
+    # The export's steps / block length belong to its gen_length: a caller's own length gets
+    # one token per step in one block unless it says otherwise.
+    stored = defaults if out["gen_length"] is None else {}
+    for name, fallback in (("cfg_scale", 0.0), ("remasking", "low_confidence")):
         if out[name] is None:
             out[name] = defaults.get(name, fallback)
     if out["gen_length"] is None:
-        # MegaDLMs' default: fill the model's positions after the prompt.
-        out["gen_length"] = max_positions - prompt_len
-    out["steps"] = out["steps"] or defaults.get("steps") or out["gen_length"]
-    out["block_length"] = out["block_length"] or defaults.get("block_length") or out["gen_length"]
+        # MegaDLMs' default without a stored one: fill the model's positions after the prompt.
+        out["gen_length"] = stored.get("gen_length") or max_positions - prompt_len
+    out["steps"] = out["steps"] or stored.get("steps") or out["gen_length"]
+    out["block_length"] = out["block_length"] or stored.get("block_length") or out["gen_length"]
     out["temperature"] = 0.0 if out["temperature"] is None else float(out["temperature"])
     out["top_p"] = 1.0 if out["top_p"] is None else float(out["top_p"])
     _check(out)
