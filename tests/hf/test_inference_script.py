@@ -3,6 +3,7 @@ order, with its arguments (device cpu instead of cuda), offline; then the proper
 script relies on: left-padded batches, both argument-name sets, top_p, the unpadded
 vocabulary and one precision for direct and converted exports."""
 
+import importlib
 import json
 import os
 import types
@@ -105,7 +106,8 @@ def test_top_p_and_temperature_sampling(script_model):
     from transformers.generation.logits_process import TopPLogitsWarper
 
     tokenizer, model = script_model
-    gen_module = __import__(type(model).__module__.rsplit(".", 1)[0] + ".generation_megadlms", fromlist=["x"])
+    # The sampler module as the export ships it (the copy transformers imported next to the model).
+    gen_module = importlib.import_module(type(model).__module__.rsplit(".", 1)[0] + ".generation_megadlms")
     logits = torch.randn(4, 7, 259, generator=torch.Generator().manual_seed(0)) * 3
     for top_p in (0.3, 0.9):
         ref = TopPLogitsWarper(top_p)(None, logits.view(-1, 259)).view_as(logits)
@@ -114,16 +116,16 @@ def test_top_p_and_temperature_sampling(script_model):
     kw = dict(sample_steps=4, inference_block_size=4, max_new_tokens=4, temperature=1.0, top_p=0.5)
     a, b = model.generate(**ids, seed=5, **kw), model.generate(**ids, seed=5, **kw)
     assert torch.equal(a, b)  # seeded
-    # Every sampled token lies in the top-p set of the step that committed it: with one token per
-    # step and a full block, the first committed position is drawn from the all-masked logits.
-    one = model.generate(
-        **ids, seed=5, sample_steps=1, inference_block_size=1, max_new_tokens=1, top_p=0.5, temperature=1.0
-    )
-    x = torch.cat([ids["input_ids"], torch.tensor([[257]])], 1)
-    step_logits = model(x).logits[0, -1]
-    step_logits[257] = float("-inf")
-    allowed = ~gen_module.top_p_filter(step_logits, 0.5).isinf()
-    assert allowed[one[0, -1]]
+    # The draw samples softmax(top_p(logits) / T) (MegaDLMs: TopPLogitsWarper, then multinomial).
+    row = logits[0, 0].clone()
+    row[257] = float("-inf")  # the draw never picks [MASK]; the reference excludes it the same way
+    T, n = 1.5, 6000
+    settings = {"temperature": T, "top_p": 0.9}
+    drawn = gen_module.draw(row.expand(n, 259), settings, 257, torch.Generator().manual_seed(1))
+    expect = torch.softmax(gen_module.top_p_filter(row, 0.9).double() / T, dim=-1)
+    freq = torch.bincount(drawn, minlength=259).double() / n
+    assert expect[drawn].min() > 0  # only tokens of the top-p set
+    assert (freq - expect).abs().max() < 0.03 and (expect > 0).sum() > 3
 
 
 def _save(root, cfg, state, optimizer=None):
