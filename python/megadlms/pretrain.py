@@ -58,7 +58,7 @@ def collective_timeout(parallel) -> datetime.timedelta:
             # Fall through to the one error message below rather than a bare float() traceback.
             value = -1.0
         if value <= 0:
-            raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds, got {seconds!r}")
+            raise FlagError([f"${TIMEOUT_ENV} must be a positive number of seconds, got {seconds!r}"])
         return datetime.timedelta(seconds=value)
     return datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
 
@@ -135,6 +135,7 @@ def _config(argv: Optional[Sequence[str]], world: int):
     with _quiet_unless_rank0():
         config = parse_config(list(argv) if argv is not None else None, world_size=world)
     check_startup(config)
+    collective_timeout(config.parallel)  # a malformed $MEGADLMS_DISTRIBUTED_TIMEOUT_SECONDS: now
     return config
 
 

@@ -1,4 +1,4 @@
-"""The checks of the inputs a run reads from disk, before any process group or model exists.
+"""The checks of the paths a run reads and writes, before any process group or model exists.
 
 :func:`parse_config` checks the flags alone (it opens no file, so a command line can be
 validated anywhere). :func:`startup_problems` then opens what the flags name, cheaply: each
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 from typing import List, Optional, Sequence
+
+import torch
 
 from megadlms.checkpoint.paths import resolve_checkpoint
 from megadlms.config import RunConfig, flag_message
@@ -107,9 +109,33 @@ def checkpoint_problems(config: RunConfig) -> List[str]:
     return out
 
 
+def output_problems(config: RunConfig) -> List[str]:
+    """The directories a run writes to are not files and (the dataset index cache, written
+    before the first step) writable."""
+    out = []
+    for flag, path in (
+        ("--save", config.checkpoint.save),
+        ("--data-cache-path", config.data.data_cache_path),
+    ):
+        if path and os.path.exists(path) and not os.path.isdir(path):
+            out.append(f"{flag} {path} is a file; pass a directory (it is created when missing)")
+    cache = config.data.data_cache_path
+    if cache and os.path.isdir(cache) and not os.access(cache, os.W_OK | os.X_OK):
+        out.append(f"--data-cache-path {cache} is not writable; pass a writable directory")
+    return out
+
+
+def device_problems(config: RunConfig) -> List[str]:
+    """--distributed-backend nccl needs a CUDA device on this host."""
+    if config.parallel.distributed_backend == "nccl" and not torch.cuda.is_available():
+        return ["--distributed-backend nccl needs CUDA devices (none visible here): use gloo on CPU"]
+    return []
+
+
 def startup_problems(config: RunConfig) -> List[str]:
     """Every problem of the run's inputs on disk, one line each, worded with flags."""
-    return data_problems(config) + tokenizer_problems(config) + checkpoint_problems(config)
+    found = data_problems(config) + tokenizer_problems(config)
+    return found + checkpoint_problems(config) + output_problems(config) + device_problems(config)
 
 
 def check_startup(config: RunConfig) -> None:

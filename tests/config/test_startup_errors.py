@@ -63,6 +63,10 @@ def _cases(tmp_path):
             + ["--ckpt-convert-save", str(tmp_path / "out")],
             r"holds no checkpoint .*--ckpt-convert-format converts an existing checkpoint",
         ),
+        "save_is_a_file": (
+            ["--mock-data", "--save", nomask, "--save-interval", "5"],
+            rf"--save {nomask} is a file; pass a directory",
+        ),
         "rule": (["--mock-data", "--fp16", "--bf16"], r"--fp16 and --bf16 are exclusive: pick one"),
     }
 
