@@ -97,6 +97,12 @@ def test_every_rule_message_names_real_flags_once():
     # The messages of the issue, as users saw them mangled before ("----fp16", "--min---lr").
     assert _problems(MOCK + ["--fp16", "--bf16"]) == ["--fp16 and --bf16 are exclusive: pick one"]
     assert _problems(MOCK + ["--min-lr", "1"]) == ["--min-lr 1.0 exceeds --lr 0.001"]
+    assert _problems(MOCK + ["--save", "/x"]) == ["--save needs --save-interval N"]
+    assert _problems(MOCK + ["--lr-decay-style", "WSD"])[0].startswith(
+        "--lr-decay-style WSD needs --lr-wsd-decay-iters N"
+    )
+    tp4 = _problems(MOCK + ["--tensor-model-parallel-size", "4", "--num-attention-heads", "2"], world=4)
+    assert tp4[0].startswith("--num-attention-heads 2 is not divisible by --tensor-model-parallel-size 4")
 
 
 @pytest.mark.parametrize(
