@@ -98,7 +98,12 @@ def checkpoint_problems(config: RunConfig) -> List[str]:
         except (OSError, RuntimeError) as exc:
             out.append(f"--load {ck.load}: {exc}")
         else:
-            if found is None and ck.ckpt_convert_format:
+            if found is None and os.path.isfile(os.path.join(ck.load, "config.json")):
+                out.append(
+                    f"--load {ck.load} is a Hugging Face model directory, not a checkpoint: start "
+                    f"from its weights with --hf-init {ck.load} (or convert it with megadlms-import-hf)"
+                )
+            elif found is None and ck.ckpt_convert_format:
                 out.append(
                     f"--load {ck.load} holds no checkpoint (no latest_checkpointed_iteration.txt, "
                     "no iter_*/common.json): --ckpt-convert-format converts an existing checkpoint"

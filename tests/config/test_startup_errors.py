@@ -40,6 +40,9 @@ def _cases(tmp_path):
     b.add_document(np.zeros(0, dtype=np.int32), [0])
     b.finalize(empty + ".idx")
     missing = str(tmp_path / "nope" / "corpus")
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
     return {
         "data_path": (["--data-path", missing], rf"--data-path {missing}: no {missing}\.idx or .*preprocess"),
         "train_data_path": (
@@ -62,6 +65,10 @@ def _cases(tmp_path):
             ["--mock-data", "--load", str(tmp_path), "--ckpt-convert-format", "torch"]
             + ["--ckpt-convert-save", str(tmp_path / "out")],
             r"holds no checkpoint .*--ckpt-convert-format converts an existing checkpoint",
+        ),
+        "load_is_a_hf_model": (
+            ["--mock-data", "--load", str(hf)],
+            rf"--load {hf} is a Hugging Face model .*--hf-init",
         ),
         "save_is_a_file": (
             ["--mock-data", "--save", nomask, "--save-interval", "5"],
