@@ -8,6 +8,7 @@ fast on every rank), initialise torch.distributed (NCCL with CUDA, gloo otherwis
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import os
@@ -20,7 +21,9 @@ import torch.distributed as dist
 
 from megadlms.checkpoint.convert import convert_checkpoint
 from megadlms.config import flag_message, parse_config
+from megadlms.config.messages import FlagError
 from megadlms.hf.importer import init_from_hf
+from megadlms.startup import check_startup
 from megadlms.training.logging_utils import setup_logging
 from megadlms.training.train import pretrain
 
@@ -55,7 +58,7 @@ def collective_timeout(parallel) -> datetime.timedelta:
             # Fall through to the one error message below rather than a bare float() traceback.
             value = -1.0
         if value <= 0:
-            raise ValueError(f"${TIMEOUT_ENV} must be a positive number of seconds, got {seconds!r}")
+            raise FlagError([f"${TIMEOUT_ENV} must be a positive number of seconds, got {seconds!r}"])
         return datetime.timedelta(seconds=value)
     return datetime.timedelta(minutes=parallel.distributed_timeout_minutes)
 
@@ -105,12 +108,35 @@ def hf_initializer(hf_dir: str):
     Made here, at the top: ``hf/`` sits above ``training/``, which only calls it."""
 
     def init(model) -> None:
-        try:
-            init_from_hf(model, hf_dir)
-        except ValueError as exc:  # the importer names config fields; say them as flags
-            raise ValueError(flag_message(str(exc))) from exc
+        init_from_hf(model, hf_dir)  # its ValueErrors name config fields: main() says them as flags
 
     return init
+
+
+def _rank() -> int:
+    """This process's rank: the process group's when one exists, else torchrun's $RANK."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+@contextlib.contextmanager
+def _quiet_unless_rank0():
+    """Silence stdout/stderr on every rank but 0: argparse prints its usage and error (or
+    --help) itself before exiting, and every rank parses the same argv."""
+    if _rank() == 0:
+        yield
+        return
+    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null), contextlib.redirect_stdout(null):
+        yield
+
+
+def _config(argv: Optional[Sequence[str]], world: int):
+    """The validated RunConfig, after the inputs on disk were checked (before any process
+    group or model exists, so every error comes seconds after the launch)."""
+    with _quiet_unless_rank0():
+        config = parse_config(list(argv) if argv is not None else None, world_size=world)
+    check_startup(config)
+    collective_timeout(config.parallel)  # a malformed $MEGADLMS_DISTRIBUTED_TIMEOUT_SECONDS: now
+    return config
 
 
 def run(argv: Optional[Sequence[str]] = None):
@@ -123,7 +149,7 @@ def run(argv: Optional[Sequence[str]] = None):
     owned = not dist.is_initialized()
     # The flags are validated before any process group exists: the world size comes from torchrun's env.
     world = dist.get_world_size() if not owned else int(os.environ.get("WORLD_SIZE", "1"))
-    config = parse_config(list(argv) if argv is not None else None, world_size=world)
+    config = _config(argv, world)
     if owned:
         init_distributed(config.parallel)
     setup_logging(dist.get_rank())
@@ -158,20 +184,31 @@ def _teardown(ok: bool) -> None:
     gc.collect()
 
 
+def _report(exc: ValueError) -> str:
+    """The line(s) ``main`` prints for ``exc``: a FlagError's problems as they are (worded with
+    flags once, where they were found); a run-time error of a lower layer reworded with flags
+    (once, here) and the place that raised it, the useful pointer for a bug report."""
+    if isinstance(exc, FlagError):
+        if len(exc.problems) == 1:
+            return exc.problems[0]
+        return f"{len(exc.problems)} problems:\n" + "\n".join(f"  - {p}" for p in exc.problems)
+    tb = exc.__traceback__
+    while tb.tb_next is not None:  # the innermost frame: where the failed check lives
+        tb = tb.tb_next
+    where = f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
+    return f"{flag_message(str(exc))} [raised at {where}]"
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Console entry: exit status 0 on success, 2 with a one-line message on a bad flag."""
+    """Console entry: exit status 0 on success, 2 with a one-line message on a bad flag or
+    input (printed by rank 0 only; argparse's own errors too)."""
     try:
         run(argv if argv is not None else sys.argv[1:])
     except ValueError as exc:  # bad flags / data / checkpoint: the message names the fix
-        # Every rank raises the same config error; printing it once keeps the log readable.
-        if os.environ.get("RANK", "0") == "0":
-            tb = exc.__traceback__
-            # The innermost frame is where the check that failed lives, the useful pointer for a bug report.
-            while tb.tb_next is not None:
-                tb = tb.tb_next
-            where = f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
-            # library errors name config fields; say them as the flags that set them
-            print(f"pretrain_difflm.py: error: {flag_message(str(exc))} [raised at {where}]", file=sys.stderr)
+        # Every rank raises the same error (the checks run on every rank before any collective,
+        # so none is left waiting); printing it once keeps the log readable.
+        if _rank() == 0:
+            print(f"pretrain_difflm.py: error: {_report(exc)}", file=sys.stderr)
         return 2
     return 0
 

@@ -206,3 +206,24 @@ def test_tokenizer_without_eod_needs_it_only_for_eod_mask_loss(tmp_path):
             tokenizer=_NoEodTokenizer(),
             eod_mask_loss=True,
         )
+
+
+def test_tiny_corpus_with_the_default_split(tmp_path, caplog):
+    """969,30,1 over 12 documents gives the valid and test splits none (Megatron's epoch loop
+    would never end on them): they are skipped, with a note; the train split repeats epochs.
+    An empty split the run cannot skip (the train split, a blend member) is one line."""
+    a = _doc_id_corpus(tmp_path, "a", 12, base=0, length=3)
+    common = dict(seq_length=64, seed=1, tokenizer=TOK)
+    with caplog.at_level("INFO", logger="megadlms"):
+        train, valid, test = build_pretraining_datasets(
+            data_path=[a], train_samples=10, valid_samples=4, test_samples=4, **common
+        )
+    assert valid is None and test is None and len(train) >= 10  # 36 tokens, 64 per sample
+    seen = np.unique(np.concatenate([train[i]["text"].numpy() for i in range(len(train))]))
+    assert len(train[0]["text"]) == 65 and seen.tolist() == list(range(12))  # the epochs repeat
+    assert sum("no test evaluation" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(ValueError, match=r"data_path .*a: the train split gets none of its 12 documents"):
+        build_pretraining_datasets(data_path=[a], split="1,99,0", train_samples=10, **common)
+    b = _doc_id_corpus(tmp_path, "b", 400, base=100, length=3)
+    with pytest.raises(ValueError, match=r"data_path .*a: the valid split gets none of its 12 documents"):
+        build_pretraining_datasets(data_path=["1", a, "1", b], train_samples=10, valid_samples=4, **common)

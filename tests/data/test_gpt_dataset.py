@@ -159,10 +159,31 @@ def test_index_cache_is_written_once_and_reused(tmp_path, monkeypatch):
         GPTDataset(IndexedDataset(prefix), np.arange(6), 50, **{**kw, "seed": 8})
 
 
+@pytest.mark.parametrize("num_samples", [1, 7])
+def test_split_smaller_than_one_sample_repeats_epochs(tmp_path, num_samples):
+    """Megatron's GPTDataset adds epochs until num_samples are covered, however few tokens the
+    split has: 5 tokens and seq_length 16 still give samples (the documents repeat within one)."""
+    prefix, docs = _corpus(tmp_path, [3, 0, 2])
+    s, seed, document_ids = 16, 7, np.arange(3)
+    ds = GPTDataset(IndexedDataset(prefix), document_ids, num_samples, seq_length=s, seed=seed, eod=EOD)
+    doc_index, sample_index, shuffle, _ = _reference(docs, document_ids, num_samples, s, seed)
+    np.testing.assert_array_equal(ds.document_index, doc_index)
+    np.testing.assert_array_equal(ds.sample_index, sample_index)
+    np.testing.assert_array_equal(ds.shuffle_index, shuffle)
+    assert len(ds) >= num_samples and len(ds.document_index) == 3 * -(-(num_samples * s + 1) // 5)
+    stream = np.concatenate([docs[i] for i in doc_index]).astype(np.int64)
+    for i in range(len(ds)):
+        j = int(shuffle[i])
+        assert ds[i]["text"].tolist() == stream[j * s : j * s + s + 1].tolist()
+
+
 def test_bad_inputs(tmp_path):
-    prefix, _ = _corpus(tmp_path, [3, 2])
-    with pytest.raises(ValueError, match="fewer than one sample of seq_length 16"):
-        GPTDataset(IndexedDataset(prefix), np.arange(2), None, seq_length=16, seed=1, eod=EOD)
+    prefix, _ = _corpus(tmp_path, [0, 0])
+    # no tokens at all: Megatron's epoch loop would never end; here one line names the split
+    with pytest.raises(ValueError, match="the valid split has no tokens"):
+        GPTDataset(
+            IndexedDataset(prefix), np.arange(2), 4, seq_length=16, seed=1, eod=EOD, split_name="valid"
+        )
     sent = str(tmp_path / "sent")
     b = IndexedDatasetBuilder(sent + ".bin", dtype=np.int32)
     b.add_document(np.arange(10), [4, 6])

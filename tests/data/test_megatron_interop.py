@@ -82,3 +82,38 @@ def test_files_and_samples_identical_to_megatron(tmp_path):
                 mi, oi = m[i], o[i]
                 for key in ("tokens", "labels", "loss_mask", "position_ids"):
                     assert torch.equal(mi[key], oi[key]), (blend, i, key)
+
+
+def test_split_smaller_than_one_sample_identical_to_megatron(tmp_path):
+    """A valid/test split with fewer tokens than one sample: Megatron repeats its epochs; so do
+    we, with the same document, sample and shuffle indices and the same items."""
+    rng = np.random.default_rng(3)
+    prefix = str(tmp_path / "tiny")
+    w = IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for _ in range(20):
+        doc = np.append(rng.integers(0, 256, rng.integers(1, 6)), 256)
+        w.add_document(doc, [len(doc)])
+    w.finalize(prefix + ".idx")
+    mtok = types.SimpleNamespace(eod=256, pad=258, vocab_size=259, unique_identifiers={"class": "Byte"})
+    sizes, split = [40, 9, 5], "80,15,5"
+    cfg = GPTDatasetConfig(
+        random_seed=5,
+        sequence_length=32,
+        blend=get_blend_from_list([prefix]),
+        split=split,
+        tokenizer=mtok,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=None,
+    )
+    megatron = BlendedMegatronDatasetBuilder(MegatronGPTDataset, sizes, lambda: True, cfg).build()
+    mine = build_pretraining_datasets(
+        data_path=[prefix], split=split, seq_length=32, seed=5, train_samples=sizes[0],
+        valid_samples=sizes[1], test_samples=sizes[2], tokenizer=ByteTokenizer(),
+    )  # fmt: skip
+    assert mine[2].tokens_per_epoch < 33  # the test split holds less than one sample
+    for m, o in zip(megatron, mine):
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            np.testing.assert_array_equal(getattr(m, name), getattr(o, name))
+        assert len(m) == len(o) and all(torch.equal(m[i]["tokens"], o[i]["tokens"]) for i in range(len(o)))

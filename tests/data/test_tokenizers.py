@@ -71,6 +71,16 @@ def test_huggingface_tokenizer_json(tmp_path):
         HuggingFaceTokenizer(str(path), mask_token=tok.vocab_size)
 
 
+def test_megadlms_bundled_mask_token_name(tmp_path):
+    """MegaDLMs' bundled tokenizers (gpt2 / gptneox / llama2) add their mask as '<|mask_token|>'
+    after the base vocabulary (gpt2: id 50257): found without --mask-token."""
+    path = tmp_path / "tokenizer.json"
+    vocab = _word_level_json(path, ["<|endoftext|>", "<|mask_token|>"])
+    tok = HuggingFaceTokenizer(str(path))
+    assert (tok.eod, tok.mask) == (len(vocab), len(vocab) + 1)
+    assert tok.tokenize("<|mask_token|>") == [tok.mask]
+
+
 def test_huggingface_tokenizer_without_mask_or_eod(tmp_path):
     path = tmp_path / "plain.json"
     _word_level_json(path, [])

@@ -31,7 +31,7 @@ from megadlms.optimizer import OptimizerConfig
 
 from .flags import build_parser
 from .megatron_compat import WANDB_DESTS, WITHOUT_EFFECT
-from .messages import flag_message
+from .messages import FlagError, flag_message
 from .rules import checkpoint_steps, cross_flag_problems, layout_problems, pipeline_problems
 from .run_config import (
     CheckpointConfig,
@@ -219,8 +219,7 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
     # Flag-level problems first: an unsupported flag usually explains the field errors after it.
     problems = cross_flag_problems(args, parts["ddp"], parts["optimizer"]) + problems
     if problems:
-        lines = "\n".join(f"  - {p}" for p in problems)
-        raise ValueError(f"invalid arguments ({len(problems)} problem{'s' * (len(problems) > 1)}):\n{lines}")
+        raise FlagError(problems)
     return RunConfig(vocab_divisible_by=args.make_vocab_size_divisible_by, **parts)
 
 

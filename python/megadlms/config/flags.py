@@ -470,6 +470,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The full Megatron-compatible parser (no validation; see :func:`parse_args`)."""
     p = argparse.ArgumentParser(
         prog="pretrain_difflm.py",
+        # One usage line, not ~170: an argparse error (a misspelt flag) stays two lines.
+        usage="%(prog)s [flags]  (--help lists every flag; docs/flags.md)",
         # No prefix matching: a misspelt or newer Megatron flag must fail, not bind to a longer one.
         allow_abbrev=False,
         description="Pretrain a diffusion language model (megadlms).",

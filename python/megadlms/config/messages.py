@@ -1,13 +1,19 @@
 """Config errors are worded with dataclass FIELD names (``hidden_size``: the library layers
 know no flags); the CLI says them with the flags that set them (``--hidden-size``).
 
-:func:`flag_message` is that one rewording, used by every message the CLI prints.
+:func:`flag_message` is that one rewording. It runs exactly once per message: where a
+config's problems are collected (``arguments.py``, ``rules.py``), which then raise a
+:class:`FlagError` already worded with flags, and in ``pretrain.main`` for the errors of
+the lower layers at run time. It rewrites whole tokens only: a name glued to ``-``, ``_``,
+``/`` or ``.`` (a flag, a longer name, a path) is left alone, and a field named by an
+ordinary English word (``load``, ``split``, ``attention``) only where a message uses it as
+a field (followed by ``needs``, ``must``, a value, ...).
 """
 
 from __future__ import annotations
 
 import re
-from typing import Dict
+from typing import Dict, List
 
 from .flags import build_parser
 
@@ -44,15 +50,41 @@ def _field_flags() -> Dict[str, str]:
 
 
 _FIELD_FLAGS = _field_flags()
-# Longest names first, so "lr_decay_iters" is matched before "lr"; \b keeps words whole, and
-# (?<!-) leaves a name that is already a flag alone, so rewording twice (the library's message,
-# then the CLI's whole error) cannot turn "--fp16" into "----fp16".
+# Single-word fields that are also English words: "sliding-window attention" or "another
+# split" are prose, "split '1,0,0' gives" and "load DIR" are the field.
+_ENGLISH = {"attention", "debug", "finetune", "help", "hysteresis", "load", "normalization"}
+_ENGLISH |= {"objective", "save", "seed", "split"}
+_AS_FIELD = r"(?=\s+(?:must|needs|requires|exceeds|is|=|[A-Z]{2,}\b|['\"\d\[{])|\s*[:;,)]|$)"
+# Whole tokens: not glued to "-" (a flag), "_" or a letter (a longer name), "/" or "." (a
+# path), nor inside a quoted value or a token name ('<|mask_token|>').
+_WORD = r"(?<![-\w./$'\"|<])(?:{})(?![-\w/'\"|>])"
+
+
+def _alternatives(names) -> str:
+    # Longest first, so "lr_decay_iters" is tried before "lr".
+    return "|".join(sorted(map(re.escape, names), key=len, reverse=True))
+
+
 _FIELD_RE = re.compile(
-    r"(?<!-)\b(" + "|".join(sorted(map(re.escape, _FIELD_FLAGS), key=len, reverse=True)) + r")\b"
-)
+    "(" + _WORD.format(_alternatives(set(_FIELD_FLAGS) - _ENGLISH)) + ")"
+    + "|(" + _WORD.format(_alternatives(_ENGLISH & set(_FIELD_FLAGS))) + _AS_FIELD + ")"
+)  # fmt: skip
 
 
 def flag_message(message: str) -> str:
-    """A config error worded with field names, reworded with the flags that set them
-    (idempotent: a message already worded with flags is returned unchanged)."""
-    return _FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(1)], message)
+    """A config error worded with field names, reworded with the flags that set them.
+
+    Idempotent (a message already worded with flags comes back unchanged), but called once:
+    see the module docstring."""
+    return _FIELD_RE.sub(lambda m: _FIELD_FLAGS[m.group(0)], message)
+
+
+class FlagError(ValueError):
+    """Invalid command-line flags: ``problems`` are one line each, already worded with flags
+    (printed as they are; never reworded again)."""
+
+    def __init__(self, problems: List[str]) -> None:
+        self.problems = list(problems)
+        n = len(self.problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"invalid arguments ({n} problem{'s' * (n > 1)}):\n{lines}")

@@ -16,6 +16,7 @@ and the blend for N.
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 from typing import List, Optional, Sequence, Tuple
@@ -25,6 +26,8 @@ import numpy as np
 from .blended_dataset import BlendedDataset, normalize_weights
 from .gpt_dataset import GPTDataset, MockGPTDataset
 from .indexed_dataset import IndexedDataset
+
+logger = logging.getLogger(__name__)
 
 SPLIT_NAMES = ("train", "valid", "test")
 DEFAULT_SPLIT = "969, 30, 1"
@@ -214,6 +217,8 @@ class _SplitBuilder:
         if len(prefixes) == 1:
             ds = self.open(prefixes[0])
             docs = doc_ranges_of(ds)
+            if docs is not None and len(docs) == 0:
+                return self._no_documents(prefixes[0], flag, i, skippable=i > 0 and flag == "data_path")
             return None if docs is None else self._gpt(ds, docs, n, name)
         if weights is None:
             return self._unweighted(prefixes, flag, n, name, doc_ranges_of)
@@ -224,8 +229,29 @@ class _SplitBuilder:
             # The split shares are the same for every member, so one None means the split has no data at all.
             if docs is None:
                 return None
+            if len(docs) == 0:
+                return self._no_documents(p, flag, i, skippable=False)
             parts.append(self._gpt(self.open(p), docs, w[i], name))
         return self._blend(parts, weights, n, name)
+
+    def _no_documents(self, prefix: str, flag: str, i: int, skippable: bool):
+        """A split with a share but no documents (a tiny corpus: 969,30,1 of 12 documents gives
+        the test split none). Megatron's epoch loop would never end on it; here a valid/test
+        split of one dataset is skipped (None, as a split with no share), anything else is an
+        error naming the fix."""
+        name = SPLIT_NAMES[i]
+        total = len(self.open(prefix).sequence_lengths)
+        if skippable:
+            logger.info(
+                f"--data-path {prefix}: --split gives the {name} split none of its {total} "
+                f"documents; no {name} evaluation (a larger {name} share or more documents gives one)"
+            )
+            return None
+        where = "split" if flag == "data_path" else flag
+        raise ValueError(
+            f"{flag} {prefix}: the {name} split gets none of its {total} documents; "
+            f"give the {name} split documents ({where}, or more data)"
+        )
 
     def _unweighted(self, prefixes, flag, n, name, doc_ranges_of):
         """Megatron: one epoch of each dataset, weighted by its size."""

@@ -158,11 +158,13 @@ class GPTDataset(torch.utils.data.Dataset):
         self.eod_mask_loss, self.split_name = bool(eod_mask_loss), split_name
         self.num_samples = num_samples
         self.tokens_per_epoch = int(np.sum(indexed.sequence_lengths[self.document_ids], dtype=np.int64))
-        if self.tokens_per_epoch < seq_length + 1:
+        # Megatron repeats epochs until num_samples are covered, so a split smaller than one
+        # sample still yields samples; only an empty one cannot (Megatron's epoch loop would
+        # never end).
+        if self.tokens_per_epoch == 0:
             raise ValueError(
-                f"{indexed.path_prefix} ({split_name} split): {self.tokens_per_epoch} tokens in "
-                f"{len(self.document_ids)} documents, fewer than one sample of seq_length "
-                f"{seq_length} + 1; use more data, a smaller seq_length, or another split"
+                f"{indexed.path_prefix}: the {split_name} split has no tokens "
+                f"({len(self.document_ids)} documents); give it documents (split, or more data)"
             )
         idx_stat = os.stat(indexed.path_prefix + ".idx")
         # Everything the indices depend on; a rewritten .idx (new size/mtime) is a new key.

@@ -21,7 +21,8 @@ SUPPORTED_TOKENIZERS = ("ByteTokenizer", "HuggingFaceTokenizer")
 
 # Searched in order when a tokenizer.json does not say which token plays which role.
 _EOD_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]", "<|im_end|>")
-MASK_NAMES = ("<|mdm_mask|>", "<|mask|>", "[MASK]", "<mask>", "<MASK>")
+# "<|mask_token|>": the name in MegaDLMs' bundled tokenizers (gpt2 / gptneox / llama2 tokenizer.json).
+MASK_NAMES = ("<|mdm_mask|>", "<|mask|>", "[MASK]", "<mask>", "<MASK>", "<|mask_token|>")
 _PAD_NAMES = ("<|pad|>", "<pad>", "[PAD]", "<|padding|>")
 
 
@@ -167,8 +168,8 @@ class HuggingFaceTokenizer:
     def mask(self) -> int:
         if self._mask is None:
             raise RuntimeError(
-                f"{self.path} has none of the mask tokens {MASK_NAMES}; a diffusion "
-                "LM needs one: pass mask_token TOKEN_OR_ID"
+                f"tokenizer_model {self.path} has none of the mask tokens {MASK_NAMES}; a diffusion "
+                "LM needs one: pass mask_token TOKEN_OR_ID (or model_running_mode vanilla for an AR model)"
             )
         return self._mask
 
