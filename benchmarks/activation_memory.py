@@ -5,7 +5,7 @@
         --ffn 6144 --seq 2048 --dtype bf16
     PYTHONPATH=python:. python benchmarks/activation_memory.py time --hidden 512 --heads 8 \
         --ffn 1536 --seq 512 --layers 4 --reps 7
-    PYTHONPATH=python:. python benchmarks/activation_memory.py fit   # the memory-budget table
+    PYTHONPATH=python:. python benchmarks/activation_memory.py fit --seq 2048 [--dropout 0]
 
 ``bytes``: the tensors autograd saves during one training forward of a TransformerBlock are
 seen by ``torch.autograd.graph.saved_tensors_hooks``; they are counted once per storage (a
@@ -159,6 +159,51 @@ def step_times(hidden, heads, ffn, seq, layers, dtype, reps):
     return {lever: statistics.median(r[3]) for lever, r in runs.items()}
 
 
+# Megatron's bytes per parameter for bf16 training with Adam (its "18 bytes" accounting):
+# bf16 weight 2 + fp32 main grad 4 + fp32 main param 4 + the two moments (4 + 4 in fp32,
+# 2 + 2 in bf16 with --exp-avg-dtype / --exp-avg-sq-dtype bf16). With the distributed
+# optimizer over d ranks the last three shard: 6 + 12/d (fp32 moments) or 6 + 8/d (bf16).
+MOMENT_BYTES = {"fp32 moments": 8, "bf16 moments": 4}
+SHAPES_7B = {
+    "1.7B-shaped layer (h2048 a16 f6144)": (2048, 16, 6144),
+    "7B-shaped layer (h4096 a32 f11008)": (4096, 32, 11008),
+}
+DEVICES = {"80 GB": 80e9, "141 GB": 141e9}
+
+
+def _layer_params(h, f):
+    # qkv + proj (4h^2), SwiGLU fc1 (2hf) + fc2 (hf), two RMSNorms, q/k layernorms (small)
+    return 4 * h * h + 3 * h * f + 2 * h + 2 * (h // 16)
+
+
+def largest_layers(budget, h, a, f, seq, lever_coef, none_coef, moment_bytes, dp_shards, vocab=50289):
+    """Most layers of this shape whose weights, grads, optimizer state and activations
+    (micro-batch 1, one pipeline stage) fit ``budget`` bytes, and that model's parameters."""
+    per_param = 2 + 4 + (4 + moment_bytes) / dp_shards
+    act = formula_bytes(lever_coef, h, a, f, seq)
+    # a recomputation rebuilds one layer's activations at a time; the logits (fp32) and their grad
+    peak_extra = formula_bytes(none_coef, h, a, f, seq) - act + 8 * seq * vocab
+    fixed = 2 * vocab * h * per_param + peak_extra  # untied embedding + output layer
+    layers = int((budget - fixed) // (_layer_params(h, f) * per_param + act))
+    return layers, layers * _layer_params(h, f) + 2 * vocab * h
+
+
+def _fit_cmd(a):
+    dtype = DTYPES[a.dtype]
+    coefs = {lever: fit_formula(lever, dtype, a.dropout)[0] for lever in LEVERS}
+    print(f"seq {a.seq}, micro-batch 1, {a.dtype}, dropout {a.dropout}, optimizer shards {a.dp_shards}")
+    for shape, (h, heads, f) in SHAPES_7B.items():
+        for dev, budget in DEVICES.items():
+            for moments, mb in MOMENT_BYTES.items():
+                cells = []
+                for lever, coef in coefs.items():
+                    n, params = largest_layers(
+                        budget, h, heads, f, a.seq, coef, coefs["none"], mb, a.dp_shards
+                    )
+                    cells.append(f"{lever} {n} layers {params / 1e9:.2f}B")
+                print(f"{shape} | {dev} | {moments} | " + " | ".join(cells))
+
+
 def _bytes_cmd(a):
     dtype = DTYPES[a.dtype]
     for dropout in (0.1, 0.0):
@@ -181,7 +226,9 @@ def _time_cmd(a):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("what", choices=["bytes", "time"])
+    p.add_argument("what", choices=["bytes", "time", "fit"])
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--dp-shards", type=int, default=1, help="fit: distributed-optimizer ranks")
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--ffn", type=int, default=6144)
@@ -191,7 +238,7 @@ def main(argv=None):
     p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     a = p.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    (_bytes_cmd if a.what == "bytes" else _time_cmd)(a)
+    {"bytes": _bytes_cmd, "time": _time_cmd, "fit": _fit_cmd}[a.what](a)
 
 
 if __name__ == "__main__":
