@@ -17,7 +17,9 @@ count as a combination of s*b*h, s*b*f, a*s^2*b, a*s*b, s*b and s*b*h/a on small
 prints the fitted coefficients, the full-size measurement and the formula's prediction.
 
 ``time``: forward + backward of an L-layer block, the three settings round-robin in one
-process (the same background load), median of ``--reps``; ratios to none.
+process (the same background load), median of ``--reps`` of the wall time and of the
+process CPU time (run with OMP_NUM_THREADS=1: one thread, so CPU time is compute time);
+ratios to none.
 """
 
 from __future__ import annotations
@@ -153,10 +155,11 @@ def step_times(hidden, heads, ffn, seq, layers, dtype, reps):
         runs[lever] = (block, rotary, x, [])
     for _ in range(reps):
         for block, rotary, x, times in runs.values():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.process_time()
             _step(block, rotary, x)
-            times.append(time.perf_counter() - t)
-    return {lever: statistics.median(r[3]) for lever, r in runs.items()}
+            times.append((time.perf_counter() - t, time.process_time() - c))
+    # process CPU time too: on a shared machine it is what other jobs disturb least
+    return {lever: tuple(statistics.median(t[i] for t in r[3]) for i in (0, 1)) for lever, r in runs.items()}
 
 
 # Megatron's bytes per parameter for bf16 training with Adam (its "18 bytes" accounting):
@@ -220,8 +223,12 @@ def _bytes_cmd(a):
 
 def _time_cmd(a):
     times = step_times(a.hidden, a.heads, a.ffn, a.seq, a.layers, DTYPES[a.dtype], a.reps)
-    for lever, t in times.items():
-        print(f"{lever:9s} median {t * 1e3:8.1f} ms/step  ratio {t / times['none']:.3f}")
+    (wall0, cpu0) = times["none"]
+    for lever, (wall, cpu) in times.items():
+        print(
+            f"{lever:9s} median wall {wall * 1e3:8.1f} ms/step (ratio {wall / wall0:.3f}) | "
+            f"process CPU {cpu * 1e3:8.1f} ms/step (ratio {cpu / cpu0:.3f})"
+        )
 
 
 def main(argv=None):
