@@ -31,7 +31,7 @@ FSDP2 = "--use-torch-fsdp2 --untie-embeddings-and-output-weights --no-gradient-a
 SUITES = {
     "tp2_sp": (TP2 + SP, {"full_uniform": FULL_UNIFORM, "full_block": FULL_BLOCK, "selective": SELECTIVE}),
     "tp2_distributed": (TP2, {"full_distributed": FULL_UNIFORM + ["--distribute-saved-activations"]}),
-    "distopt_moe": (["--use-distributed-optimizer"] + MOE, {"full": FULL_ONE, "selective": SELECTIVE}),
+    "distopt_moe": (["--use-distributed-optimizer"] + MOE, {"full": FULL_ONE}),
     "fsdp2": (FSDP2, {"full": FULL_BLOCK}),
     "pp2": (["--pipeline-model-parallel-size", "2"], {"full": FULL_ONE}),
 }
