@@ -242,10 +242,10 @@ RULES = [
     ),
     (
         "recompute",
-        ["--recompute-granularity", "full"],
+        ["--recompute-granularity", "full", "--recompute-num-layers", "1"],
         2,
-        ["--recompute-granularity full is not supported yet"],
-        [],
+        ["--recompute-granularity full needs --recompute-method uniform or block"],
+        ["--recompute-granularity", "full", "--recompute-num-layers", "1", "--recompute-method", "block"],
     ),
     ("fp8", ["--fp8-format", "hybrid"], 2, ["--fp8-format hybrid is not supported yet"], []),
     (

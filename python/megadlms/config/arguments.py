@@ -85,6 +85,8 @@ def _model_config(args) -> TransformerConfig:
         attention=_attention(args),
         add_qkv_bias=bool(args.add_qkv_bias),
         num_moe_experts=args.num_experts,
+        # Megatron: --recompute-activations means selective, whatever --recompute-granularity says
+        recompute_granularity="selective" if args.recompute_activations else args.recompute_granularity,
     )
 
 

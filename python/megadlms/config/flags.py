@@ -10,7 +10,7 @@ Three kinds of Megatron flags are accepted:
 * flags that only tune speed or external logging we do not have (e.g.
   ``--attention-backend``, ``--wandb-project``): accepted so a MegaDLMs script runs as
   written, and reported once at start as having no effect (``megatron_compat.WITHOUT_EFFECT``);
-* flags for features not implemented yet (context parallelism, fp8, activation recompute,
+* flags for features not implemented yet (context parallelism, fp8,
   sample-based training, batch-size ramp-up, ...; ``megatron_compat.UNSUPPORTED``): they
   parse, and the validation rejects any non-default value, naming the flag.
 
@@ -23,6 +23,7 @@ import argparse
 
 from .flags_model import add_flag, difflm_args, model_args, parallel_args, precision_args
 from .flags_moe import moe_args
+from .flags_recompute import add_recompute_args
 
 
 def _training_args(p):
@@ -128,7 +129,7 @@ def _optimizer_flags(g):
 
 
 def _robustness_flags(g):
-    """NaN/Inf handling and activation recompute (not supported yet)."""
+    """NaN/Inf handling."""
     add_flag(
         g,
         "--nan-skip-limit",
@@ -151,16 +152,6 @@ def _robustness_flags(g):
         default="disabled",
         choices=["disabled", "validate_results", "report_stats"],
         help="Megatron rerun state machine (no effect; NaN/Inf handling is --nan-skip-limit).",
-    )
-    add_flag(
-        g,
-        "--recompute-granularity",
-        default=None,
-        choices=["full", "selective"],
-        help="Activation recompute (not supported yet).",
-    )
-    add_flag(
-        g, "--recompute-activations", action="store_true", help="Activation recompute (not supported yet)."
     )
 
 
@@ -489,6 +480,7 @@ def build_parser() -> argparse.ArgumentParser:
         _interop_args,
         moe_args,
         _pipeline_args,
+        add_recompute_args,
     ):
         add(p)
     return p

@@ -10,8 +10,6 @@ to read and to review.
 UNSUPPORTED = (
     ("context_parallel_size", "--context-parallel-size", 1),
     ("fp8", "--fp8-format", None),
-    ("recompute_granularity", "--recompute-granularity", None),
-    ("recompute_activations", "--recompute-activations", False),
     ("train_samples", "--train-samples", None),
     ("rampup_batch_size", "--rampup-batch-size", None),
     ("rotary_percent", "--rotary-percent", 1.0),

@@ -12,6 +12,7 @@ only calls it at parse time and says it with flags (:func:`~.messages.flag_messa
     the pipeline layer split  pipeline.stage_layers
     the data source           data.data_source_problems (called by DataConfig)
     TP / EP shapes            models.config.tensor_parallel_problems / expert_parallel_problems
+    activation recompute      models.recompute.recompute_problems
     optimizer instances / dp  parallel.groups.check_instances
 """
 
@@ -25,6 +26,7 @@ from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.distributed.ddp_groups import expert_instances_problems
 from megadlms.distributed.fsdp2 import fsdp2_config_problems, torch_supports_fsdp2
 from megadlms.models.config import expert_parallel_problems, tensor_parallel_problems
+from megadlms.models.recompute import recompute_problems
 from megadlms.optimizer import OptimizerConfig, dtensor_problems
 from megadlms.parallel.groups import check_instances
 from megadlms.pipeline import micro_batch_problems, stage_layers
@@ -158,6 +160,8 @@ def layout_problems(model, parallel: Optional[ParallelConfig], ddp) -> List[str]
     if model is not None:
         tp, sp = parallel.tensor_model_parallel_size, parallel.sequence_parallel
         out += tensor_parallel_problems(model, tp, sp, check_vocab=False)
+        layers_per_rank = model.num_layers // parallel.pipeline_model_parallel_size
+        out += recompute_problems(model, tp, sp, layers_per_rank)
     if ddp is not None and parallel.data_parallel_size:
         try:
             check_instances(parallel.data_parallel_size, ddp.num_distributed_optimizer_instances)

@@ -115,6 +115,17 @@ class TransformerConfig:
     """Softmax over all experts before the top-k (--moe-router-pre-softmax); default: top-k of
     the logits, then softmax over the k chosen."""
 
+    # Activation recomputation (megatron.core's names; models/recompute.py has the rules).
+    recompute_granularity: Optional[str] = None
+    """None, 'full' (whole layers) or 'selective' (core attention) (--recompute-granularity)."""
+    recompute_method: Optional[str] = None
+    """With 'full': 'uniform' (spans of recompute_num_layers) or 'block' (the first
+    recompute_num_layers layers of each model chunk) (--recompute-method)."""
+    recompute_num_layers: Optional[int] = None
+    """Layers per recomputed span (uniform) or recomputed layers per chunk (block)."""
+    distribute_saved_activations: bool = False
+    """Save only this TP rank's 1/tp of each recomputed span's input (--distribute-saved-activations)."""
+
     def __post_init__(self) -> None:
         """Fill the derived defaults (Megatron's rules) and check every field."""
         bad = Problems("TransformerConfig")

@@ -35,6 +35,7 @@ from megadlms.parallel.sharding import set_sharding
 
 from .config import ATTENTION_KINDS, TransformerConfig
 from .moe import MoELayer
+from .recompute import checkpoint, checkpointed_layers_forward, recompute_problems
 
 CORE_ATTN_IMPLEMENTATIONS = ("TEDotProductAttention", "FlexAttention")
 
@@ -178,6 +179,7 @@ class SelfAttention(nn.Module):
         self.num_groups = config.num_query_groups // tp.size
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
+        self.recompute_core_attention = config.recompute_granularity == "selective"
         dt = config.params_dtype
         N, G, D = config.num_attention_heads, config.num_query_groups, self.head_dim
         # G groups of [N/G query heads | k | v]: whole groups per rank under a contiguous TP split, which is
@@ -250,17 +252,23 @@ class SelfAttention(nn.Module):
             # bidirectional: no mask at all (every position attends to every position); packed:
             # the document mask (which already holds the causal part). The dropout acts on
             # this rank's heads: it draws from the model-parallel stream (differs per rank).
-            with dropout_rng(self.tp, split=dropout_p > 0):
-                out_BNSD = F.scaled_dot_product_attention(
-                    q,
-                    k,
-                    v,
-                    attn_mask=doc_mask,
-                    dropout_p=dropout_p,
-                    # SDPA rejects a mask with is_causal; the document mask already holds the causal part.
-                    is_causal=self.attention == "causal" and doc_mask is None,
-                    enable_gqa=G != self.num_heads,
-                )
+            def core_attention(q, k, v):
+                with dropout_rng(self.tp, split=dropout_p > 0):
+                    return F.scaled_dot_product_attention(
+                        q,
+                        k,
+                        v,
+                        attn_mask=doc_mask,
+                        dropout_p=dropout_p,
+                        # SDPA rejects a mask with is_causal; the document mask already holds the causal part.
+                        is_causal=self.attention == "causal" and doc_mask is None,
+                        enable_gqa=G != self.num_heads,
+                    )
+
+            if self.recompute_core_attention and self.training:  # --recompute-granularity selective
+                out_BNSD = checkpoint(core_attention, self.tp.rng_tracker, None, q, k, v)
+            else:
+                out_BNSD = core_attention(q, k, v)
         out_BSX = out_BNSD.transpose(1, 2).reshape(B, S, self.num_heads * D)
         return self.linear_proj(out_BSX)
 
@@ -418,7 +426,15 @@ class TransformerBlock(nn.Module):
         post_process: bool = True,
     ) -> None:
         super().__init__()
+        problems = recompute_problems(config, tp.size, tp.sequence_parallel)
+        if problems:
+            raise ValueError("TransformerBlock: " + "; ".join(problems))
         self.attention = attention
+        self.tp = tp
+        self.recompute_full = config.recompute_granularity == "full"
+        self.recompute_method = config.recompute_method
+        self.recompute_num_layers = config.recompute_num_layers
+        self.distribute_saved_activations = config.distribute_saved_activations
         keep = range(config.num_layers) if layers is None else layers
         built = {}
         for i in range(config.num_layers):
@@ -437,6 +453,9 @@ class TransformerBlock(nn.Module):
     def forward(
         self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, doc_mask=None
     ) -> torch.Tensor:
-        for layer in self.layers:
-            x_BSH = layer(x_BSH, rotary, doc_mask)
+        if self.recompute_full and self.training and torch.is_grad_enabled():
+            x_BSH = checkpointed_layers_forward(self, x_BSH, rotary, doc_mask)
+        else:
+            for layer in self.layers:
+                x_BSH = layer(x_BSH, rotary, doc_mask)
         return x_BSH if self.final_layernorm is None else self.final_layernorm(x_BSH)

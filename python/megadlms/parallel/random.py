@@ -16,7 +16,7 @@ stream continues exactly as if the block had not drawn anything.
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
@@ -91,3 +91,34 @@ def model_parallel_manual_seed(seed: int, tp_rank: int, device_type: str = "cpu"
     tracker = RNGStatesTracker(device_type)
     tracker.add(MODEL_PARALLEL_RNG, seed + _MODEL_PARALLEL_SEED_OFFSET + tp_rank)
     return tracker
+
+
+def get_all_rng_states(tracker: Optional[RNGStatesTracker]) -> Tuple:
+    """Every generator a dropout may draw from: the CPU default generator, the current CUDA
+    device's (when CUDA is initialised) and ``tracker``'s named streams (Megatron's
+    ``_get_all_rng_states``). Activation recomputation saves these before a forward and
+    replays them (:func:`set_all_rng_states`), so the recomputed dropout masks are the same."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, None if tracker is None else tracker.get_states()
+
+
+def set_all_rng_states(states: Tuple, tracker: Optional[RNGStatesTracker]) -> None:
+    """Restore what :func:`get_all_rng_states` returned (the same ``tracker``)."""
+    cpu, cuda, streams = states
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    if tracker is not None:
+        tracker.set_states(streams)
+
+
+@contextlib.contextmanager
+def fork_all_rng(tracker: Optional[RNGStatesTracker]) -> Iterator[None]:
+    """Run the block with any RNG states set inside it, then put back every state of
+    :func:`get_all_rng_states` as it was before: the streams continue as if the block (a
+    recomputation in the backward) had drawn nothing."""
+    saved = get_all_rng_states(tracker)
+    try:
+        yield
+    finally:
+        set_all_rng_states(saved, tracker)

@@ -21,6 +21,7 @@ from torch import nn
 
 from megadlms.parallel.mappings import Group, group_rank, group_size
 
+from ..recompute import recomputing
 from .dispatcher import build_dispatcher
 from .experts import GroupedMLP
 from .router import TopKRouter
@@ -66,7 +67,7 @@ class MoELayer(nn.Module):
         x_TH = x_BSH.reshape(B * S, H)
         routed = self.router(x_TH, self.aux_loss_scale)
         r = routed.routing
-        if self.training:
+        if self.training and not recomputing():  # a recomputation's replay is not a second forward
             self._record(routed)
         rows, tokens_per_expert, handle = self.dispatcher.dispatch(x_TH, r.probs_TE, r.routing_map_TE)
         out_TH = self.dispatcher.combine(self.experts(rows, tokens_per_expert), handle)
