@@ -94,7 +94,7 @@ def progress_line(m: dict, train_iters: int, *, layout: str = "", now: Optional[
     if m["grad_norm"] is not None:
         s += f" grad norm: {m['grad_norm']:.3f} |"
     if m.get("num_zeros") is not None:
-        s += f" num zeros: {m['num_zeros']} |"
+        s += f" num zeros: {float(m['num_zeros'])} |"  # Megatron prints the float count
     if m.get("params_norm") is not None:
         s += f" params norm: {m['params_norm']:.3f} |"
     s += f" number of skipped iterations: {m['skipped_iters']:3d} |"
