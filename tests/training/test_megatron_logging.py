@@ -136,7 +136,9 @@ def test_wandb_and_tp_comm_overlap_rules(monkeypatch):
     ]
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "wandb" else real(n, *a))
-    assert _parse_problems(["--wandb-project", "dlm", "--wandb-exp-name", "r", "--wandb-save-dir", "/tmp/x"]) == [
+    assert _parse_problems(
+        ["--wandb-project", "dlm", "--wandb-exp-name", "r", "--wandb-save-dir", "/tmp/x"]
+    ) == [
         "--wandb-project dlm needs the wandb package: pip install 'megadlms[wandb]' (or drop --wandb-project)"
     ]
 
