@@ -340,7 +340,9 @@ def _logging_args(p):
         default=None,
         help="Write TensorBoard scalars here, with Megatron's tag names (needs tensorboard).",
     )
-    add_flag(g, "--log-params-norm", action="store_true", help="Log the global parameter L2 norm (params norm).")
+    add_flag(
+        g, "--log-params-norm", action="store_true", help="Log the global parameter L2 norm (params norm)."
+    )
     add_flag(
         g,
         "--metrics-jsonl",
