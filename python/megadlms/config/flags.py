@@ -349,7 +349,8 @@ def _logging_args(p):
         default=None,
         help="Append one JSON object per logged step (iteration, consumed_samples, lm_loss, lr, grad_norm, "
         "loss_scale, skipped, tokens_per_sec, event='train'; at eval a separate event='eval' "
-        "record with valid_nelbo and valid_ppl_bound).",
+        "record with valid_nelbo and valid_ppl_bound; the end-of-training evaluations as "
+        "event='final_validation' / 'final_test').",
     )
 
 

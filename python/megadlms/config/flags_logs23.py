@@ -105,8 +105,6 @@ def logging_flag_problems(args) -> List[str]:
                 f"--wandb-project {project} needs --wandb-save-dir DIR (or --save DIR: W&B then writes "
                 "to DIR/wandb)"
             )
-    if getattr(args, "tensorboard_log_interval", 1) < 1:
-        out.append(f"--tensorboard-log-interval must be >= 1, got {args.tensorboard_log_interval}")
     if getattr(args, "tp_comm_overlap", False):
         # Megatron's rule (arguments.py): sequence parallelism is switched off at tp 1 before it.
         if args.tensor_model_parallel_size == 1 or not args.sequence_parallel:

@@ -381,6 +381,7 @@ class LoggingConfig:
     def __post_init__(self) -> None:
         bad = Problems("LoggingConfig")
         bad.positive(self, "log_interval")
+        bad.positive(self, "tensorboard_log_interval")
         bad.positive(self, "eval_interval", required=False)
         bad.check(self.eval_iters >= 0, f"eval_iters must be >= 0, got {self.eval_iters}")
         bad.raise_if_any()

@@ -219,7 +219,8 @@ class MetricsLogger:
                 _log.info(text)
             self._write(
                 {
-                    "event": "eval" if split == "validation" else f"eval_{split}",
+                    # the end-of-training evaluations have their own events: "eval" is per --eval-interval
+                    "event": "eval" if prefix is None else f"final_{split}",
                     "iteration": iteration,
                     "consumed_samples": consumed_samples,
                     "valid_nelbo": result["nelbo"],
