@@ -28,6 +28,7 @@ MEGATRON_LINE = re.compile(
     r" learning rate: (?P<lr>[-+.\dE]+) \|"
     r" global batch size:\s+(?P<gbs>\d+) \|"
     r"(?: lm loss: (?P<loss>[-+.\dE]+) \|)?"
+    r"(?: real input length: (?P<input_len>[-+.\dE]+) \|)?"  # MegaDLMs' difflm-noshift key
     r" loss scale: (?P<scale>[\d.]+) \|"
     r"(?: grad norm: (?P<gnorm>[\d.]+) \|)?"
     r"(?: num zeros: (?P<zeros>[\d.]+) \|)?"
@@ -143,6 +144,20 @@ def test_wandb_and_tp_comm_overlap_rules(monkeypatch):
     ]
 
 
+def _megadlms_input_length(step, num_micro, seq, prob):
+    """MegaDLMs' real input length of one step (0-based), restated from its gpt_model.py:
+    numpy seeded step * num_micro + micro draws u, then L in [2, seq]; crop to L iff u < prob;
+    then one position is dropped; the mean over the micro-batches."""
+    import numpy as np
+
+    lengths = []
+    for micro in range(num_micro):
+        rng = np.random.RandomState(step * num_micro + micro)
+        u, L = rng.uniform(0, 1), int(rng.randint(low=2, high=seq + 1))
+        lengths.append((L if u < prob else seq) - 1)
+    return sum(lengths) / num_micro
+
+
 def _direct_zero_count(trainer):
     """Zeros of the full gradient: TP shards summed over the ranks, replicated tensors once
     (and checked equal on both ranks), from the parameters' own gradients."""
@@ -211,6 +226,11 @@ def test_progress_and_validation_lines_parse(logged):
     assert float(train[1]["gnorm"]) == pytest.approx(res.grad_norms[4], abs=1e-3)
     assert train[0]["tflops"] is not None and train[0]["pnorm"] is not None
     assert (train[1]["skipped"], train[1]["nan"]) == ("0", "0")
+    from megadlms.config import parse_config
+
+    prob = parse_config(TINY, world_size=2).diffusion.varilen_prob
+    expect = [_megadlms_input_length(s, 4, 32, prob) for s in range(4)]
+    assert float(train[1]["input_len"]) == pytest.approx((expect[2] + expect[3]) / 2, rel=1e-6)
     # --log-num-zeros-in-grad: the last step's count is the gradients' own (each element once)
     assert float(train[1]["zeros"]) == direct > 0
     records = [json.loads(x) for x in open(f"{tmp}/m.jsonl")]
@@ -225,6 +245,7 @@ def test_progress_and_validation_lines_parse(logged):
     ar_valid = [x for x in ar_lines if MEGATRON_VALID.match(x)]
     assert ar_valid and not any("NELBO" in x for x in ar_lines)
     assert any(MEGATRON_LINE.match(x) and " lm loss: " in x for x in ar_lines)
+    assert not any("real input length" in x for x in ar_lines)  # a DLM-only key, as in MegaDLMs
 
 
 def test_tensorboard_tags_are_megatrons(logged):
@@ -238,6 +259,7 @@ def test_tensorboard_tags_are_megatrons(logged):
         "learning-rate",
         "batch-size",
         "lm loss",
+        "real input length",  # MegaDLMs' second loss key in difflm-noshift
         "loss-scale",
         "grad-norm",
         "num-zeros",

@@ -90,6 +90,8 @@ def progress_line(m: dict, train_iters: int, *, layout: str = "", now: Optional[
     s += f" global batch size: {m['global_batch_size']:5d} |"
     if m["lm_loss"] is not None:  # Megatron leaves out a loss no step of the interval produced
         s += f" lm loss: {m['lm_loss']:.6E} |"
+    if m.get("real_input_length") is not None:  # MegaDLMs' difflm-noshift loss-dict key
+        s += f" real input length: {m['real_input_length']:.6E} |"
     s += f" loss scale: {m['loss_scale']:.1f} |"
     if m["grad_norm"] is not None:
         s += f" grad norm: {m['grad_norm']:.3f} |"

@@ -28,6 +28,7 @@ VS_SAMPLES = (
     "learning-rate",
     "batch-size",
     "lm loss",
+    "real input length",
     "loss-scale",
     "world-size",
     "grad-norm",
@@ -103,6 +104,7 @@ class Reporter:
         self.tr, c = trainer, trainer.config
         self.log = c.logging
         self._last = (trainer.skipped_total, trainer.nan_total)  # the interval's counts start here
+        self._input_len = [0.0, 0]  # the interval's sum and count of real_input_length
         self._train_start = time.time()
         self.progress = None
         self.flops_so_far = self._job_start_flops = 0.0
@@ -121,6 +123,16 @@ class Reporter:
     def _causal(self) -> bool:
         return self.tr.config.model.attention == "causal"
 
+    def real_input_length(self, out) -> Optional[float]:
+        """MegaDLMs' ``real input length`` (difflm-noshift only): the model input's length after
+        the crop, the mean over the step's micro-batches. The 'megadlms' objective drops one
+        position after the crop (``diffusion.loss.objective_inputs``), LLaDA's does not."""
+        d = self.tr.config.diffusion
+        if d.model_running_mode != "difflm-noshift" or not out.crop_lengths:
+            return None
+        shift = 1 if d.objective == "megadlms" else 0
+        return sum(out.crop_lengths) / len(out.crop_lengths) - shift
+
     def after_step(self, out, lr: float, window: dict) -> bool:
         """Scalars and (every --log-interval) the progress line of the step just done; True when
         the progress line was written (the caller starts a new window)."""
@@ -130,6 +142,9 @@ class Reporter:
             tr.config.model, tr.gbs, out.seq_length, causal=self._causal
         )
         log_now = it % log.log_interval == 0 or it == tr.config.training.train_iters
+        length = self.real_input_length(out)
+        if length is not None and not out.nonfinite:  # averaged like the loss: over finite steps
+            self._input_len = [self._input_len[0] + length, self._input_len[1] + 1]
         tb_now = tr.metrics.writes_scalars and it % log.tensorboard_log_interval == 0
         zeros = pnorm = None
         if tb_now or log_now:
@@ -147,6 +162,8 @@ class Reporter:
     def _step_scalars(self, out, lr, zeros, pnorm) -> None:
         tr, log = self.tr, self.log
         v = {"learning-rate": lr, "batch-size": tr.gbs, "lm loss": out.loss}
+        if self.real_input_length(out) is not None:  # MegaDLMs' second loss-dict key in DLM mode
+            v["real input length"] = self.real_input_length(out)
         skipped = tr.skipped_total + tr.nan_total - sum(self._last)
         if skipped > 0:  # MegaDLMs' tag: the interval's skipped steps so far
             v["skipped-iterations"] = skipped
@@ -177,11 +194,14 @@ class Reporter:
         tflops = w["flops"] / w["time"] / tr.world / 1e12  # Megatron's throughput per GPU
         skipped, nan = tr.skipped_total - self._last[0], tr.nan_total - self._last[1]
         self._last = (tr.skipped_total, tr.nan_total)
+        total, n = self._input_len
+        self._input_len = [0.0, 0]
         tr.metrics.log_train(
             {
                 "iteration": it,
                 "consumed_samples": tr.consumed,
                 "lm_loss": w["loss"] / w["n_loss"] if w["n_loss"] else None,
+                "real_input_length": total / n if n else None,
                 "lr": lr,
                 "global_batch_size": tr.gbs,
                 "grad_norm": out.grad_norm,

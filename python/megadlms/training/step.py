@@ -62,6 +62,8 @@ class StepOut:
     seq_length: int
     times: dict = dataclasses.field(default_factory=dict)
     """Seconds of Megatron's timed phases ("forward-backward", "optimizer") on this rank."""
+    crop_lengths: List[int] = dataclasses.field(default_factory=list)
+    """Each micro-batch's length after the variable-length crop (before any shift)."""
 
 
 def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, device, loss_owner=True):
@@ -178,10 +180,12 @@ def train_step(
     )
     seq_length = micro_batches[0]["labels"].shape[1] if crops[0] is None else crops[0]
     times = {"forward-backward": time.perf_counter() - t0}  # the loss reduction's .item() synced
+    # (a data error raised in _reduce_step: the micro-batches exist here)
+    lengths = [micro_batches[0]["labels"].shape[1] if c is None else c for c in crops]
     n_global = float(counts[0].item())
     # Both values come from all-reduces, so every rank skips the optimizer step alike.
     if nan_ranks > 0 or n_global <= 0:
-        return StepOut(float("nan"), None, False, True, exit_reduced, seq_length, times)
+        return StepOut(float("nan"), None, False, True, exit_reduced, seq_length, times, lengths)
     # always=False: only communication errors are renamed; an optimizer bug keeps its own traceback.
     with named_collective(
         "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
@@ -198,4 +202,5 @@ def train_step(
         exit_reduced,
         seq_length,
         times,
+        lengths,
     )
