@@ -201,9 +201,22 @@ def _world(rank, world, tmp):
             )
         )
         ar.train()
+        # a W&B dir that cannot be made: the last rank's writer fails, every rank stops at once
+        open(f"{tmp}/file", "w").close()
+        try:
+            Trainer(
+                parse_config(
+                    TINY
+                    + ["--wandb-project", "p", "--wandb-exp-name", "t", "--wandb-save-dir", f"{tmp}/file"],
+                    world_size=world,
+                )
+            )
+            failed = None
+        except Exception as exc:  # noqa: BLE001 - the test compares the ranks' errors
+            failed = f"{type(exc).__name__}: {exc}"
     finally:
         logging.getLogger("megadlms").removeHandler(handler)
-    return res, direct, lines[:ar_lines], lines[ar_lines:]
+    return res, direct, lines[:ar_lines], lines[ar_lines:], failed
 
 
 @pytest.fixture(scope="module")
@@ -211,7 +224,12 @@ def logged(tmp_path_factory):
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
     tmp = str(tmp_path_factory.mktemp("megatron_logging"))
-    (res, direct, lines, ar_lines), _ = run_distributed(_world, 2, (tmp,), timeout=300)
+    (res, direct, lines, ar_lines, failed0), last = run_distributed(_world, 2, (tmp,), timeout=300)
+    # no rank is left waiting: the last rank has its own error, rank 0 the one-vote's
+    assert (
+        failed0 == "RuntimeError: the last rank could not open the TensorBoard / W&B writer (see its error)"
+    )
+    assert last[-1] is not None and "file" in last[-1]
     return tmp, res, direct, lines, ar_lines
 
 

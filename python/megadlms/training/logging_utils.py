@@ -25,6 +25,7 @@ from datetime import datetime
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from .wandb_writer import WandbWriter
 
@@ -134,7 +135,8 @@ def megatron_ppl(loss: float) -> float:
 class MetricsLogger:
     """The run's sinks: progress/validation lines and --metrics-jsonl on rank 0, TensorBoard
     and W&B on the last rank (Megatron's ``is_last_rank`` writers). ``log`` is the logging
-    config (``config.LoggingConfig``); ``run_record``: the run's configuration for W&B."""
+    config (``config.LoggingConfig``); ``run_record``: the run's configuration for W&B;
+    ``device``: where the writers' one-vote all-reduce runs (the collectives' device)."""
 
     def __init__(
         self,
@@ -147,6 +149,7 @@ class MetricsLogger:
         run_record: Optional[dict] = None,
         diffusion: bool = True,
         layout: str = "",
+        device=None,
     ) -> None:
         self.active = rank == 0
         self.train_iters, self.layout, self.diffusion, self.log = train_iters, layout, diffusion, log
@@ -164,12 +167,26 @@ class MetricsLogger:
         if self.active and log.metrics_jsonl:
             os.makedirs(os.path.dirname(os.path.abspath(log.metrics_jsonl)), exist_ok=True)
             self._jsonl = open(log.metrics_jsonl, "a", buffering=1)  # line-buffered: tail -f works
-        if rank != world_size - 1:
-            return
-        if writer_cls is not None:
-            self._tb = writer_cls(log_dir=log.tensorboard_dir, max_queue=log.tensorboard_queue_size)
-        if log.wandb.wandb_project:
-            self._wandb = WandbWriter(log.wandb, save_dir=save_dir, run_record=run_record or {})
+        error = None
+        if rank == world_size - 1:
+            try:
+                if writer_cls is not None:
+                    self._tb = writer_cls(log_dir=log.tensorboard_dir, max_queue=log.tensorboard_queue_size)
+                if log.wandb.wandb_project:
+                    self._wandb = WandbWriter(log.wandb, save_dir=save_dir, run_record=run_record or {})
+            except Exception as exc:  # noqa: BLE001 - re-raised below, after every rank knows
+                error = exc
+        if self.writes_scalars and world_size > 1:
+            # One vote: a writer that failed to open (W&B init, an unwritable dir) on the last rank
+            # must stop every rank here, not leave the others waiting in the first step's collectives.
+            flag = torch.tensor([float(error is not None)], device=device)
+            dist.all_reduce(flag)
+            if flag.item() > 0 and error is None:
+                raise RuntimeError(
+                    "the last rank could not open the TensorBoard / W&B writer (see its error)"
+                )
+        if error is not None:
+            raise error
 
     @property
     def writes_scalars(self) -> bool:

@@ -113,6 +113,7 @@ class Trainer:
             save_dir=config.checkpoint.save, run_record=config.to_dict(),
             diffusion=config.diffusion.model_running_mode != "vanilla",
             layout=f"{self.groups.describe()}, {self.params_per_rank / 1e6:.3g}M params/rank",
+            device=self.device,
         )  # fmt: skip
         self.reporter = Reporter(self)  # after the restore: it starts from the restored counters
         self.result = RunResult(
