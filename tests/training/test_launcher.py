@@ -88,7 +88,7 @@ def test_torchrun_fsdp2_seed_command_then_generate(tmp_path, capsys):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "TorchFullyShardedDataParallel | 2 rank(s) = tp1 x dp2, gloo" in out  # the wrapper, logged once
-    assert "iter 6/6 (100%)" in out and "bf16" in out
+    assert " iteration        6/       6 |" in out and "bf16" in out
     assert "note: --attention-backend" in out  # flags without effect: said
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "6"
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -206,4 +206,4 @@ def test_torchrun_seed_ddp_tp2_command_on_8_ranks(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "DistributedDataParallel | 8 rank(s) = tp2 x dp4, gloo" in out
-    assert "iter 2/2 (100%)" in out and "tp2 x dp4," in out and "params/rank" in out
+    assert " iteration        2/       2 |" in out and "tp2 x dp4," in out and "params/rank" in out

@@ -41,6 +41,7 @@ from .run_config import (
     ParallelConfig,
     RunConfig,
     TrainingConfig,
+    WandbConfig,
 )
 
 __all__ = ["build_parser", "build_run_config", "flag_message", "parse_args", "parse_config", "validate_args"]
@@ -157,7 +158,7 @@ def _notes(args) -> List[str]:
     # getattr with `off` as default: a flag another entry point's parser lacks counts as not given.
     notes = [f"{flag}: {why}" for dest, flag, off, why in WITHOUT_EFFECT if getattr(args, dest, off) != off]
     if not args.wandb_project and any(getattr(args, d, None) is not None for d in WANDB_DESTS):
-        notes.append("--wandb-*: no Weights & Biases client; the flags are ignored")
+        notes.append("--wandb-*: no effect without --wandb-project (W&B stays off, as in Megatron)")
     return notes + _megadlms_notes(args)
 
 
@@ -211,7 +212,10 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
         "optimizer": _collect(problems, lambda: _from_args(OptimizerConfig, args)),
         "schedule": _collect(problems, lambda: _from_args(LRScheduleConfig, args)),
         "checkpoint": _collect(problems, lambda: _checkpoint_config(args)),
-        "logging": _collect(problems, lambda: _from_args(LoggingConfig, args, notes=_notes(args))),
+        "logging": _collect(
+            problems,
+            lambda: _from_args(LoggingConfig, args, notes=_notes(args), wandb=_from_args(WandbConfig, args)),
+        ),
     }
     # Training is built last: its batch rule needs dp, which only a valid ParallelConfig derives.
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None

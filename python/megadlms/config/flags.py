@@ -7,9 +7,9 @@ Three kinds of Megatron flags are accepted:
 
 * implemented flags (most of them, tensor/sequence/pipeline/expert parallelism included;
   docs/flags.md lists every one);
-* flags that only tune speed or external logging we do not have (e.g.
-  ``--attention-backend``, ``--wandb-project``): accepted so a MegaDLMs script runs as
-  written, and reported once at start as having no effect (``megatron_compat.WITHOUT_EFFECT``);
+* flags that only tune speed (e.g. ``--attention-backend``, ``--tp-comm-overlap``): accepted
+  so a MegaDLMs script runs as written, and reported once at start as having no effect
+  (``megatron_compat.WITHOUT_EFFECT``);
 * flags for features not implemented yet (context parallelism, fp8,
   sample-based training, batch-size ramp-up, ...; ``megatron_compat.UNSUPPORTED``): they
   parse, and the validation rejects any non-default value, naming the flag.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 
+from .flags_logs23 import add_logs23_args
 from .flags_model import add_flag, difflm_args, model_args, parallel_args, precision_args
 from .flags_moe import moe_args
 from .flags_recompute import add_recompute_args
@@ -151,7 +152,8 @@ def _robustness_flags(g):
         "--rerun-mode",
         default="disabled",
         choices=["disabled", "validate_results", "report_stats"],
-        help="Megatron rerun state machine (no effect; NaN/Inf handling is --nan-skip-limit).",
+        help="Megatron's rerun state machine modes (accepted; no re-runs here: a one-time note says "
+        "what is done instead, see --nan-skip-limit).",
     )
 
 
@@ -327,45 +329,20 @@ def _logging_args(p):
         g,
         "--tensorboard-dir",
         default=None,
-        help="Write TensorBoard scalars here (if tensorboard is installed).",
+        help="Write TensorBoard scalars here, with Megatron's tag names (needs tensorboard).",
     )
     add_flag(
-        g,
-        "--log-throughput",
-        action="store_true",
-        help="Accepted for Megatron scripts (tokens/s and TFLOP/s are always logged).",
+        g, "--log-params-norm", action="store_true", help="Log the global parameter L2 norm (params norm)."
     )
-    add_flag(g, "--log-params-norm", action="store_true", help="Log the global parameter L2 norm (pnorm).")
     add_flag(
         g,
         "--metrics-jsonl",
         default=None,
         help="Append one JSON object per logged step (iteration, consumed_samples, lm_loss, lr, grad_norm, "
         "loss_scale, skipped, tokens_per_sec, event='train'; at eval a separate event='eval' "
-        "record with valid_nelbo and valid_ppl_bound).",
+        "record with valid_nelbo and valid_ppl_bound; the end-of-training evaluations as "
+        "event='final_validation' / 'final_test').",
     )
-    for flag in (
-        "--log-num-zeros-in-grad",
-        "--log-progress",
-        "--log-timers-to-tensorboard",
-        "--log-validation-ppl-to-tensorboard",
-        "--log-memory-to-tensorboard",
-    ):
-        add_flag(g, flag, action="store_true", help="Accepted for Megatron scripts (no effect).")
-    add_flag(
-        g, "--wandb-project", default="", help="Accepted for Megatron scripts (no wandb client; no effect)."
-    )
-    for flag in (
-        "--wandb-exp-name",
-        "--wandb-run-id",
-        "--wandb-save-dir",
-        "--wandb-mode",
-        "--wandb-tags",
-        "--wandb-notes",
-        "--wandb-resume",
-        "--wandb-group",
-    ):
-        add_flag(g, flag, default=None, help="Accepted with --wandb-project (no effect).")
 
 
 def _megadlms_args(p):
@@ -476,6 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
         _data_args,
         _checkpoint_args,
         _logging_args,
+        add_logs23_args,
         _megadlms_args,
         _interop_args,
         moe_args,

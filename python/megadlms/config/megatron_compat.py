@@ -37,7 +37,9 @@ WITHOUT_EFFECT = (
         "rerun_mode",
         "--rerun-mode",
         "disabled",
-        "no rerun state machine; NaN/Inf steps are skipped (--nan-skip-limit)",
+        "no rerun state machine: a NaN/Inf loss is not re-run to tell a transient fault from a "
+        "reproducible one (validate_results), nor is every step re-run for variability stats "
+        "(report_stats); NaN/Inf steps are skipped on every rank up to --nan-skip-limit",
     ),
     ("ckpt_fully_parallel_load", "--ckpt-fully-parallel-load", False, "torch_dist loads are always parallel"),
     (
@@ -53,17 +55,6 @@ WITHOUT_EFFECT = (
         None,
         "no non-persistent checkpoints",
     ),
-    ("log_num_zeros_in_grad", "--log-num-zeros-in-grad", False, "not logged"),
-    ("log_progress", "--log-progress", False, "progress.txt is not written; use --metrics-jsonl"),
-    ("log_timers_to_tensorboard", "--log-timers-to-tensorboard", False, "no per-phase timers"),
-    (
-        "log_validation_ppl_to_tensorboard",
-        "--log-validation-ppl-to-tensorboard",
-        False,
-        "validation NELBO and its bound are logged always",
-    ),
-    ("log_memory_to_tensorboard", "--log-memory-to-tensorboard", False, "memory is in the progress line"),
-    ("log_throughput", "--log-throughput", False, "tokens/s and TFLOP/s per device are logged always"),
     (
         "auto_detect_ckpt_format",
         "--auto-detect-ckpt-format",
@@ -77,7 +68,13 @@ WITHOUT_EFFECT = (
         True,
         "the trainer always reshards FSDP2 units after forward",
     ),
-    ("wandb_project", "--wandb-project", "", "no Weights & Biases client; all --wandb-* flags are ignored"),
+    (
+        "tp_comm_overlap",
+        "--tp-comm-overlap",
+        False,
+        "no Transformer Engine userbuffers: the sequence-parallel all-gathers / reduce-scatters run "
+        "as separate collectives, not overlapped with the GEMMs (speed only)",
+    ),
     ("moe_grouped_gemm", "--moe-grouped-gemm", False, "the experts always run as one grouped GEMM"),
 )
 MEGADLMS_WITHOUT_EFFECT = (
@@ -98,6 +95,7 @@ MEGADLMS_WITHOUT_EFFECT = (
     ),
 )
 WITHOUT_EFFECT = WITHOUT_EFFECT + MEGADLMS_WITHOUT_EFFECT
+# The --wandb-* flags after --wandb-project: given without it, W&B stays off (as in Megatron).
 WANDB_DESTS = (
     "wandb_exp_name",
     "wandb_run_id",
@@ -107,4 +105,5 @@ WANDB_DESTS = (
     "wandb_notes",
     "wandb_resume",
     "wandb_group",
+    "wandb_resume_from",
 )

@@ -31,6 +31,7 @@ from megadlms.optimizer import OptimizerConfig, dtensor_problems
 from megadlms.parallel.groups import check_instances
 from megadlms.pipeline import micro_batch_problems, stage_layers
 
+from .flags_logs23 import logging_flag_problems
 from .megatron_compat import UNSUPPORTED
 from .messages import flag_message
 from .run_config import ParallelConfig
@@ -136,7 +137,7 @@ def cross_flag_problems(
 ) -> List[str]:
     """The rules worded with the flags themselves (unsupported features, the nccl_ext and FSDP2
     rules); ``ddp`` / ``optimizer``: the built configs, None when they failed their own checks."""
-    out = _unsupported_problems(args)
+    out = _unsupported_problems(args) + logging_flag_problems(args)
     if args.comm_backend == "nccl_ext" and (
         args.distributed_backend == "gloo" or not torch.cuda.is_available()
     ):

@@ -337,8 +337,24 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class WandbConfig:
+    """Megatron's --wandb-* flags (W&B is on when ``wandb_project`` is set)."""
+
+    wandb_project: str = ""
+    wandb_exp_name: Optional[str] = None
+    wandb_run_id: Optional[str] = None
+    wandb_save_dir: Optional[str] = None
+    wandb_mode: Optional[str] = None
+    wandb_tags: Optional[str] = None
+    wandb_group: Optional[str] = None
+    wandb_notes: Optional[str] = None
+    wandb_resume: Optional[str] = None
+    wandb_resume_from: Optional[str] = None
+
+
+@dataclass(kw_only=True)
 class LoggingConfig:
-    """Progress lines, metrics files and validation."""
+    """Progress lines, metrics files and validation (Megatron's logging switches: docs/flags.md)."""
 
     log_interval: int = 100
     eval_interval: Optional[int] = 1000
@@ -347,12 +363,25 @@ class LoggingConfig:
     tensorboard_dir: Optional[str] = None
     metrics_jsonl: Optional[str] = None
     log_params_norm: bool = False
+    log_num_zeros_in_grad: bool = False
+    log_throughput: bool = False
+    log_progress: bool = False
+    log_timers_to_tensorboard: bool = False
+    log_validation_ppl_to_tensorboard: bool = False
+    log_memory_to_tensorboard: bool = False
+    log_world_size_to_tensorboard: bool = False
+    log_loss_scale_to_tensorboard: bool = True
+    tensorboard_log_interval: int = 1
+    tensorboard_queue_size: int = 1000
+    timing_log_level: int = 0
+    wandb: WandbConfig = field(default_factory=WandbConfig)
     notes: List[str] = field(default_factory=list)
     """One-time notices for the start of the run (flags accepted without effect)."""
 
     def __post_init__(self) -> None:
         bad = Problems("LoggingConfig")
         bad.positive(self, "log_interval")
+        bad.positive(self, "tensorboard_log_interval")
         bad.positive(self, "eval_interval", required=False)
         bad.check(self.eval_iters >= 0, f"eval_iters must be >= 0, got {self.eval_iters}")
         bad.raise_if_any()

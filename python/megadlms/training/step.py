@@ -37,6 +37,7 @@ failure, so every rank stops.
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Callable, List, Optional
 
 import torch
@@ -59,6 +60,10 @@ class StepOut:
     nonfinite: bool
     exit_flags: List[float]
     seq_length: int
+    times: dict = dataclasses.field(default_factory=dict)
+    """Seconds of Megatron's timed phases ("forward-backward", "optimizer") on this rank."""
+    crop_lengths: List[int] = dataclasses.field(default_factory=list)
+    """Each micro-batch's length after the variable-length crop (before any shift)."""
 
 
 def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, device, loss_owner=True):
@@ -160,6 +165,7 @@ def train_step(
     scales = step_scales(model, counts[0], counts[1], optimizer.get_loss_scale())
     set_moe_aux_loss_scale(model, scales.moe_aux)
 
+    t0 = time.perf_counter()
     optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step
     error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)
     if run:
@@ -173,15 +179,20 @@ def train_step(
         local_loss, error, exit_flags(), iteration, device, loss_owner
     )
     seq_length = micro_batches[0]["labels"].shape[1] if crops[0] is None else crops[0]
+    times = {"forward-backward": time.perf_counter() - t0}  # the loss reduction's .item() synced
+    # (a data error raised in _reduce_step: the micro-batches exist here)
+    lengths = [micro_batches[0]["labels"].shape[1] if c is None else c for c in crops]
     n_global = float(counts[0].item())
     # Both values come from all-reduces, so every rank skips the optimizer step alike.
     if nan_ranks > 0 or n_global <= 0:
-        return StepOut(float("nan"), None, False, True, exit_reduced, seq_length)
+        return StepOut(float("nan"), None, False, True, exit_reduced, seq_length, times, lengths)
     # always=False: only communication errors are renamed; an optimizer bug keeps its own traceback.
     with named_collective(
         "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
     ):
+        t0 = time.perf_counter()
         success, grad_norm = optimizer.step(grad_unscale=scales.grad_unscale)
+        times["optimizer"] = time.perf_counter() - t0
     return StepOut(
         # The global per-token loss: the sum over all ranks' loss tokens divided once by their global count.
         loss_total / n_global,
@@ -190,4 +201,6 @@ def train_step(
         False,
         exit_reduced,
         seq_length,
+        times,
+        lengths,
     )

@@ -23,15 +23,15 @@ from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
 from megadlms.distributed import DataParallel
 from megadlms.models import num_floating_point_operations
-from megadlms.models.moe import moe_layer_stats
 from megadlms.optimizer import get_optimizer
 from megadlms.parallel.sharding import counts_once
 
 from . import builders, pipeline_run
-from .logging_utils import MetricsLogger, memory_gb
+from .logging_utils import MetricsLogger
+from .reporting import Reporter
 from .run_state import RunResult, SignalFlag
 from .step import StepOut, train_step
-from .validation import evaluate, params_norm
+from .validation import evaluate
 from .validation import to_device as _to_device
 
 _log = logging.getLogger("megadlms.training")
@@ -108,15 +108,14 @@ class Trainer:
 
         # Data after the restore: the train loader starts at the restored consumed_samples.
         self._build_data(tokenizer)
-        log = config.logging
         self.metrics = MetricsLogger(
-            rank=self.rank,
-            train_iters=t.train_iters,
-            metrics_jsonl=log.metrics_jsonl,
-            tensorboard_dir=log.tensorboard_dir,
-            fp16=config.optimizer.fp16,
+            rank=self.rank, world_size=self.world, train_iters=t.train_iters, log=config.logging,
+            save_dir=config.checkpoint.save, run_record=config.to_dict(),
+            diffusion=config.diffusion.model_running_mode != "vanilla",
             layout=f"{self.groups.describe()}, {self.params_per_rank / 1e6:.3g}M params/rank",
-        )
+            device=self.device,
+        )  # fmt: skip
+        self.reporter = Reporter(self)  # after the restore: it starts from the restored counters
         self.result = RunResult(
             self.iteration, self.consumed, type(self.model).__name__, {}, {}, {}, [], self.skipped_total, {},
             "done", None,
@@ -221,6 +220,7 @@ class Trainer:
             records=RunRecords(c.to_dict(), c.model.to_dict(), c.data.tokenizer.to_dict()),
         )
         self.result.save_stalls.append(time.perf_counter() - t0)
+        self.reporter.saved(self.iteration, in_background=written is None)
         if written is not None:
             self.result.last_checkpoint = written
             _log.info(f"saved checkpoint {written}")
@@ -257,45 +257,6 @@ class Trainer:
         self.result.losses[it], self.result.lrs[it] = out.loss, lr
         if out.grad_norm is not None:
             self.result.grad_norms[it] = out.grad_norm
-
-    def _log_window(self, w: dict, out: StepOut, lr: float) -> None:
-        it, c = self.iteration, self.config
-        self.metrics.log_train(
-            {
-                "iteration": it,
-                "consumed_samples": self.consumed,
-                "lm_loss": w["loss"] / w["n_loss"] if w["n_loss"] else None,
-                "lr": lr,
-                "grad_norm": out.grad_norm,
-                "loss_scale": float(self.optimizer.get_loss_scale()),
-                "params_norm": (
-                    params_norm(self.model, self.device, self.groups) if c.logging.log_params_norm else None
-                ),
-                "skipped": int(not out.success),
-                "tokens_per_sec": w["tokens"] / w["time"],
-                "tflops_per_device": w["flops"] / w["time"] / self.world / 1e12,
-                "ms_per_iter": 1e3 * w["time"] / w["iters"],
-                "mem_gb": memory_gb(),
-                "eta_sec": (c.training.train_iters - it) * w["time"] / w["iters"],
-                "skipped_total": self.skipped_total,
-                "nan_total": self.nan_total,
-                **self._moe_metrics(),
-            }
-        )
-
-    def _moe_metrics(self) -> dict:
-        """The MoE layers' aux losses and load balance over the logged window, summed over
-        every rank (a collective: every rank logs at the same iterations); {} for dense models."""
-        m = self.config.model
-        if m.num_moe_experts is None:
-            return {}
-        s = moe_layer_stats(self.model, reduce=True, reset=True, num_layers=m.num_layers)
-        return {
-            "moe_aux_loss": s["aux_loss"],
-            "moe_z_loss": s["z_loss"],
-            "moe_load_max_over_mean": s["max_over_mean"],
-            "moe_layers": {str(k): v for k, v in s["layers"].items()},
-        }
 
     def _stop_reason(self, out: StepOut) -> Optional[str]:
         # exit_flags were summed over ranks in the step's all-reduce: every rank stops at the same iteration.
@@ -343,10 +304,8 @@ class Trainer:
             if ev is None:
                 continue
             self.result.final_evals[name] = ev["nelbo"]
-            _log.info(
-                f"{name} at the end of training (iteration {self.iteration}): NELBO {ev['nelbo']:.4f} "
-                f"per token | PPL bound {ev['ppl_bound']:.3f}"
-            )
+            prefix = f"iteration {self.iteration} on {name} set"  # Megatron's final-evaluation prefix
+            self.metrics.log_eval(self.iteration, self.consumed, ev, prefix=prefix, split=name)
 
     def _step(self, data_iter, window: dict, exit_flags) -> StepOut:
         """One optimizer step with its accounting and throughput window."""
@@ -381,9 +340,7 @@ class Trainer:
         if not out.nonfinite:
             window["loss"] += out.loss
             window["n_loss"] += 1
-        train_iters = self.config.training.train_iters
-        if self.iteration % self.config.logging.log_interval == 0 or self.iteration == train_iters:
-            self._log_window(window, out, lr)
+        if self.reporter.after_step(out, lr, window):  # scalars; True: the progress line was written
             window.update(_new_window())
         return out
 
