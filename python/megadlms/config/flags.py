@@ -10,7 +10,7 @@ Three kinds of Megatron flags are accepted:
 * flags that only tune speed or external logging we do not have (e.g.
   ``--attention-backend``, ``--wandb-project``): accepted so a MegaDLMs script runs as
   written, and reported once at start as having no effect (``megatron_compat.WITHOUT_EFFECT``);
-* flags for features not implemented yet (context parallelism, fp8, activation recompute,
+* flags for features not implemented yet (fp8, activation recompute,
   sample-based training, batch-size ramp-up, ...; ``megatron_compat.UNSUPPORTED``): they
   parse, and the validation rejects any non-default value, naming the flag.
 

@@ -8,7 +8,6 @@ to read and to review.
 # (dest, flag, value that means "off") -> rejected with "not supported yet" when changed.
 # Refused rather than ignored: a run relying on one would train otherwise than it asked for.
 UNSUPPORTED = (
-    ("context_parallel_size", "--context-parallel-size", 1),
     ("fp8", "--fp8-format", None),
     ("recompute_granularity", "--recompute-granularity", None),
     ("recompute_activations", "--recompute-activations", False),

@@ -83,7 +83,9 @@ class ParallelConfig:
             self.expert_model_parallel_size,
         )
         try:  # the parallel layer's rule: dp = world / (tp x pp) is derived there, for groups too
-            self.data_parallel_size = check_sizes(self.world_size, tp, pp, ep, self.data_parallel_size)
+            self.data_parallel_size = check_sizes(
+                self.world_size, tp, pp, ep, self.data_parallel_size, self.context_parallel_size
+            )
         except ValueError as exc:
             bad.add(str(exc))
         if self.distributed_backend is None:
