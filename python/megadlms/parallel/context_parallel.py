@@ -113,6 +113,7 @@ class ContextParallelPlan:
     group: Group
     causal: bool
     mask: Optional[torch.Tensor]  # bool [B, 1, Sl, S] / [B, 1, 1, S], or None: see everything
+    _float: Optional[torch.Tensor] = None  # the additive form of ``mask`` (see _additive)
 
     @classmethod
     def build(cls, position_ids: Optional[torch.Tensor], group: Group, causal: bool):
@@ -142,8 +143,18 @@ class ContextParallelPlan:
         """SDPA of the local queries q [B, N, Sl, D] against the gathered keys and values."""
         k, v = gather_kv(k, self.group), gather_kv(v, self.group)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self.mask, dropout_p=dropout_p, enable_gqa=enable_gqa
+            q, k, v, attn_mask=self._additive(q.dtype), dropout_p=dropout_p, enable_gqa=enable_gqa
         )
+
+    def _additive(self, dtype) -> Optional[torch.Tensor]:
+        # SDPA turns a boolean mask into an additive one in every call, and saves it for backward:
+        # made once per forward here, every layer shares one tensor (one [Sl, S] mask, not one per layer).
+        if self.mask is None:
+            return None
+        if self._float is None or self._float.dtype != dtype:
+            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
+            self._float = torch.where(self.mask, zero, torch.finfo(dtype).min)
+        return self._float
 
 
 def context_parallel_problems(
