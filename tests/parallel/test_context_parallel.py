@@ -147,6 +147,10 @@ def test_rank_grid_with_context_parallelism_is_megatrons_order():
         (["--reset-attention-mask"], "--reset-attention-mask"),
         (["--num-experts", "4"], "--num-experts"),
         (["--expert-model-parallel-size", "2"], "--expert-model-parallel-size"),
+        (
+            ["--use-distributed-optimizer", "--num-distributed-optimizer-instances", "2"],
+            "--num-distributed-optimizer-instances",
+        ),
     ],
 )
 def test_refusals_name_the_flags(extra, needle):

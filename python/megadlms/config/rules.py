@@ -154,6 +154,7 @@ def cross_flag_problems(
             use_torch_fsdp2=args.use_torch_fsdp2,
             reset_attention_mask=args.reset_attention_mask,
             num_moe_experts=args.num_experts,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         )
     ]
     return out

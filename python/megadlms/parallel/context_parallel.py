@@ -163,6 +163,7 @@ def context_parallel_problems(
     use_torch_fsdp2: bool = False,
     reset_attention_mask: bool = False,
     num_moe_experts: Optional[int] = None,
+    num_distributed_optimizer_instances: int = 1,
 ) -> list:
     """What context parallelism cannot be combined with here, worded with field names (the
     CLI rewords them with flags). Sizes (world, ep, optimizer instances) are
@@ -185,5 +186,11 @@ def context_parallel_problems(
         out.append(
             f"num_moe_experts with context_parallel_size {cp} is not supported: MoE layers need "
             "context_parallel_size 1"
+        )
+    if num_distributed_optimizer_instances != 1:
+        out.append(
+            f"num_distributed_optimizer_instances {num_distributed_optimizer_instances} with "
+            f"context_parallel_size {cp} is not supported: the optimizer is sharded over dp x cp "
+            "as one instance"
         )
     return out

@@ -320,11 +320,10 @@ class ParallelGroups:
         are cut out with new_group (the same calls, in the same order, on every rank)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        if instances != 1:
-            raise ValueError(
-                f"num_distributed_optimizer_instances {instances} with context_parallel_size {cp}: "
-                "not supported together; use one instance"
-            )
+        from .context_parallel import context_parallel_problems
+
+        for problem in context_parallel_problems(cp, num_distributed_optimizer_instances=instances):
+            raise ValueError(problem)
         dp = check_sizes(world, tp, pp, 1, dp, cp)
         dense = torch.arange(world).reshape(pp, dp, cp, tp)
         mesh = DeviceMesh(device_type, dense, mesh_dim_names=_DENSE_CP_DIMS)
