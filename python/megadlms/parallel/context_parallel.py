@@ -108,12 +108,21 @@ def gather_kv(x: torch.Tensor, group: Group, dim: int = 2) -> torch.Tensor:
 @dataclass
 class ContextParallelPlan:
     """One forward's context-parallel attention: built by :meth:`build` from the local
-    position ids, passed to every layer's attention in place of a document mask."""
+    position ids, passed to every layer's attention in place of a document mask.
+
+    Bidirectional: the local queries attend to every gathered key but the padding (``valid``;
+    None when there is none: no mask at all). Causal: the gathered keys are put in global order
+    (``order``) and each of this rank's two chunks attends only to the keys up to its end (its
+    earlier chunks unmasked, its own chunk lower-triangular), so the work skips what causality
+    hides, as the 2C-chunk balance intends; padding sits at the end and is never a real key."""
 
     group: Group
     causal: bool
-    mask: Optional[torch.Tensor]  # bool [B, 1, Sl, S] / [B, 1, 1, S], or None: see everything
-    _float: Optional[torch.Tensor] = None  # the additive form of ``mask`` (see _additive)
+    valid: Optional[torch.Tensor] = None  # bool [B, 1, 1, S]: bidirectional, keys that are not padding
+    order: Optional[torch.Tensor] = None  # causal: gathered (rank-order) key -> global order
+    ends: tuple = ()  # causal: for each local chunk, (its global chunk index, keys it sees)
+    chunk: int = 0
+    _masks: Optional[dict] = None  # additive masks by dtype, made once per forward (see _additive)
 
     @classmethod
     def build(cls, position_ids: Optional[torch.Tensor], group: Group, causal: bool):
@@ -125,36 +134,55 @@ class ContextParallelPlan:
                 "shard the batch with megadlms.parallel.context_parallel.shard_sequence"
             )
         cp, rank = group_size(group), group_rank(group)
-        B, Sl = position_ids.shape
+        Sl = position_ids.shape[1]
+        positions = position_ids.clamp(min=0)
+        if causal:
+            chunk, device = Sl // 2, position_ids.device
+            k_index = torch.cat([sequence_index(Sl * cp, cp, r, True, device) for r in range(cp)])
+            ends = ((rank, (rank + 1) * chunk), (2 * cp - 1 - rank, (2 * cp - rank) * chunk))
+            return cls(
+                group, True, order=torch.argsort(k_index), ends=ends, chunk=chunk, _masks={}
+            ), positions
         # One small all-gather per forward: which gathered keys are padding (known only to their owner).
         valid = _all_gather(position_ids.contiguous(), 1, group) != PAD_POSITION  # [B, S]
-        mask = None
-        if causal:
-            S = Sl * cp
-            k_index = torch.cat([sequence_index(S, cp, r, True, position_ids.device) for r in range(cp)])
-            q_index = sequence_index(S, cp, rank, True, position_ids.device)
-            # order by global index, not by position id (positions may restart per document)
-            mask = (q_index[:, None] >= k_index[None, :])[None, None] & valid[:, None, None, :]
-        elif not bool(valid.all()):
-            mask = valid[:, None, None, :]
-        return cls(group, causal, mask), position_ids.clamp(min=0)
+        mask = None if bool(valid.all()) else valid[:, None, None, :]
+        return cls(group, False, valid=mask, _masks={}), positions
 
     def attention(self, q, k, v, dropout_p: float, enable_gqa: bool) -> torch.Tensor:
         """SDPA of the local queries q [B, N, Sl, D] against the gathered keys and values."""
         k, v = gather_kv(k, self.group), gather_kv(v, self.group)
-        return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=self._additive(q.dtype), dropout_p=dropout_p, enable_gqa=enable_gqa
-        )
+        kw = {"dropout_p": dropout_p, "enable_gqa": enable_gqa}
+        if not self.causal:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive(q.dtype), **kw)
+        k, v = k.index_select(2, self.order), v.index_select(2, self.order)
+        c = self.chunk
+        outs = [
+            F.scaled_dot_product_attention(
+                q[:, :, i * c : (i + 1) * c], k[:, :, :end], v[:, :, :end], attn_mask=mask, **kw
+            )
+            for i, ((_, end), mask) in enumerate(zip(self.ends, self._additive(q.dtype)))
+        ]
+        return torch.cat(outs, dim=2)
 
-    def _additive(self, dtype) -> Optional[torch.Tensor]:
+    def _additive(self, dtype):
         # SDPA turns a boolean mask into an additive one in every call, and saves it for backward:
-        # made once per forward here, every layer shares one tensor (one [Sl, S] mask, not one per layer).
-        if self.mask is None:
-            return None
-        if self._float is None or self._float.dtype != dtype:
-            zero = torch.zeros((), dtype=dtype, device=self.mask.device)
-            self._float = torch.where(self.mask, zero, torch.finfo(dtype).min)
-        return self._float
+        # made once per forward here, every layer shares the same tensors.
+        if dtype not in self._masks:
+            self._masks[dtype] = self._make_masks(dtype)
+        return self._masks[dtype]
+
+    def _make_masks(self, dtype):
+        if not self.causal:
+            if self.valid is None:
+                return None
+            return torch.where(self.valid, 0.0, torch.finfo(dtype).min).to(dtype)
+        out, c = [], self.chunk
+        for index, end in self.ends:
+            # query i of global chunk `index` sees keys j <= index * c + i (the lower-right triangle)
+            rows = torch.arange(c, device=self.order.device)[:, None] + index * c
+            seen = torch.arange(end, device=self.order.device)[None, :] <= rows
+            out.append(torch.where(seen, 0.0, torch.finfo(dtype).min).to(dtype))
+        return out
 
 
 def context_parallel_problems(
