@@ -8,6 +8,12 @@ ranks are adjacent (fastest), then data-parallel, then pipeline (slowest), so gl
 (slow), exactly as Megatron's second ``RankGenerator`` (expert tp = tp, cp = 1,
 ``expert_dp = world / (tp * ep * pp)``).
 
+Context parallelism (``cp`` > 1, :func:`context_parallel_grid`): the cp axis sits between tp
+and dp (``r = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``), the dense grid is
+``[pp, dp, cp, tp]``, and two more axes exist: ``cp`` and ``dp_cp`` (dp x cp, over which the
+replicated parameters' gradients are reduced: :meth:`ParallelGroups.for_gradients`). Expert
+parallelism is 1 there. With cp = 1 every table and mesh is exactly the one described above.
+
 Both grids are torch ``DeviceMesh`` objects (one process group per mesh dimension). Three
 more axes are cut out of the dense grid with plain ``new_group`` calls, once, in
 :meth:`ParallelGroups.build`:
