@@ -163,3 +163,7 @@ def test_refusals_name_the_flags(extra, needle):
 def test_context_parallel_size_parses_and_sets_dp():
     cfg = parse_config(TINY + _cp(2) + ["--tensor-model-parallel-size", "2"], world_size=8)
     assert cfg.parallel.context_parallel_size == 2 and cfg.parallel.data_parallel_size == 2
+    assert not any("--cp-comm-type" in n for n in cfg.logging.notes)
+    # Megatron's ring choice parses; it is noted once as without effect (the numbers are the same)
+    cfg = parse_config(TINY + _cp(2) + ["--cp-comm-type", "p2p"], world_size=4)
+    assert any(n.startswith("--cp-comm-type") for n in cfg.logging.notes)

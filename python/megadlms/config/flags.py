@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 
+from .flags_cp import add_cp_args
 from .flags_model import add_flag, difflm_args, model_args, parallel_args, precision_args
 from .flags_moe import moe_args
 
@@ -487,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
         _interop_args,
         moe_args,
         _pipeline_args,
+        add_cp_args,
     ):
         add(p)
     return p

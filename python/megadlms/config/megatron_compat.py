@@ -80,6 +80,12 @@ WITHOUT_EFFECT = (
     ),
     ("wandb_project", "--wandb-project", "", "no Weights & Biases client; all --wandb-* flags are ignored"),
     ("moe_grouped_gemm", "--moe-grouped-gemm", False, "the experts always run as one grouped GEMM"),
+    (
+        "cp_comm_type",
+        "--cp-comm-type",
+        ["allgather"],
+        "context parallelism always all-gathers K/V (the same numbers; speed and memory differ)",
+    ),
 )
 MEGADLMS_WITHOUT_EFFECT = (
     ("debug", "--debug", False, "no MegaDLMs debug mode"),
