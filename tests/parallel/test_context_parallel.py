@@ -5,7 +5,7 @@ The independent reference is the one-process run of the same global batch: every
 give its loss curve, grad norms and validation NELBO within 1e-5 relative:
 
 * 4 ranks (one world): cp2 x dp2 with the distributed optimizer (sharded over dp x cp; it
-  saves a checkpoint that the one-process run resumes), cp2 x tp2 with sequence parallelism
+  saves a checkpoint that the one-process run and a cp4 run resume), cp2 x tp2 with sequence parallelism
   and cp2 x pp2 (bidirectional difflm: the MegaDLMs objective feeds L-1 = 31 tokens and
   variable-length crops, so the split pads), cp4 causal (vanilla: Megatron's 2C-chunk
   load-balanced split);
@@ -59,6 +59,8 @@ def _four_rank_world(rank, world, tmp):
         "cp2_tp2_sp": _run(_cp(2) + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
         "cp2_pp2": _run(_cp(2) + ["--pipeline-model-parallel-size", "2"]),
         "cp4_causal": _run(_cp(4) + VANILLA),
+        # the cp2 x dp2 checkpoint resumed at cp4 x dp1
+        "cp4_resumed": _run(_cp(4) + B4 + ["--use-distributed-optimizer", "--load", save[1]]),
     }
 
 
@@ -105,12 +107,15 @@ def test_layout_matches_one_process(worlds, layout, reference):
 
 
 def test_cp_dp_distopt_and_checkpoint_resharded_to_one_process(worlds):
-    ref, part, resumed = worlds["single_b4"], worlds["cp2_dp2"], worlds["resumed"]
+    ref, part = worlds["single_b4"], worlds["cp2_dp2"]
     _close(part.losses, {k: ref.losses[k] for k in part.losses}, "cp2 x dp2 loss")
     _close(part.grad_norms, {k: ref.grad_norms[k] for k in part.grad_norms}, "cp2 x dp2 grad norm")
-    # the one-process run resumes the cp2 x dp2 checkpoint (optimizer sharded over dp x cp)
-    _close(resumed.losses, {k: ref.losses[k] for k in resumed.losses}, "resumed loss")
-    assert sorted(resumed.losses) == [3]  # 1-based: the step after the checkpoint
+    # the cp2 x dp2 checkpoint (optimizer sharded over dp x cp) resumed on one process and at cp4
+    for name in ("resumed", "cp4_resumed"):
+        resumed = worlds[name]
+        assert sorted(resumed.losses) == [3], name  # 1-based: the step after the checkpoint
+        _close(resumed.losses, {3: ref.losses[3]}, f"{name} loss")
+        _close(resumed.grad_norms, {3: ref.grad_norms[3]}, f"{name} grad norm")
 
 
 def test_sequence_index_is_megatrons_load_balanced_split():
