@@ -10,7 +10,7 @@ Three kinds of Megatron flags are accepted:
 * flags that only tune speed (e.g. ``--attention-backend``, ``--tp-comm-overlap``): accepted
   so a MegaDLMs script runs as written, and reported once at start as having no effect
   (``megatron_compat.WITHOUT_EFFECT``);
-* flags for features not implemented yet (context parallelism, fp8,
+* flags for features not implemented yet (fp8,
   sample-based training, batch-size ramp-up, ...; ``megatron_compat.UNSUPPORTED``): they
   parse, and the validation rejects any non-default value, naming the flag.
 
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 
+from .flags_cp import add_cp_args
 from .flags_logs23 import add_logs23_args
 from .flags_model import add_flag, difflm_args, model_args, parallel_args, precision_args
 from .flags_moe import moe_args
@@ -459,6 +460,7 @@ def build_parser() -> argparse.ArgumentParser:
         moe_args,
         _pipeline_args,
         add_recompute_args,
+        add_cp_args,
     ):
         add(p)
     return p

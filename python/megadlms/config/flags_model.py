@@ -304,7 +304,10 @@ def _parallel_size_flags(g):
         "--context-parallel-size",
         type=int,
         default=1,
-        help="Context parallel size (only 1 supported yet).",
+        help="Context parallel size: the sequence of every micro-batch is split over this many "
+        "ranks (contiguous for bidirectional attention, Megatron's 2C-chunk load-balanced split "
+        "for causal); attention all-gathers K/V over them. Not with FSDP2, MoE or "
+        "--reset-attention-mask.",
     )
     add_flag(
         g,

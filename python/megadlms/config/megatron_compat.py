@@ -8,7 +8,6 @@ to read and to review.
 # (dest, flag, value that means "off") -> rejected with "not supported yet" when changed.
 # Refused rather than ignored: a run relying on one would train otherwise than it asked for.
 UNSUPPORTED = (
-    ("context_parallel_size", "--context-parallel-size", 1),
     ("fp8", "--fp8-format", None),
     ("train_samples", "--train-samples", None),
     ("rampup_batch_size", "--rampup-batch-size", None),
@@ -76,6 +75,12 @@ WITHOUT_EFFECT = (
         "as separate collectives, not overlapped with the GEMMs (speed only)",
     ),
     ("moe_grouped_gemm", "--moe-grouped-gemm", False, "the experts always run as one grouped GEMM"),
+    (
+        "cp_comm_type",
+        "--cp-comm-type",
+        ["allgather"],
+        "context parallelism always all-gathers K/V (the same numbers; speed and memory differ)",
+    ),
 )
 MEGADLMS_WITHOUT_EFFECT = (
     ("debug", "--debug", False, "no MegaDLMs debug mode"),

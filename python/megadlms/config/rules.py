@@ -14,6 +14,7 @@ only calls it at parse time and says it with flags (:func:`~.messages.flag_messa
     TP / EP shapes            models.config.tensor_parallel_problems / expert_parallel_problems
     activation recompute      models.recompute.recompute_problems
     optimizer instances / dp  parallel.groups.check_instances
+    context parallelism       parallel.context_parallel.context_parallel_problems
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from megadlms.distributed.fsdp2 import fsdp2_config_problems, torch_supports_fsd
 from megadlms.models.config import expert_parallel_problems, tensor_parallel_problems
 from megadlms.models.recompute import recompute_problems
 from megadlms.optimizer import OptimizerConfig, dtensor_problems
+from megadlms.parallel.context_parallel import context_parallel_problems
 from megadlms.parallel.groups import check_instances
 from megadlms.pipeline import micro_batch_problems, stage_layers
 
@@ -148,6 +150,16 @@ def cross_flag_problems(
     # nccl_ext with FSDP2 is fsdp2_config_problems' rule (comm_backend), reported below
     if args.use_torch_fsdp2:
         out += _fsdp2_problems(args, ddp, optimizer)
+    out += [
+        flag_message(p)
+        for p in context_parallel_problems(
+            args.context_parallel_size,
+            use_torch_fsdp2=args.use_torch_fsdp2,
+            reset_attention_mask=args.reset_attention_mask,
+            num_moe_experts=args.num_experts,
+            num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        )
+    ]
     return out
 
 

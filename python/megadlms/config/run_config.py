@@ -47,7 +47,7 @@ class ParallelConfig:
     expert_model_parallel_size: int = 1
     context_parallel_size: int = 1
     data_parallel_size: Optional[int] = None
-    """Derived when None; when given it must equal world / (tp x pp)."""
+    """Derived when None; when given it must equal world / (tp x cp x pp)."""
     use_torch_fsdp2: bool = False
     """The data-parallel wrapper: PyTorch FSDP2 instead of megadlms DistributedDataParallel."""
     distributed_backend: Optional[str] = None
@@ -83,7 +83,9 @@ class ParallelConfig:
             self.expert_model_parallel_size,
         )
         try:  # the parallel layer's rule: dp = world / (tp x pp) is derived there, for groups too
-            self.data_parallel_size = check_sizes(self.world_size, tp, pp, ep, self.data_parallel_size)
+            self.data_parallel_size = check_sizes(
+                self.world_size, tp, pp, ep, self.data_parallel_size, self.context_parallel_size
+            )
         except ValueError as exc:
             bad.add(str(exc))
         if self.distributed_backend is None:

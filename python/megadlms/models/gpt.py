@@ -37,6 +37,7 @@ from megadlms.parallel import (
     normal_init,
     vocab_parallel_cross_entropy,
 )
+from megadlms.parallel.context_parallel import ContextParallelPlan
 from megadlms.parallel.linear_impl import linear as fused_linear
 from megadlms.parallel.sharding import REPLICATED, set_sharding, sharding_of
 
@@ -293,6 +294,8 @@ class GPTModel(nn.Module):
                 f"input length {S} exceeds max_position_embeddings ({self.config.max_position_embeddings})"
             )
         if position_ids is None:
+            if self.tp.cp_group is not None:  # a local arange would be the wrong (non-global) positions
+                ContextParallelPlan.build(None, self.tp.cp_group, False)  # raises, naming the fix
             position_ids = torch.arange(S, device=device).expand(B, S)
         elif position_ids.shape != input_ids.shape:
             # A shared [S] / [1, S] row broadcast over the batch (a view, no copy).
@@ -302,6 +305,8 @@ class GPTModel(nn.Module):
                 f"document_ids {tuple(document_ids.shape)} must match input_ids {tuple(input_ids.shape)}"
             )
         pad = -S % self.tp.size if self.tp.sequence_parallel else 0
+        if pad and self.tp.cp_group is not None:
+            raise ValueError(f"context parallelism: this rank's {S} tokens must split over tp {self.tp.size}")
         if pad:  # the sequence is split over the TP ranks: pad it to a multiple, masked out exactly
             input_ids, position_ids, document_ids = _pad_sequence(input_ids, position_ids, document_ids, pad)
         out = self._forward(input_ids, position_ids, document_ids, hidden_states)
@@ -343,9 +348,15 @@ class GPTModel(nn.Module):
         return B, S, hidden_states.device
 
     def _forward(self, input_ids, position_ids, document_ids, hidden_states=None) -> torch.Tensor:
+        doc_mask = None
+        if self.tp.cp_group is not None:  # this rank holds part of the sequence (context parallelism)
+            if document_ids is not None:
+                raise ValueError("document_ids (document packing) are not supported with context parallelism")
+            doc_mask, position_ids = ContextParallelPlan.build(
+                position_ids, self.tp.cp_group, self.attention == "causal"
+            )
         x_BSH = self.embedding(input_ids, position_ids) if self.pipeline.pre_process else hidden_states
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
-        doc_mask = None
         if document_ids is not None:
             doc_mask = document_attention_mask(
                 document_ids, self.attention == "causal", self.core_attn_implementation

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadlms.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelContext
+from megadlms.parallel.context_parallel import ContextParallelPlan
 from megadlms.parallel.sharding import set_sharding
 
 from .config import ATTENTION_KINDS, TransformerConfig
@@ -238,7 +239,10 @@ class SelfAttention(nn.Module):
             k_BSGD = apply_rotary(k_BSGD, *rotary)
         dropout_p = self.attention_dropout if self.training else 0.0
         q, k, v = q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2)
-        if doc_mask is not None and not isinstance(doc_mask, torch.Tensor):  # flex BlockMask
+        if isinstance(doc_mask, ContextParallelPlan):  # context parallelism: K/V gathered over cp
+            with dropout_rng(self.tp, split=dropout_p > 0):
+                out_BNSD = doc_mask.attention(q, k, v, dropout_p, enable_gqa=G != self.num_heads)
+        elif doc_mask is not None and not isinstance(doc_mask, torch.Tensor):  # flex BlockMask
             from torch.nn.attention.flex_attention import flex_attention
 
             if dropout_p > 0:

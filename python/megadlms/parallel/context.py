@@ -21,6 +21,8 @@ class TensorParallelContext:
     (None: that dropout draws from the default generator; fine at tp = 1).
     ``expert_group``: the expert-parallel process group of the MoE layers (ParallelGroups.ep;
     None: one EP rank, every expert local). EP rank e holds experts [e*E/ep, (e+1)*E/ep).
+    ``cp_group``: the context-parallel group (ParallelGroups.cp; None: the whole sequence is
+    local). Attention then all-gathers K/V over it (parallel/context_parallel.py).
     """
 
     group: Group = None
@@ -28,6 +30,7 @@ class TensorParallelContext:
     gradient_accumulation_fusion: bool = False
     rng_tracker: Optional[RNGStatesTracker] = None
     expert_group: Group = None
+    cp_group: Group = None
 
     @property
     def size(self) -> int:
@@ -44,3 +47,7 @@ class TensorParallelContext:
     @property
     def ep_rank(self) -> int:
         return group_rank(self.expert_group)
+
+    @property
+    def cp_size(self) -> int:
+        return group_size(self.cp_group)

@@ -8,6 +8,12 @@ ranks are adjacent (fastest), then data-parallel, then pipeline (slowest), so gl
 (slow), exactly as Megatron's second ``RankGenerator`` (expert tp = tp, cp = 1,
 ``expert_dp = world / (tp * ep * pp)``).
 
+Context parallelism (``cp`` > 1, :func:`context_parallel_grid`): the cp axis sits between tp
+and dp (``r = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))``), the dense grid is
+``[pp, dp, cp, tp]``, and two more axes exist: ``cp`` and ``dp_cp`` (dp x cp, over which the
+replicated parameters' gradients are reduced: :meth:`ParallelGroups.for_gradients`). Expert
+parallelism is 1 there. With cp = 1 every table and mesh is exactly the one described above.
+
 Both grids are torch ``DeviceMesh`` objects (one process group per mesh dimension). Three
 more axes are cut out of the dense grid with plain ``new_group`` calls, once, in
 :meth:`ParallelGroups.build`:
@@ -28,6 +34,7 @@ without any process, for checks.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -37,13 +44,19 @@ import torch.distributed as dist
 # (axis name, dimension names of the mesh it lives in): dense axes first, then expert axes.
 _DENSE_DIMS = ("pp", "dp", "tp")
 _EXPERT_DIMS = ("pp", "expert_dp", "ep", "tp")
+_DENSE_CP_DIMS = ("pp", "dp", "cp", "tp")  # with context parallelism (cp > 1)
 
 
-def check_sizes(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, dp: Optional[int] = None) -> int:
-    """Validate the parallel sizes against ``world_size``; return the data-parallel size.
+def check_sizes(
+    world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, dp: Optional[int] = None, cp: int = 1
+) -> int:
+    """Validate the parallel sizes against ``world_size``; return the data-parallel size
+    (world / (tp x cp x pp)).
 
     Raises ``ValueError`` naming every size involved and what to change.
     """
+    if cp != 1:
+        return _check_sizes_cp(world_size, tp, pp, ep, dp, cp)
     for name, value in (
         ("world size", world_size),
         ("tensor_model_parallel_size", tp),
@@ -75,6 +88,26 @@ def check_sizes(world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, dp: Opti
     return expected_dp
 
 
+def _check_sizes_cp(world_size: int, tp: int, pp: int, ep: int, dp: Optional[int], cp: int) -> int:
+    """check_sizes with context parallelism: the dp axis is world / (tp x cp x pp)."""
+    if not isinstance(cp, int) or cp < 1:
+        raise ValueError(f"context_parallel_size must be a positive integer, got {cp!r}")
+    if ep != 1:
+        raise ValueError(
+            f"expert_model_parallel_size {ep} with context_parallel_size {cp}: expert parallelism is not "
+            "supported with context parallelism; set one of them to 1"
+        )
+    model = tp * cp * pp
+    if world_size % model != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size {tp} x "
+            f"context_parallel_size {cp} x pipeline_model_parallel_size {pp} = {model}; launch a "
+            f"multiple of {model} processes"
+        )
+    expected_dp = check_sizes(world_size // cp, tp, pp, 1, dp)
+    return expected_dp
+
+
 def check_instances(dp: int, num_distributed_optimizer_instances: int) -> int:
     """Validate the number of distributed-optimizer instances against the data-parallel size;
     return the size of one instance (dp / N). Raises ``ValueError`` naming both."""
@@ -96,12 +129,15 @@ def _groups_along(grid: torch.Tensor, dim: int) -> List[List[int]]:
 
 
 def rank_grid(
-    world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, dp: Optional[int] = None
+    world_size: int, tp: int = 1, pp: int = 1, ep: int = 1, dp: Optional[int] = None, cp: int = 1
 ) -> Dict[str, List[List[int]]]:
-    """All groups of every axis (``tp``, ``dp``, ``pp``, ``ep``, ``expert_dp``) as rank lists.
+    """All groups of every axis (``tp``, ``dp``, ``pp``, ``ep``, ``expert_dp``) as rank lists;
+    with ``cp`` > 1 also ``cp`` and ``dp_cp`` (:func:`context_parallel_grid`).
 
     Pure: no process group is created. Group lists come in Megatron's enumeration order.
     """
+    if cp != 1:
+        return context_parallel_grid(world_size, tp, pp, dp, cp)
     dp = check_sizes(world_size, tp, pp, ep, dp)
     dense = torch.arange(world_size).reshape(pp, dp, tp)
     # ep varies faster than expert_dp inside the dp axis, so EP peers are neighbouring dp ranks (the
@@ -112,6 +148,25 @@ def rank_grid(
         if name in ("ep", "expert_dp"):
             out[name] = _groups_along(expert, i)
     return out
+
+
+def context_parallel_grid(
+    world_size: int, tp: int = 1, pp: int = 1, dp: Optional[int] = None, cp: int = 2
+) -> Dict[str, List[List[int]]]:
+    """The groups of a context-parallel layout: Megatron's order tp-cp-dp-pp, so global rank
+    ``r = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank))`` and the dense grid is
+    ``[pp, dp, cp, tp]``. ``dp_cp``: the ranks sharing (pp, tp) coordinates, over which
+    gradients are reduced and the distributed optimizer shards (parameters are replicated over
+    cp). ``mp``: the tp x pp block of one (dp, cp) coordinate. Expert axes: ep 1, expert_dp = dp_cp."""
+    dp = check_sizes(world_size, tp, pp, 1, dp, cp)
+    dense = torch.arange(world_size).reshape(pp, dp, cp, tp)
+    out = {name: _groups_along(dense, i) for i, name in enumerate(_DENSE_CP_DIMS)}
+    out["ep"] = [[r] for r in range(world_size)]
+    # dp and cp merged: [pp, dp*cp, tp], cp fastest inside the merged axis (ascending ranks)
+    out["dp_cp"] = _groups_along(dense.reshape(pp, dp * cp, tp), 1)
+    out["expert_dp"] = out["dp_cp"]
+    out["mp"] = dense.permute(1, 2, 0, 3).reshape(dp * cp, pp * tp).tolist()
+    return {k: out[k] for k in ("tp", "cp", "dp", "pp", "ep", "expert_dp", "dp_cp", "mp")}
 
 
 def derived_rank_grid(
@@ -181,9 +236,15 @@ class ParallelGroups:
     mp: Optional[Axis] = None  # tp x pp ranks sharing the dp coordinate (None: tp, if pp == 1)
     dp_intra: Optional[Axis] = None  # this rank's distributed-optimizer instance (None: dp)
     dp_inter: Optional[Axis] = None  # same intra rank across instances (None: size 1)
+    cp: Optional[Axis] = None  # context-parallel ranks of this rank's (pp, dp, tp) (None: size 1)
+    dp_cp: Optional[Axis] = None  # dp x cp: where gradients are reduced (None: dp)
 
     def __post_init__(self) -> None:
         # Fill the derived axes of a hand-built object (build() and single() pass them).
+        if self.cp is None:
+            object.__setattr__(self, "cp", Axis(size=1, rank=0, ranks=(self.rank,), group=None))
+        if self.dp_cp is None:
+            object.__setattr__(self, "dp_cp", self.dp)
         if self.mp is None and self.pp.size == 1:
             object.__setattr__(self, "mp", self.tp)
         if self.dp_intra is None:
@@ -195,6 +256,17 @@ class ParallelGroups:
     def num_distributed_optimizer_instances(self) -> int:
         """N: the dp group is split into N instances of ``dp_intra.size`` ranks."""
         return self.dp.size // self.dp_intra.size
+
+    def for_gradients(self) -> ParallelGroups:
+        """The layout as the data-parallel wrappers, the optimizer, the norms and the
+        checkpoint see it: with context parallelism the parameters are replicated over dp x cp,
+        so ``dp`` (and the one distributed-optimizer instance) is ``dp_cp``, as Megatron's
+        ``get_data_parallel_group(with_context_parallel=True)``. Itself without cp."""
+        if self.cp.size == 1:
+            return self
+        one = Axis(size=1, rank=0, ranks=(self.rank,), group=None)
+        dp_cp = self.dp_cp
+        return dataclasses.replace(self, dp=dp_cp, dp_intra=dp_cp, dp_inter=one, expert_dp=dp_cp)
 
     @classmethod
     def single(cls) -> ParallelGroups:
@@ -212,6 +284,7 @@ class ParallelGroups:
         dp: Optional[int] = None,
         device_type: str = "cpu",
         num_distributed_optimizer_instances: int = 1,
+        cp: int = 1,
     ) -> ParallelGroups:
         """Create the meshes over the initialised default process group (a collective call:
         every rank must call it with the same sizes), then the ``mp`` groups and, with
@@ -224,6 +297,9 @@ class ParallelGroups:
         from torch.distributed.device_mesh import DeviceMesh
 
         world, rank = dist.get_world_size(), dist.get_rank()
+        if cp != 1:
+            instances = num_distributed_optimizer_instances
+            return cls._build_cp(world, rank, tp, pp, dp, cp, device_type, instances)
         dp = check_sizes(world, tp, pp, ep, dp)
         check_instances(dp, num_distributed_optimizer_instances)  # before any collective
         dense = torch.arange(world).reshape(pp, dp, tp)
@@ -244,9 +320,33 @@ class ParallelGroups:
             axes["dp_inter"] = _new_groups_axis(derived["dp_inter"], rank)
         return cls(world_size=world, rank=rank, mesh=mesh, expert_mesh=expert_mesh, **axes)
 
+    @classmethod
+    def _build_cp(cls, world, rank, tp, pp, dp, cp, device_type, instances) -> ParallelGroups:
+        """build() with context parallelism: the dense mesh is [pp, dp, cp, tp]; dp_cp and mp
+        are cut out with new_group (the same calls, in the same order, on every rank)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        from .context_parallel import context_parallel_problems
+
+        for problem in context_parallel_problems(cp, num_distributed_optimizer_instances=instances):
+            raise ValueError(problem)
+        dp = check_sizes(world, tp, pp, 1, dp, cp)
+        dense = torch.arange(world).reshape(pp, dp, cp, tp)
+        mesh = DeviceMesh(device_type, dense, mesh_dim_names=_DENSE_CP_DIMS)
+        axes = {n: _axis(mesh, dense, n, i, rank) for i, n in enumerate(_DENSE_CP_DIMS)}
+        table = context_parallel_grid(world, tp, pp, dp, cp)
+        axes["dp_cp"] = _new_groups_axis(table["dp_cp"], rank)
+        axes["mp"] = _new_groups_axis(table["mp"], rank)
+        axes["ep"] = Axis(size=1, rank=0, ranks=(rank,), group=None)
+        axes["expert_dp"] = axes["dp_cp"]
+        return cls(world_size=world, rank=rank, mesh=mesh, **axes)
+
     def describe(self) -> str:
-        """The layout as the progress line shows it, e.g. ``tp2 x dp2``, ``pp2 x tp2 x dp2``."""
+        """The layout as the progress line shows it, e.g. ``tp2 x dp2``, ``pp2 x tp2 x dp2``,
+        ``tp1 x cp2 x dp2``."""
         parts = [f"tp{self.tp.size}", f"dp{self.dp.size}"]
+        if self.cp.size > 1:
+            parts.insert(1, f"cp{self.cp.size}")
         if self.pp.size > 1:
             parts.insert(0, f"pp{self.pp.size}")
         if self.ep.size > 1:

@@ -55,6 +55,7 @@ def build_parallel(config: RunConfig, device: torch.device, seed: int):
         dp=par.data_parallel_size,
         device_type=device.type,
         num_distributed_optimizer_instances=config.ddp.num_distributed_optimizer_instances,
+        cp=par.context_parallel_size,
     )
     # Default generator shared, model-parallel stream per TP rank: dropout inside sharded regions must differ
     # between shards, outside them it must match.
@@ -65,6 +66,7 @@ def build_parallel(config: RunConfig, device: torch.device, seed: int):
         gradient_accumulation_fusion=bool(par.gradient_accumulation_fusion),
         rng_tracker=tracker,
         expert_group=groups.ep.group if groups.ep.size > 1 else None,  # the MoE layers' EP group
+        cp_group=groups.cp.group if groups.cp.size > 1 else None,  # attention gathers K/V over it
     )
     return groups, tp
 

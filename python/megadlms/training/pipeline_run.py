@@ -30,6 +30,7 @@ from megadlms.diffusion import forward_process, validation_times
 from megadlms.diffusion.loss import ar_loss, diffusion_loss, objective_inputs, token_cross_entropy_of
 from megadlms.distributed import DataParallel, unwrap_model
 from megadlms.models import GPTModel
+from megadlms.parallel.context_parallel import shard_sequence
 from megadlms.pipeline import (
     build_embedding_group,
     forward_backward_pipelining,
@@ -75,23 +76,37 @@ def build_chunks(
 
 @dataclass
 class _Inputs:
-    """One micro-batch as every stage sees it: the model's inputs and the last stage's scorer."""
+    """One micro-batch as every stage sees it: the model's inputs and the last stage's scorer
+    ``loss(logits, cross_entropy, **targets) -> (loss_sum, num_tokens)`` with its [B, S]
+    ``targets`` (kept apart so that context parallelism can slice them with the inputs)."""
 
     tokens: torch.Tensor
     position_ids: Optional[torch.Tensor]
     document_ids: Optional[torch.Tensor]
-    score: Callable  # (logits, cross_entropy) -> (loss_sum, num_tokens)
+    loss: Callable
+    targets: Dict[str, Optional[torch.Tensor]]
+
+    def score(self, logits, cross_entropy):
+        return self.loss(logits, cross_entropy, **self.targets)
+
+
+def _ar_score(logits, ce, labels, loss_mask):
+    return ar_loss(logits, labels, loss_mask, ce)
+
+
+def _diffusion_score(logits, ce, clean, masked, p_mask, loss_mask):
+    return diffusion_loss(logits, clean, masked, p_mask, loss_mask, ce)
 
 
 def _train_inputs(batch: dict, cfg, crop) -> _Inputs:
     """compute_loss's pieces: the same noise, crop and targets (diffusion.loss)."""
     if cfg.model_running_mode == "vanilla":
-        labels, mask = batch["labels"], batch.get("loss_mask")
         return _Inputs(
             batch["tokens"],
             batch.get("position_ids"),
             batch.get("document_ids"),
-            lambda logits, ce: ar_loss(logits, labels, mask, ce),
+            _ar_score,
+            {"labels": batch["labels"], "loss_mask": batch.get("loss_mask")},
         )
     if "sample_idx" not in batch:
         raise ValueError(
@@ -100,12 +115,8 @@ def _train_inputs(batch: dict, cfg, crop) -> _Inputs:
     inputs = objective_inputs(batch, cfg, crop)
     clean, loss_mask = inputs["clean"], inputs["loss_mask"]
     noisy, masked, p_mask = forward_process(clean, batch["sample_idx"], cfg, loss_mask)
-    return _Inputs(
-        noisy,
-        inputs["position_ids"],
-        inputs["document_ids"],
-        lambda logits, ce: diffusion_loss(logits, clean, masked, p_mask, loss_mask, ce),
-    )
+    targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
+    return _Inputs(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
 
 
 def _valid_inputs(batch: dict, cfg, draw: int, num_mc_samples: int) -> _Inputs:
@@ -119,12 +130,39 @@ def _valid_inputs(batch: dict, cfg, draw: int, num_mc_samples: int) -> _Inputs:
     noisy, masked, p_mask = forward_process(
         clean, sample_idx, cfg, loss_mask, t=t, draw=draw + 1, p_mask_mode="sampled"
     )
-    return _Inputs(
-        noisy,
-        inputs["position_ids"],
-        inputs["document_ids"],
-        lambda logits, ce: diffusion_loss(logits, clean, masked, p_mask, loss_mask, ce),
+    targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
+    return _Inputs(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
+
+
+# Padding of the targets under context parallelism: never masked, never a loss token.
+_CP_PADS = {"tokens": 0, "labels": 0, "clean": 0, "masked": False, "p_mask": 1.0, "loss_mask": 0.0}
+
+
+def _cp_shard(inputs: _Inputs, cp, causal: bool, multiple: int) -> _Inputs:
+    """This context-parallel rank's part of ``inputs`` (parallel/context_parallel.py): the noise
+    and targets were made for the whole sequence (so they do not depend on cp), then sliced."""
+    if inputs.document_ids is not None:
+        raise ValueError(
+            "--reset-attention-mask (document packing) is not supported with --context-parallel-size > 1"
+        )
+    tokens = inputs.tokens
+    B, S = tokens.shape
+    pos = inputs.position_ids
+    pos = torch.arange(S, device=tokens.device).expand(B, S) if pos is None else pos.expand(B, S)
+    targets = dict(inputs.targets)
+    ref = next(t for t in targets.values() if t is not None)
+    if targets.get("loss_mask") is None:  # the padding must not count as loss tokens
+        targets["loss_mask"] = torch.ones(ref.shape, dtype=torch.float32, device=ref.device)
+    out = shard_sequence(
+        {"tokens": tokens, "position_ids": pos, **targets},
+        _CP_PADS,
+        cp=cp.size,
+        rank=cp.rank,
+        load_balance=causal,
+        multiple=multiple,
     )
+    tokens, pos = out.pop("tokens"), out.pop("position_ids")
+    return _Inputs(tokens, pos, None, inputs.loss, out)
 
 
 def _run_chunk(chunk, inputs: _Inputs, hidden: Optional[torch.Tensor]):
@@ -150,6 +188,16 @@ class PipelineRunner:
         self.embedding_group = build_embedding_group(groups)  # None at pp 1 (no collective)
         self.tied = tied_embedding_params(self.chunks)
         self._last = [bool(unwrap_model(c).pipeline.post_process) for c in self.chunks]
+        plain = unwrap_model(self.chunks[0])
+        self.cp = getattr(groups, "cp", None)
+        self._cp_causal = plain.attention == "causal"  # Megatron's 2C-chunk load balancing
+        # under sequence parallelism each cp part is split again over tp
+        self._cp_multiple = plain.tp.size if plain.tp.sequence_parallel else 1
+
+    def _prepare(self, inputs: _Inputs) -> _Inputs:
+        if self.cp is None or self.cp.size == 1:
+            return inputs
+        return _cp_shard(inputs, self.cp, self._cp_causal, self._cp_multiple)
 
     def _step_fn(self, prepare: Callable[[int], _Inputs], on_loss: Callable):
         cache: Dict[int, _Inputs] = {}
@@ -175,7 +223,7 @@ class PipelineRunner:
         ``scales``: the step's ``distributed.StepScales`` (the 1/N on each micro-batch's
         loss, the loss scale on what its backward starts from)."""
         step = self._step_fn(
-            lambda i: _train_inputs(micro_batches[i], cfg, crops[i]),
+            lambda i: self._prepare(_train_inputs(micro_batches[i], cfg, crops[i])),
             # (what backward starts from, what is reported): the 1/N-scaled loss, and the raw sum detached.
             lambda loss_sum: (loss_sum * scales.loss, loss_sum.detach().to(torch.float64)),
         )
@@ -204,7 +252,7 @@ class PipelineRunner:
         # One pipeline micro-batch per (batch, draw): the K draws flow through the stages like more batches.
         micro = [(b, d) for b in batches for d in range(k)]
         step = self._step_fn(
-            lambda i: _valid_inputs(micro[i][0], cfg, micro[i][1], k),
+            lambda i: self._prepare(_valid_inputs(micro[i][0], cfg, micro[i][1], k)),
             # / k: the mean over draws, validation_nelbo's 1/K.
             lambda loss_sum: (loss_sum, loss_sum.detach().to(torch.float64) / k),
         )
@@ -219,8 +267,9 @@ class PipelineRunner:
             for c, mode in zip(self.chunks, was_training):
                 c.train(mode)
         # Counted from the inputs alone, on every stage: all stages agree on N without sending it.
+        # Under context parallelism every cp rank sees the whole micro-batch: cp rank 0 counts it.
         tokens = 0.0
-        for b in batches:
+        for b in batches if self.cp is None or self.cp.rank == 0 else ():
             inputs = objective_inputs(b, cfg) if cfg.model_running_mode != "vanilla" else None
             mask = b.get("loss_mask") if inputs is None else inputs["loss_mask"]
             ref = b["labels"] if inputs is None else inputs["clean"]

@@ -152,7 +152,7 @@ class Reporter:
             if log.log_num_zeros_in_grad and out.success:
                 zeros = num_zeros_in_grad(tr.optimizer)
             if log.log_params_norm:
-                pnorm = params_norm(tr.model, tr.device, tr.groups)
+                pnorm = params_norm(tr.model, tr.device, tr.grad_groups)
         if tb_now:
             self._step_scalars(out, lr, zeros, pnorm)
         if log_now:

@@ -140,6 +140,7 @@ def train_step(
     bidirectional: bool = True,
     data_error: Optional[BaseException] = None,
     loss_owner: bool = True,
+    count_owner: Optional[bool] = None,
 ) -> StepOut:
     """One optimizer step over this rank's micro-batches (see the module docstring).
 
@@ -149,12 +150,16 @@ def train_step(
     ``data_error``: this rank could not load its micro-batches; it still takes part in the
     step's collectives (contributing nothing) so that every rank stops with the error.
     ``loss_owner``: this rank contributes its replica's loss and token count to the
-    reductions (False on the tensor-parallel peers of the owner, see the module docstring)."""
+    reductions (False on the tensor-parallel peers of the owner, see the module docstring).
+    ``count_owner``: this rank contributes the token count (default ``loss_owner``; under
+    context parallelism only cp rank 0 of the owners: each cp rank holds the whole
+    micro-batch's count but only its slice's loss)."""
     crops, counts = _count(micro_batches, diff_cfg, iteration, bidirectional, data_error)
     # [tokens, micro-batches] of the loss owners: the global batch's N and micro-batch count;
     # [ranks without data] of every rank
     counts = counts.to(device=device)
-    counts = counts if loss_owner else torch.cat([torch.zeros_like(counts[:2]), counts[2:]])
+    count_owner = loss_owner if count_owner is None else count_owner
+    counts = counts if count_owner else torch.cat([torch.zeros_like(counts[:2]), counts[2:]])
     with named_collective("all-reduce of the step's loss-token count", iteration):
         dist.all_reduce(counts)
     # a lockstep schedule (pipeline stages) runs on every rank or on none; `and` keeps the

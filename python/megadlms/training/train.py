@@ -52,11 +52,13 @@ class Trainer:
         t = config.training
         # Groups first: the Checkpointer holds them; the checkpoint found pads the vocabulary.
         self.groups, self.tp = builders.build_parallel(config, self.device, t.seed)
+        # Parameters are replicated over dp x cp: wrapper, optimizer, norms and checkpoint see dp_cp as dp.
+        self.grad_groups = self.groups.for_gradients()
         pp = self.groups.pp
         vp = config.parallel.virtual_stages(config.model.num_layers) if pp.size > 1 else 1
         self.checkpointer = Checkpointer(
             config.checkpoint,
-            ParallelLayout.of_run(self.groups, self.tp, vp),
+            ParallelLayout.of_run(self.grad_groups, self.tp, vp),
             override_scheduler=config.schedule.override_opt_param_scheduler,
         )
         # Find the checkpoint before building the model: a tp-dependent padded vocabulary it recorded is kept
@@ -93,12 +95,13 @@ class Trainer:
         check_model_for_mode(parts[0], config.diffusion)  # once, not per micro-batch
         self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
         # A collective (all-reduce over the world): every rank reaches this line in the same order.
-        self.num_params = _logical_params(parts, self.groups)
+        self.num_params = _logical_params(parts, self.grad_groups)
         # Wrap after init_model: the wrapper buckets (DDP) or shards (FSDP2) the parameters as they are, so
         # they must already hold their final values.
-        self.model = builders.wrap_model(model, config, self.groups)
+        self.model = builders.wrap_model(model, config, self.grad_groups)
         self.runner = pipeline_run.PipelineRunner(self.groups, self.model)  # the step's schedule
-        self.pipeline = self.runner if pp.size > 1 else None  # validation's forward-only pipeline
+        # validation's forward-only pipeline; under cp also the one-stage path, which shards the sequence
+        self.pipeline = self.runner if pp.size > 1 or self.groups.cp.size > 1 else None
         # The optimizer after the wrapper: it must hold the wrapped (under FSDP2, sharded) parameters.
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
@@ -325,6 +328,7 @@ class Trainer:
             device=self.device, exit_flags=exit_flags,
             bidirectional=self.config.model.attention != "causal", data_error=data_error,
             loss_owner=self.loss_owner, runner=self.runner,
+            count_owner=self.loss_owner and self.groups.cp.rank == 0,
         )  # fmt: skip
         self.iteration += 1
         # Also for a skipped step: its samples were read, and a resume must not read them again.
