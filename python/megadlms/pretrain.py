@@ -18,6 +18,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megadlms.checkpoint import checkpoint_record
 from megadlms.checkpoint.convert import convert_checkpoint
 from megadlms.config import flag_message, parse_config
 from megadlms.hf.importer import init_from_hf
@@ -123,7 +124,10 @@ def run(argv: Optional[Sequence[str]] = None):
     owned = not dist.is_initialized()
     # The flags are validated before any process group exists: the world size comes from torchrun's env.
     world = dist.get_world_size() if not owned else int(os.environ.get("WORLD_SIZE", "1"))
-    config = parse_config(list(argv) if argv is not None else None, world_size=world)
+    # checkpoint_record: --use-checkpoint-args reads the model flags of the checkpoint to load.
+    config = parse_config(
+        list(argv) if argv is not None else None, world_size=world, checkpoint_args=checkpoint_record
+    )
     if owned:
         init_distributed(config.parallel)
     setup_logging(dist.get_rank())

@@ -15,7 +15,6 @@ UNSUPPORTED = (
     ("train_samples", "--train-samples", None),
     ("rampup_batch_size", "--rampup-batch-size", None),
     ("rotary_percent", "--rotary-percent", 1.0),
-    ("use_checkpoint_args", "--use-checkpoint-args", False),
 )
 
 # (dest, flag, value with no effect anyway, why it has none here)
@@ -42,19 +41,6 @@ WITHOUT_EFFECT = (
         "no rerun state machine; NaN/Inf steps are skipped (--nan-skip-limit)",
     ),
     ("ckpt_fully_parallel_load", "--ckpt-fully-parallel-load", False, "torch_dist loads are always parallel"),
-    (
-        "non_persistent_save_interval",
-        "--non-persistent-save-interval",
-        None,
-        "no non-persistent checkpoints; --save-interval saves",
-    ),
-    ("non_persistent_ckpt_type", "--non-persistent-ckpt-type", None, "no non-persistent checkpoints"),
-    (
-        "non_persistent_global_ckpt_dir",
-        "--non-persistent-global-ckpt-dir",
-        None,
-        "no non-persistent checkpoints",
-    ),
     ("log_num_zeros_in_grad", "--log-num-zeros-in-grad", False, "not logged"),
     ("log_progress", "--log-progress", False, "progress.txt is not written; use --metrics-jsonl"),
     ("log_timers_to_tensorboard", "--log-timers-to-tensorboard", False, "no per-phase timers"),
