@@ -31,7 +31,7 @@ def weighted_prefixes(text: str) -> List[Tuple[float, str]]:
     prefix's directory existing (MegaDLMs' checks)."""
     words = text.split()
     if not words or len(words) % 2:
-        raise CountError(f"--weighted-prefix {text!r}: expected 'weight prefix' pairs, e.g. '1.0 /data/train'")
+        raise CountError(f"--weighted-prefix {text!r}: expected 'weight prefix' pairs, e.g. '1.0 /data/a'")
     pairs = []
     for weight, prefix in zip(words[::2], words[1::2]):
         try:
@@ -76,21 +76,18 @@ def report(pairs: Sequence[Tuple[float, str]], out=None) -> Tuple[float, float]:
     max tokens) of the mixture."""
     out = out or sys.stdout  # looked up per call: a redirected stdout must receive the report
     bar = "--------------------------------"
-    per_seq, per_tok = [], []
+    lines, per_seq, per_tok = [], [], []
     for weight, prefix in pairs:
         sequences, tokens = count(prefix)
         per_seq.append(sequences / weight)
         per_tok.append(tokens / weight)
-        print(bar, f"Inspecting index for {prefix}", f"Total number of sequences: {sequences}", sep="\n", file=out)
-        print(f"Total number of tokens: {round(tokens / 1e9, 2)} Billion", bar, sep="\n", file=out)
+        lines += [bar, f"Inspecting index for {prefix}", f"Total number of sequences: {sequences}"]
+        lines += [f"Total number of tokens: {round(tokens / 1e9, 2)} Billion", bar]
     max_seq, max_tok = min(per_seq), min(per_tok)
-    print(bar, f"Maximum number of sequences sampled under this data mixture (estimated): {max_seq}", sep="\n", file=out)
-    print(
-        f"Maximum number of tokens sampled under this data mixture (estimated): {round(max_tok / 1e9, 2)} Billion",
-        bar,
-        sep="\n",
-        file=out,
-    )
+    mixture = "sampled under this data mixture (estimated)"
+    lines += [bar, f"Maximum number of sequences {mixture}: {max_seq}"]
+    lines += [f"Maximum number of tokens {mixture}: {round(max_tok / 1e9, 2)} Billion", bar]
+    print("\n".join(lines), file=out)
     return max_seq, max_tok
 
 

@@ -37,7 +37,8 @@ def test_non_persistent_saves_keep_newest_and_load_picks_newer(tmp_path, monkeyp
         save=save, save_interval=4, non_persistent_save_interval=3, non_persistent_ckpt_type="global"
     )
     saver = ck.Checkpointer(cfg)
-    assert [saver.due(i) for i in (3, 4, 6, 12)] == ["non_persistent", "persistent", "non_persistent", "persistent"]
+    due = [saver.due(i) for i in (3, 4, 6, 12)]  # 12: both due, the persistent save wins (Megatron)
+    assert due == ["non_persistent", "persistent", "non_persistent", "persistent"]
     saved = {}
     for it in (3, 4, 6, 8, 9):
         m = _model(it)
@@ -46,7 +47,8 @@ def test_non_persistent_saves_keep_newest_and_load_picks_newer(tmp_path, monkeyp
     np_root = os.path.join(save, "non_persistent")  # Megatron's default: <save>/non_persistent
     assert _iters(np_root) == ["iter_0000009"] and ck.read_latest_iteration(np_root) == 9
     assert _iters(save) == ["iter_0000004", "iter_0000008"]
-    assert ck.read_latest_iteration(save) == 8  # the persistent latest is never moved by a non-persistent save
+    # The persistent latest is never moved by a non-persistent save.
+    assert ck.read_latest_iteration(save) == 8
     # Load side (as Megatron): <load>/non_persistent's 9 is newer than the persistent 8.
     load = CheckpointConfig(load=save, non_persistent_ckpt_type="global")
     assert ck.Checkpointer(load).find() == ck.checkpoint_dir(np_root, 9)
@@ -71,7 +73,9 @@ def test_non_persistent_saves_keep_newest_and_load_picks_newer(tmp_path, monkeyp
     with pytest.raises(OSError, match="disk gone"):
         saver.save(15, _model(15), non_persistent=True)
     monkeypatch.undo()
-    assert ck.read_latest_iteration(np_root) == 9 and torch.equal(_weights(ck.resolve_checkpoint(np_root)), saved[9])
+    assert ck.read_latest_iteration(np_root) == 9 and torch.equal(
+        _weights(ck.resolve_checkpoint(np_root)), saved[9]
+    )
     saver.save(18, _model(18), non_persistent=True)  # the next one commits and clears the torn save
     assert _iters(np_root) == ["iter_0000018"]
 
@@ -109,7 +113,9 @@ def test_use_checkpoint_args_takes_the_recorded_architecture(tmp_path):
     assert (plain.swiglu, plain.ffn_hidden_size, plain.hidden_dropout) == (False, 128, 0.1)
     # --ckpt-step picks the record too; an empty --load keeps the flags given, with a note.
     empty = str(tmp_path / "empty")
-    cfg = parse_config(BASE + ["--load", empty, "--use-checkpoint-args"], world_size=1, checkpoint_args=ck.checkpoint_record)
+    cfg = parse_config(
+        BASE + ["--load", empty, "--use-checkpoint-args"], world_size=1, checkpoint_args=ck.checkpoint_record
+    )
     assert not cfg.model.swiglu and any("no checkpoint in --load" in n for n in cfg.logging.notes)
 
 
