@@ -79,6 +79,18 @@ def test_non_persistent_saves_keep_newest_and_load_picks_newer(tmp_path, monkeyp
     saver.save(18, _model(18), non_persistent=True)  # the next one commits and clears the torn save
     assert _iters(np_root) == ["iter_0000018"]
 
+    # local: the same checkpoints under --non-persistent-local-ckpt-dir; refused across nodes.
+    local = str(tmp_path / "local")
+    kw = dict(
+        save=save, save_interval=4, non_persistent_ckpt_type="local", non_persistent_local_ckpt_dir=local
+    )
+    ck.Checkpointer(CheckpointConfig(**kw)).save(21, _model(21), non_persistent=True)
+    assert ck.Checkpointer(CheckpointConfig(load=save, **kw)).find() == ck.checkpoint_dir(local, 21)
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match="spans nodes .* use --non-persistent-ckpt-type global"):
+        ck.Checkpointer(CheckpointConfig(**kw))
+
 
 BASE = shlex.split(
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
@@ -97,13 +109,14 @@ def test_use_checkpoint_args_takes_the_recorded_architecture(tmp_path):
     for it in (2, 5):
         ck.save_checkpoint(root, it, model=_model(it), records=records)
     argv = BASE + ["--load", root, "--use-checkpoint-args", "--hidden-dropout", "0.1", "--num-layers", "2"]
+    argv += ["--group-query-attention", "--num-query-groups", "2"]  # the checkpoint has no GQA
     cfg = parse_config(argv, world_size=1, checkpoint_args=ck.checkpoint_record)
     m = cfg.model
     # Forced (MegaDLMs' force=True): the checkpoint's value replaces the command line's.
     assert (m.swiglu, m.normalization, m.qk_layernorm, m.hidden_dropout, m.add_bias_linear) == (
         True, "RMSNorm", True, 0.0, False,
     )  # fmt: skip
-    assert cfg.vocab_divisible_by == 64
+    assert cfg.vocab_divisible_by == 64 and m.num_query_groups == trained.model.num_query_groups == 4
     # Sizes (force=False): a size given on the command line wins, one not given comes from the checkpoint.
     assert m.num_layers == 2 and m.ffn_hidden_size == 48
     note = next(n for n in cfg.logging.notes if n.startswith("--use-checkpoint-args"))

@@ -69,7 +69,8 @@ def _find(ck) -> Optional[str]:
         return _step(ck, np_root)
     np_path = resolve_checkpoint(np_root) if np_root and os.path.isdir(np_root) else None
     if np_path is not None and _iteration(np_path) >= _iteration(path):
-        _log.info(f"resuming from the non-persistent checkpoint {np_path} (newer than {path or 'none'})")
+        # Megatron's rule: the non-persistent checkpoint wins a tie with the persistent one.
+        _log.info(f"resuming from the non-persistent checkpoint {np_path} (persistent: {path or 'none'})")
         return np_path
     if np_path is not None:
         _log.warning(f"the non-persistent checkpoint {np_path} is older than the persistent {path}")

@@ -71,8 +71,10 @@ def _recorded(common: dict, use_tokenizer_model: bool) -> Tuple[dict, dict]:
     model = common.get("model_config") or {}
     sizes = {d: model[d] for d in UNLESS_GIVEN if model.get(d) is not None}
     forced = {dest: model[key] for dest, key in FORCED if model.get(key) is not None}
-    if "num_query_groups" in forced:  # the group count only acts with --group-query-attention
-        forced["group_query_attention"] = True
+    if "num_query_groups" in forced:  # the record fills groups = heads when the run had no GQA
+        gqa = forced["num_query_groups"] != model.get("num_attention_heads")
+        forced["group_query_attention"] = gqa
+        forced["num_query_groups"] = forced["num_query_groups"] if gqa else None
     divisible = (common.get("args") or {}).get("vocab_divisible_by")
     if divisible is not None:
         forced["make_vocab_size_divisible_by"] = divisible
