@@ -31,10 +31,7 @@ def _persistent(
 ) -> Tuple[Optional[str], Optional[str]]:
     """(root resumed from, its latest checkpoint): --load, or --save when resuming automatically."""
     if load:
-        path = resolve_checkpoint(load)
-        if path is None:
-            _log.warning(f"no checkpoint in --load {load} (no {LATEST_FILE}); training from scratch")
-        return load, path
+        return load, resolve_checkpoint(load)
     if save and auto_resume:
         path = resolve_checkpoint(save)
         if path is not None:
@@ -63,10 +60,10 @@ def _step(ck, np_root: Optional[str]) -> str:
 def _find(ck) -> Optional[str]:
     """Megatron's choice: --ckpt-step's iteration when given, else the newer of the persistent
     latest and the non-persistent latest (the non-persistent one wins a tie)."""
+    if ck.ckpt_step is not None:  # before reading latest: a damaged latest must not hide iteration N
+        return _step(ck, non_persistent_root(ck, ck.load))
     root, path = _persistent(ck.load, ck.save, ck.auto_resume)
     np_root = non_persistent_root(ck, root)
-    if ck.ckpt_step is not None:
-        return _step(ck, np_root)
     np_path = resolve_checkpoint(np_root) if np_root and os.path.isdir(np_root) else None
     if np_path is not None and _iteration(np_path) >= _iteration(path):
         # Megatron's rule: the non-persistent checkpoint wins a tie with the persistent one.
@@ -74,6 +71,8 @@ def _find(ck) -> Optional[str]:
         return np_path
     if np_path is not None:
         _log.warning(f"the non-persistent checkpoint {np_path} is older than the persistent {path}")
+    if path is None and ck.load:
+        _log.warning(f"no checkpoint in --load {ck.load} (no {LATEST_FILE}); training from scratch")
     return path
 
 
