@@ -61,6 +61,12 @@ def test_non_persistent_saves_keep_newest_and_load_picks_newer(tmp_path, monkeyp
     with pytest.raises(ValueError, match=r"--ckpt-step 5: .*complete iterations there: \[4, 8\]"):
         ck.Checkpointer(CheckpointConfig(load=save, ckpt_step=5)).find()
 
+    # --ckpt-step does not read latest: one naming a missing iteration does not hide iteration 4.
+    latest = os.path.join(save, ck.LATEST_FILE)
+    open(latest, "w").write("99")
+    assert ck.Checkpointer(step).find() == ck.checkpoint_dir(save, 4)
+    open(latest, "w").write("8")
+
     # A persistent save newer than the non-persistent one wins at load.
     saver.save(12, _model(12))
     assert ck.Checkpointer(load).find() == ck.checkpoint_dir(save, 12)
