@@ -19,6 +19,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from megadlms.checkpoint import checkpoint_record
 from megadlms.checkpoint.convert import convert_checkpoint
 from megadlms.config import flag_message, parse_config
 from megadlms.config.messages import FlagError
@@ -133,7 +134,10 @@ def _config(argv: Optional[Sequence[str]], world: int):
     """The validated RunConfig, after the inputs on disk were checked (before any process
     group or model exists, so every error comes seconds after the launch)."""
     with _quiet_unless_rank0():
-        config = parse_config(list(argv) if argv is not None else None, world_size=world)
+        # checkpoint_record: --use-checkpoint-args reads the model flags of the checkpoint to load.
+        config = parse_config(
+            list(argv) if argv is not None else None, world_size=world, checkpoint_args=checkpoint_record
+        )
     check_startup(config)
     collective_timeout(config.parallel)  # a malformed $MEGADLMS_DISTRIBUTED_TIMEOUT_SECONDS: now
     return config

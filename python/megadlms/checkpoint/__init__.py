@@ -24,6 +24,7 @@ from .paths import (
 )
 from .read import load_model_state, open_checkpoint, read_tensors, tensor_shapes
 from .records import MODEL_CONFIG_FLAGS, RunRecords, check_model_config, tokenizer_record
+from .resume import checkpoint_record
 from .save import CKPT_FORMATS, FORMAT_VERSION, save_checkpoint  # CKPT_FORMATS: config's, re-exported
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "RunRecords",
     "TrainState",
     "check_model_config",
+    "checkpoint_record",
     "checkpoint_dir",
     "load_checkpoint",
     "load_model_state",

@@ -3,7 +3,9 @@
     ckpt = Checkpointer(config.checkpoint, ParallelLayout.of_run(groups, tp, vp))
     path = ckpt.find()                                  # --load, or resume from --save
     path, state = ckpt.load(path, model, optimizer, scheduler, model_config=...)
-    ckpt.save(iteration, model, optimizer, scheduler, consumed_samples=..., extra=..., records=...)
+    kind = ckpt.due(iteration)                          # "persistent", "non_persistent" or None
+    ckpt.save(iteration, model, optimizer, scheduler, consumed_samples=..., extra=..., records=...,
+              non_persistent=kind == "non_persistent")
     ckpt.wait()                                         # the background save, if one is in flight
 
 It is built once, from the :class:`CheckpointConfig` and the run's :class:`ParallelLayout`
@@ -23,6 +25,7 @@ from megadlms.config import CheckpointConfig
 from .async_save import PendingSave, background_group
 from .layout import SINGLE, ParallelLayout
 from .load import TrainState, load_checkpoint
+from .nonpersistent import check_local_storage, drop_older, non_persistent_root, save_kind
 from .records import RunRecords
 from .resume import recorded_vocab, resume_path, with_fallback
 from .save import save_checkpoint
@@ -45,14 +48,19 @@ class Checkpointer:
         self.config, self.layout = config, layout
         self.override_scheduler = override_scheduler
         # Built here, once: creating a group is a collective and must not happen inside a save.
+        check_local_storage(config)  # before the collective below: a refusal leaves no rank waiting
         self._group = background_group(config.async_save)
         self._pending: Optional[PendingSave] = None
+        self._pending_np = False  # the save in flight is non-persistent: prune its root once committed
 
     def find(self) -> Optional[str]:
         """The checkpoint directory to resume from (--load, or --save when it holds one and
         --auto-resume), decided on rank 0 for every rank; None: start fresh."""
-        ck = self.config
-        return resume_path(ck.load, ck.save, ck.auto_resume)
+        return resume_path(self.config)
+
+    def due(self, iteration: int) -> Optional[str]:
+        """The save iteration ``iteration`` is due for: PERSISTENT, NON_PERSISTENT or None."""
+        return save_kind(self.config, iteration)
 
     @staticmethod
     def recorded_vocab(path: Optional[str]) -> Optional[int]:
@@ -93,17 +101,21 @@ class Checkpointer:
         consumed_samples: int = 0,
         extra: Optional[dict] = None,
         records: Optional[RunRecords] = None,
+        non_persistent: bool = False,
     ) -> Optional[str]:
         """Write iteration ``iteration`` under --save, atomically (the optimizer unless
         --no-save-optim, RNG unless --no-save-rng). Waits for a background save still in
         flight first. Returns the checkpoint directory, or None with --async-save (the write
-        goes on in the background: :meth:`wait` returns the directory)."""
+        goes on in the background: :meth:`wait` returns the directory). ``non_persistent``:
+        under the non-persistent root instead, whose older checkpoints are deleted once
+        this one is committed (nonpersistent.py)."""
         ck = self.config
         # Two saves never overlap: DCP's background thread and a new save would share the
         # gloo group, and the new latest must not be written before the older one.
         self.wait()
+        root = non_persistent_root(ck, ck.save) if non_persistent else ck.save
         written = save_checkpoint(
-            ck.save,
+            root,
             iteration,
             model=model,
             optimizer=None if ck.no_save_optim else optimizer,
@@ -117,8 +129,10 @@ class Checkpointer:
             layout=self.layout,
         )
         if isinstance(written, PendingSave):
-            self._pending = written
+            self._pending, self._pending_np = written, non_persistent
             return None
+        if non_persistent:
+            drop_older(root, iteration)
         return written
 
     def wait(self) -> Optional[str]:
@@ -127,4 +141,7 @@ class Checkpointer:
         if self._pending is None:
             return None
         pending, self._pending = self._pending, None
-        return pending.wait()
+        written = pending.wait()
+        if self._pending_np:
+            drop_older(pending.root, pending.iteration)
+        return written

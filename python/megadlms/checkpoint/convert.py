@@ -1,5 +1,6 @@
 """Megatron's ``--ckpt-convert-format torch|torch_dist --ckpt-convert-save DIR``: rewrite
-the ``--load`` checkpoint in the other format and exit.
+the ``--load`` checkpoint in the other format and exit (the iteration a run would load:
+``--ckpt-step N``'s, else the latest; MegaDLMs' convert_ckpt mode passes ``--ckpt-step``).
 
 As in Megatron the result goes to ``DIR/<format>/`` (a --save root with its own
 ``latest_checkpointed_iteration.txt``). Every tensor is carried over (model, and the
@@ -21,6 +22,7 @@ import torch
 from .format import join_state
 from .read import MODEL_PREFIX, open_checkpoint, read_tensors, tensor_shapes
 from .records import RunRecords
+from .resume import resume_path
 from .save import save_checkpoint
 
 _log = logging.getLogger("megadlms.checkpoint")
@@ -39,7 +41,9 @@ class ConvertedCheckpoint:
 def convert_checkpoint(config) -> str:
     """Convert ``config.checkpoint.load``; returns the written iteration directory."""
     ck = config.checkpoint
-    src, common = open_checkpoint(ck.load, "--ckpt-convert-format: --load")
+    # What a run would load (Megatron): --ckpt-step's iteration, else the newest checkpoint.
+    found = resume_path(ck)
+    src, common = open_checkpoint(found or ck.load, "--ckpt-convert-format: --load")
     shapes = tensor_shapes(src, common)
     with_optim = common.get("optimizer") is not None and not (ck.no_load_optim or ck.no_save_optim)
     keep = {

@@ -1,5 +1,6 @@
-"""Where a run starts from: --load, automatic resume from --save (docs/reliability.md), and
-the newest older checkpoint that verifies when --ckpt-fallback is given. Used by the
+"""Where a run starts from: --load (or --ckpt-step's iteration of it), automatic resume from
+--save (docs/reliability.md), a newer non-persistent checkpoint (nonpersistent.py), and the
+newest older checkpoint that verifies when --ckpt-fallback is given. Used by the
 Checkpointer's ``find`` and ``load``."""
 
 from __future__ import annotations
@@ -11,28 +12,74 @@ from typing import Callable, Optional, Tuple, TypeVar
 import torch.distributed as dist
 
 from .integrity import CheckpointCorruptError
-from .paths import LATEST_FILE, older_checkpoints, read_common, resolve_checkpoint
+from .nonpersistent import non_persistent_root
+from .paths import (
+    COMMON_FILE,
+    LATEST_FILE,
+    checkpoint_dir,
+    older_checkpoints,
+    read_common,
+    resolve_checkpoint,
+)
 
 _log = logging.getLogger("megadlms.checkpoint")
 T = TypeVar("T")
 
 
-def _find(load: Optional[str], save: Optional[str], auto_resume: bool) -> Optional[str]:
+def _persistent(
+    load: Optional[str], save: Optional[str], auto_resume: bool
+) -> Tuple[Optional[str], Optional[str]]:
+    """(root resumed from, its latest checkpoint): --load, or --save when resuming automatically."""
     if load:
-        path = resolve_checkpoint(load)
-        if path is None:
-            _log.warning(f"no checkpoint in --load {load} (no {LATEST_FILE}); training from scratch")
-        return path
+        return load, resolve_checkpoint(load)
     if save and auto_resume:
         path = resolve_checkpoint(save)
         if path is not None:
             _log.info(f"resuming from --save {save} (no --load given; --no-auto-resume starts fresh)")
-        return path
-    return None
+        return save, path
+    return None, None
 
 
-def resume_path(load: Optional[str], save: Optional[str], auto_resume: bool) -> Optional[str]:
-    """--load, or (automatic resume) --save when it holds a checkpoint and --load is absent.
+def _iteration(path: Optional[str]) -> int:
+    return -1 if path is None else int(read_common(path)["iteration"])
+
+
+def _step(ck, np_root: Optional[str]) -> str:
+    """--ckpt-step N: iteration N of --load (or of the non-persistent root when only it has N)."""
+    n = ck.ckpt_step
+    for root in (ck.load, np_root):
+        if root and os.path.isfile(os.path.join(checkpoint_dir(root, n), COMMON_FILE)):
+            return checkpoint_dir(root, n)
+    have = sorted(int(os.path.basename(p)[5:]) for p in older_checkpoints(ck.load, 1 << 62))
+    raise ValueError(
+        f"--ckpt-step {n}: no complete checkpoint {os.path.basename(checkpoint_dir(ck.load, n))} in "
+        f"--load {ck.load} (complete iterations there: {have or 'none'}); pass one of those"
+    )
+
+
+def _find(ck) -> Optional[str]:
+    """Megatron's choice: --ckpt-step's iteration when given, else the newer of the persistent
+    latest and the non-persistent latest (the non-persistent one wins a tie)."""
+    if ck.ckpt_step is not None:  # before reading latest: a damaged latest must not hide iteration N
+        return _step(ck, non_persistent_root(ck, ck.load))
+    root, path = _persistent(ck.load, ck.save, ck.auto_resume)
+    np_root = non_persistent_root(ck, root)
+    np_path = resolve_checkpoint(np_root) if np_root and os.path.isdir(np_root) else None
+    if np_path is not None and _iteration(np_path) >= _iteration(path):
+        # Megatron's rule: the non-persistent checkpoint wins a tie with the persistent one.
+        _log.info(f"resuming from the non-persistent checkpoint {np_path} (persistent: {path or 'none'})")
+        return np_path
+    if np_path is not None:
+        _log.warning(f"the non-persistent checkpoint {np_path} is older than the persistent {path}")
+    if path is None and ck.load:
+        _log.warning(f"no checkpoint in --load {ck.load} (no {LATEST_FILE}); training from scratch")
+    return path
+
+
+def resume_path(ck) -> Optional[str]:
+    """The checkpoint a run with CheckpointConfig ``ck`` starts from (None: from scratch):
+    --ckpt-step's iteration of --load, else the newest of --load's (or, resuming
+    automatically, --save's) latest and the non-persistent latest.
 
     Decided on rank 0 and broadcast (a collective when a process group exists): every rank
     takes the same decision even when the others would see the file system differently (a
@@ -41,17 +88,20 @@ def resume_path(load: Optional[str], save: Optional[str], auto_resume: bool) -> 
     found, error = None, None
     if not dist.is_initialized() or dist.get_rank() == 0:
         try:
-            found = _find(load, save, auto_resume)
-        except (OSError, RuntimeError) as exc:
+            found = _find(ck)
+        except (OSError, RuntimeError, ValueError) as exc:
             # A string, not the exception: it must pickle for broadcast_object_list.
-            error = f"{type(exc).__name__}: {exc}"
+            error = (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}")
     if dist.is_initialized() and dist.get_world_size() > 1:
         shared = [found, error]
         # The error travels too: every rank raises, none waits in the next collective.
         dist.broadcast_object_list(shared, src=0)
         found, error = shared
     if error is not None:
-        raise RuntimeError(f"finding the checkpoint to resume from (decided on rank 0): {error}")
+        user_error, text = error
+        if user_error:  # a bad flag value: one line naming it, on every rank
+            raise ValueError(text.split(": ", 1)[1])
+        raise RuntimeError(f"finding the checkpoint to resume from (decided on rank 0): {text}")
     return found
 
 
@@ -85,3 +135,11 @@ def with_fallback(path: str, load: Callable[[str], T], fallback: bool) -> Tuple[
         raise CheckpointCorruptError(
             f"{exc} (--ckpt-fallback: no older complete checkpoint in {root} verifies)"
         ) from exc
+
+
+def checkpoint_record(ck) -> Optional[Tuple[str, dict]]:
+    """(directory, common.json) of the checkpoint a run with CheckpointConfig ``ck`` would
+    load, or None: what --use-checkpoint-args reads (config/checkpoint_args.py). Called
+    before any process group exists, on every rank (each reads the same small file)."""
+    path = resume_path(ck)
+    return None if path is None else (path, read_common(path))

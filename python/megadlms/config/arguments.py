@@ -29,6 +29,7 @@ from megadlms.distributed.fsdp2 import mixed_precision_policy
 from megadlms.models import TransformerConfig
 from megadlms.optimizer import OptimizerConfig
 
+from .checkpoint_args import apply_checkpoint_args, given_dests
 from .flags import build_parser
 from .megatron_compat import WANDB_DESTS, WITHOUT_EFFECT
 from .messages import FlagError, flag_message
@@ -234,9 +235,22 @@ def validate_args(args: argparse.Namespace, world_size: int) -> RunConfig:
     return build_run_config(args, world_size)
 
 
-def parse_config(argv: Optional[List[str]] = None, *, world_size: Optional[int] = None) -> RunConfig:
-    """Parse ``argv`` (default sys.argv) into the validated :class:`RunConfig`."""
-    return build_run_config(build_parser().parse_args(argv), world_size)
+def parse_config(
+    argv: Optional[List[str]] = None, *, world_size: Optional[int] = None, checkpoint_args=None
+) -> RunConfig:
+    """Parse ``argv`` (default sys.argv) into the validated :class:`RunConfig`.
+    ``checkpoint_args``: with --use-checkpoint-args, the function that finds the checkpoint
+    record of a CheckpointConfig (``megadlms.checkpoint.checkpoint_record``; checkpoint_args.py)."""
+    args = build_parser().parse_args(argv)
+    notes = []
+    if args.use_checkpoint_args and checkpoint_args is not None:
+        given = given_dests(build_parser(), argv)
+        notes = apply_checkpoint_args(args, given, _checkpoint_config, checkpoint_args)
+    elif args.use_checkpoint_args:
+        notes = ["--use-checkpoint-args: not applied by this caller (megadlms.pretrain applies it)"]
+    config = build_run_config(args, world_size)
+    config.logging.notes.extend(notes)
+    return config
 
 
 def parse_args(argv: Optional[List[str]] = None, *, world_size: Optional[int] = None) -> argparse.Namespace:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 
+from .flags_ckpt23 import add_ckpt_choice_args
 from .flags_cp import add_cp_args
 from .flags_logs23 import add_logs23_args
 from .flags_model import add_flag, difflm_args, model_args, parallel_args, precision_args
@@ -261,18 +262,12 @@ def _save_load_flags(g):
 
 
 def _resume_exit_flags(g):
-    """Resuming, exiting and Megatron's non-persistent checkpoints."""
+    """Resuming and exiting (which checkpoint to load: flags_ckpt23.py)."""
     add_flag(
         g,
         "--finetune",
         action="store_true",
         help="Load weights only; reset iteration, optimizer and scheduler.",
-    )
-    add_flag(
-        g,
-        "--use-checkpoint-args",
-        action="store_true",
-        help="Take model flags from the checkpoint (not supported yet).",
     )
     add_flag(
         g,
@@ -286,23 +281,6 @@ def _resume_exit_flags(g):
     )
     add_flag(
         g, "--exit-signal-handler", action="store_true", help="On SIGTERM save a checkpoint and exit cleanly."
-    )
-    add_flag(
-        g,
-        "--non-persistent-save-interval",
-        type=int,
-        default=None,
-        help="Accepted for Megatron scripts (no effect).",
-    )
-    add_flag(
-        g,
-        "--non-persistent-ckpt-type",
-        default=None,
-        choices=["global", "local", "in_memory"],
-        help="Accepted for Megatron scripts (no effect).",
-    )
-    add_flag(
-        g, "--non-persistent-global-ckpt-dir", default=None, help="Accepted for Megatron scripts (no effect)."
     )
     add_flag(
         g,
@@ -461,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
         _pipeline_args,
         add_recompute_args,
         add_cp_args,
+        add_ckpt_choice_args,
     ):
         add(p)
     return p

@@ -12,7 +12,6 @@ UNSUPPORTED = (
     ("train_samples", "--train-samples", None),
     ("rampup_batch_size", "--rampup-batch-size", None),
     ("rotary_percent", "--rotary-percent", 1.0),
-    ("use_checkpoint_args", "--use-checkpoint-args", False),
 )
 
 # (dest, flag, value with no effect anyway, why it has none here)
@@ -41,19 +40,6 @@ WITHOUT_EFFECT = (
         "(report_stats); NaN/Inf steps are skipped on every rank up to --nan-skip-limit",
     ),
     ("ckpt_fully_parallel_load", "--ckpt-fully-parallel-load", False, "torch_dist loads are always parallel"),
-    (
-        "non_persistent_save_interval",
-        "--non-persistent-save-interval",
-        None,
-        "no non-persistent checkpoints; --save-interval saves",
-    ),
-    ("non_persistent_ckpt_type", "--non-persistent-ckpt-type", None, "no non-persistent checkpoints"),
-    (
-        "non_persistent_global_ckpt_dir",
-        "--non-persistent-global-ckpt-dir",
-        None,
-        "no non-persistent checkpoints",
-    ),
     (
         "auto_detect_ckpt_format",
         "--auto-detect-ckpt-format",

@@ -27,6 +27,8 @@ from megadlms.optimizer import OptimizerConfig
 from megadlms.parallel.groups import check_sizes
 from megadlms.pipeline import virtual_pipeline_size
 
+from .flags_ckpt23 import ckpt_choice_problems
+
 CKPT_FORMATS = ("torch_dist", "torch")
 
 
@@ -303,9 +305,19 @@ class CheckpointConfig:
     """A checkpoint that fails verification: load the newest older one that passes, instead of failing."""
     async_save: bool = False
     """Write torch_dist checkpoints in the background; the next save and the exit wait for it."""
+    # Which checkpoint to load and non-persistent saves (flags_ckpt23.py; Megatron's semantics).
+    ckpt_step: Optional[int] = None
+    use_checkpoint_args: bool = False
+    use_tokenizer_model_from_checkpoint_args: bool = True
+    non_persistent_save_interval: Optional[int] = None
+    non_persistent_ckpt_type: Optional[str] = None
+    non_persistent_global_ckpt_dir: Optional[str] = None
+    non_persistent_local_ckpt_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         bad = Problems("CheckpointConfig")
+        for problem in ckpt_choice_problems(self):
+            bad.add(problem)
         self.checkpoint_steps = tuple(self.checkpoint_steps)
         bad.check(
             all(isinstance(n, int) and n > 0 for n in self.checkpoint_steps),

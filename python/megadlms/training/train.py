@@ -207,9 +207,10 @@ class Trainer:
             f"{self.scheduler.lr_warmup_steps // self.gbs} it)"
         )
 
-    def save(self) -> None:
+    def save(self, non_persistent: bool = False) -> None:
         """Checkpoint the current iteration (with --async-save: after the previous background
-        save has finished, and in the background; :meth:`wait_for_save` waits for it)."""
+        save has finished, and in the background; :meth:`wait_for_save` waits for it);
+        ``non_persistent``: Megatron's non-persistent checkpoint (only the newest is kept)."""
         c = self.config
         self.wait_for_save()
         t0 = time.perf_counter()
@@ -221,6 +222,7 @@ class Trainer:
             consumed_samples=self.consumed,
             extra={"nan_iterations": self.nan_total, "skipped_iterations": self.skipped_total},
             records=RunRecords(c.to_dict(), c.model.to_dict(), c.data.tokenizer.to_dict()),
+            non_persistent=non_persistent,
         )
         self.result.save_stalls.append(time.perf_counter() - t0)
         self.reporter.saved(self.iteration, in_background=written is None)
@@ -373,14 +375,14 @@ class Trainer:
                     out = self._step(data_iter, window, exit_flags)
                 self._maybe_evaluate()
                 stop = self._stop_reason(out)
-                scheduled = ck.save and (
-                    self.iteration % ck.save_interval == 0 or self.iteration in ck.checkpoint_steps
-                )
+                due = self.checkpointer.due(self.iteration)  # persistent, non-persistent or None
                 # Any stop saves first (when saving is on): an exit request must not lose the steps since the
                 # last save.
-                if ck.save and (stop is not None or scheduled):
-                    self.save()
-                    last_saved = self.iteration
+                if ck.save and (stop is not None or due is not None):
+                    persistent = stop is not None or due == "persistent"
+                    self.save(non_persistent=not persistent)
+                    if persistent:  # a non-persistent save does not replace the final persistent one
+                        last_saved = self.iteration
                 if stop is not None:
                     _log.info(f"exiting at iteration {self.iteration} ({stop})")
                     self.result.exit_reason = stop

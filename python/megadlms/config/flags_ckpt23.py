@@ -1,0 +1,107 @@
+"""Checkpoint-choice flags with Megatron-LM / MegaDLMs semantics: which checkpoint a run
+loads (--ckpt-step, non-persistent checkpoints), where non-persistent checkpoints go, and
+--use-checkpoint-args (the model flags come from the checkpoint's recorded run).
+
+:func:`add_ckpt_choice_args` adds the flags; :func:`ckpt_choice_problems` is the rule on
+their fields, called by ``CheckpointConfig.__post_init__`` (worded with field names).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+from .flags_model import add_flag
+
+NON_PERSISTENT_TYPES = ("global", "local", "in_memory")
+
+
+def add_ckpt_choice_args(p) -> None:
+    """--ckpt-step, --use-checkpoint-args and Megatron's --non-persistent-* flags."""
+    g = p.add_argument_group("checkpointing: which checkpoint to load, non-persistent checkpoints")
+    add_flag(
+        g,
+        "--ckpt-step",
+        type=int,
+        default=None,
+        help="Load iteration N of --load instead of the one its latest_checkpointed_iteration.txt names "
+        "(MegaDLMs' flag; also picks the step --ckpt-convert-format converts).",
+    )
+    add_flag(
+        g,
+        "--use-checkpoint-args",
+        action="store_true",
+        help="Take the model architecture flags from the --load checkpoint's recorded run, overriding "
+        "the command line (Megatron's load_args_from_checkpoint; sizes given on the command line win).",
+    )
+    add_flag(
+        g,
+        "--no-use-tokenizer-model-from-checkpoint-args",
+        dest="use_tokenizer_model_from_checkpoint_args",
+        action="store_false",
+        help="With --use-checkpoint-args keep this run's --tokenizer-model.",
+    )
+    add_flag(
+        g,
+        "--non-persistent-save-interval",
+        type=int,
+        default=None,
+        help="Also save a non-persistent checkpoint every N iterations (only the newest is kept; a "
+        "persistent save at the same iteration wins).",
+    )
+    add_flag(
+        g,
+        "--non-persistent-ckpt-type",
+        default=None,
+        choices=list(NON_PERSISTENT_TYPES),
+        help="global: a normal checkpoint under --non-persistent-global-ckpt-dir; local: the same under "
+        "--non-persistent-local-ckpt-dir on node-local storage (single-node runs); in_memory: refused "
+        "(Megatron has none either). On load the newer of persistent and non-persistent wins.",
+    )
+    add_flag(
+        g,
+        "--non-persistent-global-ckpt-dir",
+        default=None,
+        help="Directory of global non-persistent checkpoints (default: <save>/non_persistent, and "
+        "<load>/non_persistent on load).",
+    )
+    add_flag(
+        g,
+        "--non-persistent-local-ckpt-dir",
+        default=None,
+        help="Node-local directory of --non-persistent-ckpt-type local checkpoints.",
+    )
+
+
+def ckpt_choice_problems(ck) -> List[str]:
+    """What is wrong with a CheckpointConfig's checkpoint-choice fields (field names)."""
+    out = []
+    if ck.ckpt_step is not None and (not isinstance(ck.ckpt_step, int) or ck.ckpt_step < 0):
+        out.append(f"ckpt_step must be an iteration >= 0, got {ck.ckpt_step!r}")
+    if ck.ckpt_step is not None and not ck.load:
+        out.append("ckpt_step needs load DIR (the checkpoint root holding iter_N)")
+    if ck.use_checkpoint_args and not ck.load:
+        out.append("use_checkpoint_args needs load DIR (the checkpoint whose recorded flags to use)")
+    kind, interval = ck.non_persistent_ckpt_type, ck.non_persistent_save_interval
+    if interval is not None and (not isinstance(interval, int) or interval <= 0):
+        out.append(f"non_persistent_save_interval must be a positive integer, got {interval!r}")
+    # A conversion saves nothing periodically: MegaDLMs' convert_ckpt mode keeps the interval alone.
+    if interval is not None and ck.ckpt_convert_format is None:
+        if kind is None:
+            out.append("non_persistent_save_interval needs non_persistent_ckpt_type global (or local)")
+        if not ck.save:
+            out.append("non_persistent_save_interval needs save DIR (non-persistent saves go under it)")
+    if kind == "in_memory":
+        out.append(
+            "non_persistent_ckpt_type in_memory is not supported (Megatron's validation refuses it too): "
+            "use global or local"
+        )
+    if kind == "local" and not ck.non_persistent_local_ckpt_dir:
+        out.append(
+            "non_persistent_ckpt_type local needs non_persistent_local_ckpt_dir DIR (node-local storage)"
+        )
+    if kind == "local" and ck.use_checkpoint_args:
+        out.append(
+            "use_checkpoint_args does not work with non_persistent_ckpt_type local (as in Megatron): "
+            "use global"
+        )
+    return out
