@@ -23,6 +23,7 @@ import argparse
 
 from .flags_model import add_flag, difflm_args, model_args, parallel_args, precision_args
 from .flags_moe import moe_args
+from .flags_paopt import add_paopt_args
 
 
 def _training_args(p):
@@ -487,6 +488,7 @@ def build_parser() -> argparse.ArgumentParser:
         _interop_args,
         moe_args,
         _pipeline_args,
+        add_paopt_args,
     ):
         add(p)
     return p

@@ -46,9 +46,10 @@ def _field_flags() -> Dict[str, str]:
 _FIELD_FLAGS = _field_flags()
 # Longest names first, so "lr_decay_iters" is matched before "lr"; \b keeps words whole, and
 # (?<!-) leaves a name that is already a flag alone, so rewording twice (the library's message,
-# then the CLI's whole error) cannot turn "--fp16" into "----fp16".
+# then the CLI's whole error) cannot turn "--fp16" into "----fp16"; (?<!dtype ) keeps a dtype
+# flag's value ("--exp-avg-dtype bf16") a value.
 _FIELD_RE = re.compile(
-    r"(?<!-)\b(" + "|".join(sorted(map(re.escape, _FIELD_FLAGS), key=len, reverse=True)) + r")\b"
+    r"(?<!-)(?<!dtype )\b(" + "|".join(sorted(map(re.escape, _FIELD_FLAGS), key=len, reverse=True)) + r")\b"
 )
 
 
