@@ -68,6 +68,7 @@ class ShardedBufferLayout:
 
     sharded = True
     decoupled_grads = False  # precision-aware: the buffer's shard as it is, in main.decoupled_grad
+    keep_buffer_grads = False  # main_grads_dtype bf16 (set by MixedPrecisionOptimizer)
 
     def __init__(
         self,
@@ -117,7 +118,10 @@ class ShardedBufferLayout:
         for e, (bucket, a, _, n) in zip(self.entries, self.pieces):
             g = bucket.grad_data[a : a + n]
             if self.decoupled_grads:
-                e.main.decoupled_grad = g  # read (and upcast per piece) by PrecisionAwareAdamW
+                # bf16 main grads: the buffer's shard itself (upcast per piece by the step);
+                # fp32 main grads from a 16-bit buffer (--fp16): an fp32 copy, as without it
+                g = g if self.keep_buffer_grads or g.dtype == torch.float32 else g.float()
+                e.main.decoupled_grad = g
                 grads.append(g)
                 continue
             # fp32 buffer: a view, no copy. bf16/fp16 buffer: an fp32 copy, since the optimizer

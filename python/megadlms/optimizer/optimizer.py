@@ -59,6 +59,7 @@ class ReplicaLayout:
     # Precision-aware optimizer: the reduced grad is handed over as it is (buffer dtype, no
     # copy) in main.decoupled_grad (MixedPrecisionOptimizer sets this).
     decoupled_grads = False
+    keep_buffer_grads = False  # main_grads_dtype bf16: no fp32 copy of a bf16 grad buffer
 
     def __init__(
         self,
@@ -93,6 +94,8 @@ class ReplicaLayout:
                 continue
             self._in_norm.append(self.grid.counts_in_norm(e.param, replicated=True))
             if self.decoupled_grads:
+                # main_grads_dtype fp32 with a 16-bit buffer (--fp16): fp32 copies, as without it
+                g = g if self.keep_buffer_grads or g.dtype == torch.float32 else g.float()
                 e.main.decoupled_grad = g.view(e.main.shape)
                 grads.append(e.main.decoupled_grad)
             elif e.main is e.param:
@@ -244,6 +247,7 @@ class MixedPrecisionOptimizer:
             # This rank owns no elements (tiny model, large dp): keep torch.optim happy.
             groups.append({"params": [torch.zeros(0)], "weight_decay": 0.0, "_entries": [], "_fqns": []})
         layout.decoupled_grads = config.lowers_state
+        layout.keep_buffer_grads = config.main_grads_dtype != torch.float32
         self.inner = _inner_optimizer(config, groups)
         if config.fp16:
             self.grad_scaler = (
