@@ -32,7 +32,7 @@ from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .grid import GridReductions
-from .precision_adam import PrecisionAwareAdamW
+from .precision_adam import PrecisionAwareAdamW, inner_optimizer
 
 _HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum")
 
@@ -248,7 +248,7 @@ class MixedPrecisionOptimizer:
             groups.append({"params": [torch.zeros(0)], "weight_decay": 0.0, "_entries": [], "_fqns": []})
         layout.decoupled_grads = config.lowers_state
         layout.keep_buffer_grads = config.main_grads_dtype != torch.float32
-        self.inner = _inner_optimizer(config, groups)
+        self.inner = inner_optimizer(config, groups)
         if config.fp16:
             self.grad_scaler = (
                 ConstantGradScaler(config.loss_scale)
@@ -456,36 +456,6 @@ class MixedPrecisionOptimizer:
             piece = self.layout.local_piece(i, src) if src is not None else e.main.detach()
             opt.load_value(e.main, "master_param", piece)
         opt.state[e.main]["step"] = torch.tensor(float(self.step_count))
-
-
-def _inner_optimizer(config: OptimizerConfig, groups: List[dict]) -> torch.optim.Optimizer:
-    """The torch optimizer that updates the main params: AdamW, SGD, or (a dtype below fp32)
-    the precision-aware AdamW."""
-    if config.optimizer == "adam" and config.lowers_state:
-        # Any dtype below fp32: moments (and main params) stored low, stepped in fp32. All-fp32
-        # stays on torch's AdamW below, so the default is bitwise what it always was.
-        return PrecisionAwareAdamW(
-            groups,
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-            exp_avg_dtype=config.exp_avg_dtype,
-            exp_avg_sq_dtype=config.exp_avg_sq_dtype,
-            master_dtype=None if config.main_params_dtype == torch.float32 else config.main_params_dtype,
-        )
-    elif config.optimizer == "adam":
-        return torch.optim.AdamW(
-            groups,
-            lr=config.lr,
-            betas=(config.adam_beta1, config.adam_beta2),
-            eps=config.adam_eps,
-            weight_decay=config.weight_decay,
-        )
-    else:
-        return torch.optim.SGD(
-            groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay
-        )
 
 
 def _copy_into(dst: torch.Tensor, src) -> None:

@@ -20,7 +20,7 @@ model param from that fp32 result.
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch.optim.adam import adam as _adam_step
@@ -151,3 +151,33 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         # Rounded only now: the update above used the unrounded new moments (TE's kernel order).
         self.set_fp32(p, "exp_avg", m)
         self.set_fp32(p, "exp_avg_sq", v)
+
+
+def inner_optimizer(config, groups: List[dict]) -> torch.optim.Optimizer:
+    """The torch optimizer that updates the main params of a MixedPrecisionOptimizer:
+    AdamW, SGD, or (an OptimizerConfig dtype below fp32) the precision-aware AdamW."""
+    if config.optimizer == "adam" and config.lowers_state:
+        # Any dtype below fp32: moments (and main params) stored low, stepped in fp32. All-fp32
+        # stays on torch's AdamW below, so the default is bitwise what it always was.
+        return PrecisionAwareAdamW(
+            groups,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+            exp_avg_dtype=config.exp_avg_dtype,
+            exp_avg_sq_dtype=config.exp_avg_sq_dtype,
+            master_dtype=None if config.main_params_dtype == torch.float32 else config.main_params_dtype,
+        )
+    elif config.optimizer == "adam":
+        return torch.optim.AdamW(
+            groups,
+            lr=config.lr,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_eps,
+            weight_decay=config.weight_decay,
+        )
+    else:
+        return torch.optim.SGD(
+            groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay
+        )
