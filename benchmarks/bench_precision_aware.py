@@ -112,11 +112,14 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=50289)
+    ap.add_argument("--layouts", default="replicated,distributed", help="comma list (a subset to rerun)")
     a = ap.parse_args()
     print(f"MegaDLMs 1.7B layer shapes, {a.layers} layer(s), seq {a.seq}, 2 gloo ranks, --bf16; rank 0")
     cols = ("state MB", 9), ("B/param", 8), ("grads MB", 9), ("step x", 7), ("opt.step x", 10)
     print(f"{'layout':<12} {'variant':<20} " + " ".join(f"{c:>{w}}" for c, w in cols))
     for dist_opt in (False, True):
+        if ("distributed" if dist_opt else "replicated") not in a.layouts.split(","):
+            continue
         base = None
         for name, extra in VARIANTS.items():
             r = run_distributed(_measure, 2, (_argv(a, dist_opt, extra), a.steps, a.vocab), timeout=1800)[0]
