@@ -394,7 +394,9 @@ class MixedPrecisionOptimizer:
         for i, e in enumerate(self.layout.entries):
             entry_state = saved[e.fqn]
             with torch.no_grad():
-                if "fp32_param" in entry_state:
+                # main_params_dtype fp16: e.main is the model param, already loaded (a straight run
+                # wrote it from the fp32 step result, not from the rounded master): keep it.
+                if "fp32_param" in entry_state and not self._master_in_state:
                     piece = self.layout.local_piece(i, entry_state["fp32_param"])
                     _copy_into(e.main, piece)
                 else:
