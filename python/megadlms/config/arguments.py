@@ -123,8 +123,11 @@ def _tokenizer_type(args) -> str:
 
 def _ddp_config(args) -> DistributedDataParallelConfig:
     return DistributedDataParallelConfig(
-        # Megatron: bf16 always reduces gradients in fp32
-        grad_reduce_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32 or args.bf16),
+        # Megatron: bf16 reduces gradients in fp32 unless --main-grads-dtype bf16
+        grad_reduce_in_fp32=bool(
+            args.accumulate_allreduce_grads_in_fp32
+            or (args.bf16 and getattr(args, "main_grads_dtype", "fp32") == "fp32")
+        ),
         overlap_grad_reduce=args.overlap_grad_reduce,
         overlap_param_gather=args.overlap_param_gather,
         use_distributed_optimizer=args.use_distributed_optimizer,

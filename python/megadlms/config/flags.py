@@ -26,6 +26,7 @@ from .flags_cp import add_cp_args
 from .flags_logs23 import add_logs23_args
 from .flags_model import add_flag, difflm_args, model_args, parallel_args, precision_args
 from .flags_moe import moe_args
+from .flags_paopt import add_paopt_args
 from .flags_recompute import add_recompute_args
 
 
@@ -440,6 +441,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_recompute_args,
         add_cp_args,
         add_ckpt_choice_args,
+        add_paopt_args,
     ):
         add(p)
     return p

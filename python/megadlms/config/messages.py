@@ -56,8 +56,9 @@ _ENGLISH = {"attention", "debug", "finetune", "help", "hysteresis", "load", "nor
 _ENGLISH |= {"objective", "save", "seed", "split"}
 _AS_FIELD = r"(?=\s+(?:must|needs|requires|exceeds|is|=|[A-Z]{2,}\b|['\"\d\[{])|\s*[:;,)]|$)"
 # Whole tokens: not glued to "-" (a flag), "_" or a letter (a longer name), "/" or "." (a
-# path), nor inside a quoted value or a token name ('<|mask_token|>').
-_WORD = r"(?<![-\w./$'\"|<])(?:{})(?![-\w/'\"|>])"
+# path), nor inside a quoted value or a token name ('<|mask_token|>'); a dtype flag's value
+# ("--exp-avg-dtype bf16") stays a value.
+_WORD = r"(?<!dtype )(?<![-\w./$'\"|<])(?:{})(?![-\w/'\"|>])"
 
 
 def _alternatives(names) -> str:

@@ -15,6 +15,7 @@ only calls it at parse time and says it with flags (:func:`~.messages.flag_messa
     activation recompute      models.recompute.recompute_problems
     optimizer instances / dp  parallel.groups.check_instances
     context parallelism       parallel.context_parallel.context_parallel_problems
+    precision-aware optimizer optimizer.precision_aware_problems
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from megadlms.distributed.ddp_groups import expert_instances_problems
 from megadlms.distributed.fsdp2 import fsdp2_config_problems, torch_supports_fsdp2
 from megadlms.models.config import expert_parallel_problems, tensor_parallel_problems
 from megadlms.models.recompute import recompute_problems
-from megadlms.optimizer import OptimizerConfig, dtensor_problems
+from megadlms.optimizer import OptimizerConfig, dtensor_problems, precision_aware_problems
 from megadlms.parallel.context_parallel import context_parallel_problems
 from megadlms.parallel.groups import check_instances
 from megadlms.pipeline import micro_batch_problems, stage_layers
@@ -160,7 +161,20 @@ def cross_flag_problems(
             num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
         )
     ]
+    if optimizer is not None:
+        out += [flag_message(p) for p in _precision_aware(args, optimizer)]
     return out
+
+
+def _precision_aware(args, optimizer: OptimizerConfig) -> List[str]:
+    fusion = args.gradient_accumulation_fusion
+    return precision_aware_problems(
+        optimizer,
+        accumulate_allreduce_grads_in_fp32=bool(args.accumulate_allreduce_grads_in_fp32),
+        # None: the default, on under DDP (ParallelConfig)
+        gradient_accumulation_fusion=bool(fusion) or (fusion is None and not args.use_torch_fsdp2),
+        fsdp2=bool(args.use_torch_fsdp2),
+    )
 
 
 def layout_problems(model, parallel: Optional[ParallelConfig], ddp) -> List[str]:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import List
 
+import torch
+
 from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
 from .distrib_optimizer import ShardedBufferLayout
@@ -17,6 +19,8 @@ from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .grid import GridReductions
 from .lr_scheduler import OptimizerParamScheduler
 from .optimizer import DTensorLayout, MixedPrecisionOptimizer, ReplicaLayout, no_weight_decay
+from .precision import first_problem, precision_aware_problems
+from .precision_adam import PrecisionAwareAdamW
 from .source import GradientSource, LocalGradients, as_gradient_source
 
 
@@ -50,6 +54,10 @@ def get_optimizer(config: OptimizerConfig, model) -> MixedPrecisionOptimizer:
     if not names:
         raise ValueError("get_optimizer: the model has no trainable parameters (requires_grad=True)")
     grid = GridReductions(wrapper.parallel)  # None: plain data parallelism
+    first_problem(precision_aware_problems(config, fsdp2=layout_kind == "dtensor"))
+    # main_params_dtype fp16: the main params live (scaled fp16) in the optimizer state, and the
+    # layouts hand the optimizer the model params themselves
+    master_in_state = config.main_params_dtype != torch.float32
     sharded = layout_kind == "bucket_shards"
     if config.use_distributed_optimizer != sharded:
         raise ValueError(
@@ -64,8 +72,10 @@ def get_optimizer(config: OptimizerConfig, model) -> MixedPrecisionOptimizer:
             raise ValueError(problems[0])
         return MixedPrecisionOptimizer(config, DTensorLayout(names, wrapper.comm))
     if sharded:
-        return MixedPrecisionOptimizer(config, ShardedBufferLayout(wrapper, names, grid), wrapper=wrapper)
-    layout = ReplicaLayout(names, wrapper, fp32_copies=config.bf16 or config.fp16, grid=grid)
+        layout = ShardedBufferLayout(wrapper, names, grid, main_in_model=master_in_state)
+        return MixedPrecisionOptimizer(config, layout, wrapper=wrapper)
+    fp32_copies = (config.bf16 or config.fp16) and not master_in_state
+    layout = ReplicaLayout(names, wrapper, fp32_copies=fp32_copies, grid=grid)
     return MixedPrecisionOptimizer(config, layout, wrapper=wrapper)
 
 
@@ -78,9 +88,11 @@ __all__ = [
     "MixedPrecisionOptimizer",
     "OptimizerConfig",
     "OptimizerParamScheduler",
+    "PrecisionAwareAdamW",
     "clip_grads_with_norm_",
     "dtensor_problems",
     "get_grad_norm_fp32",
     "get_optimizer",
     "no_weight_decay",
+    "precision_aware_problems",
 ]

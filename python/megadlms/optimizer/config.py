@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
+
+import torch
 
 from megadlms.config_errors import Problems
+
+from .precision import to_dtype
+
+DtypeLike = Union[str, torch.dtype]
 
 
 @dataclass(kw_only=True)
@@ -38,9 +44,30 @@ class OptimizerConfig:
     min_loss_scale: float = 1.0
     loss_scale_window: float = 1000
     hysteresis: int = 2
+    use_precision_aware_optimizer: bool = False
+    """Allow the dtypes below to be lower than fp32 (Megatron's flag; precision.py)."""
+    main_grads_dtype: DtypeLike = torch.float32
+    """'fp32' or 'bf16' (with bf16 params: the DDP grad buffer stays bf16)."""
+    main_params_dtype: DtypeLike = torch.float32
+    """'fp32' or 'fp16' (the main params are kept in the optimizer state, scaled)."""
+    exp_avg_dtype: DtypeLike = torch.float32
+    """Adam's first moment in memory: 'fp32', 'bf16', 'fp16' or 'fp8' (E4M3, scaled)."""
+    exp_avg_sq_dtype: DtypeLike = torch.float32
+    """Adam's second moment in memory: same choices."""
+
+    @property
+    def lowers_state(self) -> bool:
+        """True when some optimizer dtype is below fp32 (the precision-aware inner optimizer)."""
+        names = ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")
+        return any(getattr(self, n) != torch.float32 for n in names)
 
     def __post_init__(self) -> None:
         bad = Problems("OptimizerConfig")
+        for name in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+            try:  # Megatron's strings become torch dtypes once, here
+                setattr(self, name, to_dtype(getattr(self, name), name))
+            except ValueError as exc:
+                bad.add(str(exc))
         bad.check(not (self.bf16 and self.fp16), "fp16 and bf16 are exclusive: pick one")
         bad.check(
             self.optimizer in ("adam", "sgd"), f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}"

@@ -67,9 +67,16 @@ class ShardedBufferLayout:
     """Main params = this rank's pieces of every DDP bucket (see module docstring)."""
 
     sharded = True
+    decoupled_grads = False  # precision-aware: the buffer's shard as it is, in main.decoupled_grad
+    keep_buffer_grads = False  # main_grads_dtype bf16 (set by MixedPrecisionOptimizer)
 
     def __init__(
-        self, wrapper, names: Dict[torch.nn.Parameter, str], grid: Optional[GridReductions] = None
+        self,
+        wrapper,
+        names: Dict[torch.nn.Parameter, str],
+        grid: Optional[GridReductions] = None,
+        *,
+        main_in_model: bool = False,
     ) -> None:
         self.wrapper = wrapper  # a DataParallel with optimizer_layout "bucket_shards"
         self.comm = wrapper.shard_comm  # the ranks sharing one copy
@@ -85,7 +92,9 @@ class ShardedBufferLayout:
                 a, b = max(off, lo), min(off + p.numel(), hi)
                 if a < b:
                     piece = p.detach().reshape(-1)[a - off : b - off]
-                    if p.dtype == torch.float32:  # fp32 params: update the param buffer in place
+                    # fp32 params (or main params kept in the optimizer state: main_params_dtype fp16):
+                    # the optimizer updates the param buffer's piece in place.
+                    if p.dtype == torch.float32 or main_in_model:
                         self.entries.append(Entry(names[p], p, piece, owns_main=False))
                     else:
                         self.entries.append(Entry(names[p], p, piece.float().clone(), owns_main=True))
@@ -108,6 +117,13 @@ class ShardedBufferLayout:
         grads = []
         for e, (bucket, a, _, n) in zip(self.entries, self.pieces):
             g = bucket.grad_data[a : a + n]
+            if self.decoupled_grads:
+                # bf16 main grads: the buffer's shard itself (upcast per piece by the step);
+                # fp32 main grads from a 16-bit buffer (--fp16): an fp32 copy, as without it
+                g = g if self.keep_buffer_grads or g.dtype == torch.float32 else g.float()
+                e.main.decoupled_grad = g
+                grads.append(g)
+                continue
             # fp32 buffer: a view, no copy. bf16/fp16 buffer: an fp32 copy, since the optimizer
             # math (unscale, clip, AdamW) runs in fp32.
             e.main.grad = g if g.dtype == torch.float32 else g.float()
@@ -147,8 +163,9 @@ class ShardedBufferLayout:
         # forward, each waited for by its first reader.
         self.wrapper.start_param_sync()
 
-    def export(self, values: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """Full-shape tensors for every parameter from this rank's pieces (collective)."""
+    def export(self, values: Dict[int, torch.Tensor], dtype=torch.float32) -> Dict[str, torch.Tensor]:
+        """Full-shape tensors (of ``dtype``: the same on every rank) for every parameter from
+        this rank's pieces (collective)."""
         by_bucket: Dict[int, list] = {}
         for i, (bucket, a, _, n) in enumerate(self.pieces):
             by_bucket.setdefault(id(bucket), []).append((a, n, values[i]))
@@ -156,7 +173,7 @@ class ShardedBufferLayout:
         for bucket in self.buckets:
             # Zeros outside this rank's pieces (padding included), so after the gather each value
             # is there exactly once.
-            flat = torch.zeros(bucket.grad_data.numel(), dtype=torch.float32, device=bucket.grad_data.device)
+            flat = torch.zeros(bucket.grad_data.numel(), dtype=dtype, device=bucket.grad_data.device)
             for a, n, t in by_bucket.get(id(bucket), []):
                 flat[a : a + n].copy_(t.reshape(-1))
             lo, hi = self._shard_range(bucket)

@@ -32,6 +32,7 @@ from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .grid import GridReductions
+from .precision_adam import PrecisionAwareAdamW, inner_optimizer
 
 _HYPER_KEYS = ("lr", "weight_decay", "betas", "eps", "momentum")
 
@@ -55,6 +56,10 @@ class ReplicaLayout:
     """Full fp32 main params on every rank (our DDP, or a module without a wrapper)."""
 
     sharded = False
+    # Precision-aware optimizer: the reduced grad is handed over as it is (buffer dtype, no
+    # copy) in main.decoupled_grad (MixedPrecisionOptimizer sets this).
+    decoupled_grads = False
+    keep_buffer_grads = False  # main_grads_dtype bf16: no fp32 copy of a bf16 grad buffer
 
     def __init__(
         self,
@@ -88,7 +93,12 @@ class ReplicaLayout:
                 e.main.grad = None
                 continue
             self._in_norm.append(self.grid.counts_in_norm(e.param, replicated=True))
-            if e.main is e.param:
+            if self.decoupled_grads:
+                # main_grads_dtype fp32 with a 16-bit buffer (--fp16): fp32 copies, as without it
+                g = g if self.keep_buffer_grads or g.dtype == torch.float32 else g.float()
+                e.main.decoupled_grad = g.view(e.main.shape)
+                grads.append(e.main.decoupled_grad)
+            elif e.main is e.param:
                 # Our DDP already left the reduced view in param.grad: reassign only when it is another
                 # tensor. torch.optim needs grad dtype == param dtype, hence the cast (fp32 buffer).
                 if e.param.grad is None or e.param.grad.data_ptr() != g.data_ptr():
@@ -118,7 +128,7 @@ class ReplicaLayout:
                 if e.main is not e.param:
                     e.param.copy_(e.main)
 
-    def export(self, values: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def export(self, values: Dict[int, torch.Tensor], dtype=torch.float32) -> Dict[str, torch.Tensor]:
         return {self.entries[i].fqn: t.view(self.entries[i].param.shape) for i, t in values.items()}
 
     def local_piece(self, i: int, full: torch.Tensor) -> torch.Tensor:
@@ -188,7 +198,7 @@ class DTensorLayout:
     def copy_main_to_model(self) -> None:
         return None
 
-    def export(self, values: Dict[int, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    def export(self, values: Dict[int, torch.Tensor], dtype=torch.float32) -> Dict[str, torch.Tensor]:
         return {self.entries[i].fqn: t for i, t in values.items()}
 
     def local_piece(self, i: int, full) -> torch.Tensor:
@@ -236,18 +246,9 @@ class MixedPrecisionOptimizer:
         if not any(g["params"] for g in groups):
             # This rank owns no elements (tiny model, large dp): keep torch.optim happy.
             groups.append({"params": [torch.zeros(0)], "weight_decay": 0.0, "_entries": [], "_fqns": []})
-        if config.optimizer == "adam":
-            self.inner = torch.optim.AdamW(
-                groups,
-                lr=config.lr,
-                betas=(config.adam_beta1, config.adam_beta2),
-                eps=config.adam_eps,
-                weight_decay=config.weight_decay,
-            )
-        else:
-            self.inner = torch.optim.SGD(
-                groups, lr=config.lr, momentum=config.sgd_momentum, weight_decay=config.weight_decay
-            )
+        layout.decoupled_grads = config.lowers_state
+        layout.keep_buffer_grads = config.main_grads_dtype != torch.float32
+        self.inner = inner_optimizer(config, groups)
         if config.fp16:
             self.grad_scaler = (
                 ConstantGradScaler(config.loss_scale)
@@ -331,13 +332,16 @@ class MixedPrecisionOptimizer:
     def reload_model_params(self) -> None:
         """Refresh the fp32 main params from the model params (after loading model weights
         into an already built optimizer without loading its state; Megatron's name)."""
-        for i in range(len(self.layout.entries)):
+        for i, e in enumerate(self.layout.entries):
             self.layout.reload_main_from_model(i)
+            if self._master_in_state:
+                self.inner.load_value(e.main, "master_param", e.main.detach())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop main and model grads (and zero our DDP's grad buffers)."""
         for e in self.layout.entries:
             e.main.grad = None
+            e.main.decoupled_grad = None
             e.param.grad = None
         if self.wrapper is not None:
             self.wrapper.zero_grad_buffer()
@@ -352,16 +356,12 @@ class MixedPrecisionOptimizer:
         for key in keys:
             values = {}
             for i, e in enumerate(self.layout.entries):
-                st = self.inner.state.get(e.main, {})
-                v = st.get(key)  # absent before the first step (or SGD without momentum)
-                # Zeros for state not created yet, so every rank exports the same keys: export is a
-                # collective for the distributed optimizer.
-                values[i] = v if v is not None else torch.zeros_like(e.main, dtype=torch.float32)
-            for fqn, t in self.layout.export(values).items():
+                values[i] = self._stored_state(e.main, key)
+            for fqn, t in self.layout.export(values, dtype=self._export_dtype(key)).items():
                 state[fqn][key] = t
         if self.config.bf16 or self.config.fp16:
-            mains = {i: e.main.detach() for i, e in enumerate(self.layout.entries)}
-            for fqn, t in self.layout.export(mains).items():
+            mains = {i: self._main_fp32(e) for i, e in enumerate(self.layout.entries)}
+            for fqn, t in self.layout.export(mains, dtype=torch.float32).items():
                 state[fqn]["fp32_param"] = t
         groups = []
         for g in self.inner.param_groups:
@@ -394,11 +394,16 @@ class MixedPrecisionOptimizer:
         for i, e in enumerate(self.layout.entries):
             entry_state = saved[e.fqn]
             with torch.no_grad():
-                if "fp32_param" in entry_state:
+                # main_params_dtype fp16: e.main is the model param, already loaded (a straight run
+                # wrote it from the fp32 step result, not from the rounded master): keep it.
+                if "fp32_param" in entry_state and not self._master_in_state:
                     piece = self.layout.local_piece(i, entry_state["fp32_param"])
                     _copy_into(e.main, piece)
                 else:
                     self.layout.reload_main_from_model(i)
+            if isinstance(self.inner, PrecisionAwareAdamW):
+                self._load_precision_aware(i, e, entry_state)
+                continue
             st = {}
             for key, full in entry_state.items():
                 if key == "fp32_param":
@@ -417,6 +422,42 @@ class MixedPrecisionOptimizer:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         # Push the loaded main params into the model params (cast, and gather when sharded).
         self.layout.copy_main_to_model()
+
+    # ------------------------------------------------------------------ precision-aware state
+    @property
+    def _master_in_state(self) -> bool:
+        return isinstance(self.inner, PrecisionAwareAdamW) and "master_param" in self.inner.codecs
+
+    def _export_dtype(self, key: str) -> torch.dtype:
+        if isinstance(self.inner, PrecisionAwareAdamW):
+            return self.inner.export_dtype(key)  # bf16 moments are saved as bf16
+        return torch.float32
+
+    def _stored_state(self, main: torch.Tensor, key: str) -> torch.Tensor:
+        if isinstance(self.inner, PrecisionAwareAdamW):
+            return self.inner.stored(main, key)
+        v = self.inner.state.get(main, {}).get(key)  # absent before the first step (or SGD without momentum)
+        # Zeros for state not created yet, so every rank exports the same keys: export is a
+        # collective for the distributed optimizer.
+        return v if v is not None else torch.zeros_like(main, dtype=torch.float32)
+
+    def _main_fp32(self, e: Entry) -> torch.Tensor:
+        """The main param's fp32 values (main_params_dtype fp16: decoded from the state)."""
+        if self._master_in_state:
+            return self.inner.get_fp32(e.main, "master_param").detach()
+        return e.main.detach()
+
+    def _load_precision_aware(self, i: int, e: Entry, entry_state: dict) -> None:
+        """Entry ``i``'s saved moments (any stored dtype) rounded into this optimizer's dtypes."""
+        opt = self.inner
+        for key in ("exp_avg", "exp_avg_sq"):
+            opt.load_value(e.main, key, self.layout.local_piece(i, entry_state[key]))
+        if self._master_in_state:
+            # e.main is the model param here: the saved fp32 main param (or the weights) seeds it.
+            src = entry_state.get("fp32_param")
+            piece = self.layout.local_piece(i, src) if src is not None else e.main.detach()
+            opt.load_value(e.main, "master_param", piece)
+        opt.state[e.main]["step"] = torch.tensor(float(self.step_count))
 
 
 def _copy_into(dst: torch.Tensor, src) -> None:
