@@ -137,13 +137,6 @@ FSDP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
 #  valid neighbour flags: same intent, fixed)
 RULES = [
     (
-        "fsdp2_tp",
-        FSDP + ["--tensor-model-parallel-size", "2"],
-        4,
-        ["--use-torch-fsdp2 requires --tensor-model-parallel-size 1"],
-        FSDP,
-    ),
-    (
         "fsdp2_pp",
         FSDP + ["--pipeline-model-parallel-size", "2"],
         4,

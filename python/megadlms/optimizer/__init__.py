@@ -62,7 +62,7 @@ def get_optimizer(config: OptimizerConfig, model) -> MixedPrecisionOptimizer:
         problems = dtensor_problems(config)
         if problems:
             raise ValueError(problems[0])
-        return MixedPrecisionOptimizer(config, DTensorLayout(names, wrapper.comm))
+        return MixedPrecisionOptimizer(config, DTensorLayout(names, wrapper.shard_comm, grid))
     if sharded:
         return MixedPrecisionOptimizer(config, ShardedBufferLayout(wrapper, names, grid), wrapper=wrapper)
     layout = ReplicaLayout(names, wrapper, fp32_copies=config.bf16 or config.fp16, grid=grid)
