@@ -45,7 +45,9 @@ def main() -> None:
     torch.manual_seed(0)
     ref = torch.nn.Sequential(torch.nn.Linear(h, 4 * h), torch.nn.GELU(), torch.nn.Linear(4 * h, h))
     ours = torch.nn.Sequential(
-        ColumnParallelLinear(h, 4 * h, tp_group=group), torch.nn.GELU(), RowParallelLinear(4 * h, h, tp_group=group)
+        ColumnParallelLinear(h, 4 * h, tp_group=group),
+        torch.nn.GELU(),
+        RowParallelLinear(4 * h, h, tp_group=group),
     )
     with torch.no_grad():  # the same weights in both: ours holds this rank's slices
         r = dist.get_rank()
@@ -77,7 +79,11 @@ def main() -> None:
                 diff = (y - y_ours).abs().max().item()
     if dist.get_rank() == 0:
         m_ours, m_dt = statistics.median(t_ours), statistics.median(t_dt)
-        print(json.dumps({"ours_s": m_ours, "dtensor_s": m_dt, "dtensor_over_ours": m_dt / m_ours, "max_diff": diff}))
+        print(
+            json.dumps(
+                {"ours_s": m_ours, "dtensor_s": m_dt, "dtensor_over_ours": m_dt / m_ours, "max_diff": diff}
+            )
+        )
     dist.destroy_process_group()
 
 

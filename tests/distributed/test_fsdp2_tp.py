@@ -32,11 +32,15 @@ def _local_bytes(tensors) -> int:
 
 def _run_measured(argv):
     """Run, and return the result with this rank's bytes of parameters (all, and those split
-    over TP) and of optimizer state."""
+    over TP) and of optimizer state; under HSDP also the params norm and the norm of the
+    gathered full parameters."""
+    import torch
+
     from megadlms.distributed import unwrap_model
     from megadlms.parallel.sharding import sharding_of
     from megadlms.pretrain import run
     from megadlms.training import train
+    from megadlms.training.validation import params_norm
 
     real, seen = train.train_step, {}
 
@@ -51,11 +55,15 @@ def _run_measured(argv):
         train.train_step = real
     params = list(unwrap_model(seen["model"]).parameters())
     states = [t for st in seen["optimizer"].inner.state.values() for t in st.values()]
-    return res, {
+    out = {
         "params": _local_bytes(params),
         "tp_split": _local_bytes(p for p in params if sharding_of(p).tp_dim is not None),
         "optimizer": _local_bytes(states),
     }
+    if "--num-distributed-optimizer-instances" in argv:  # HSDP: replicas must count once
+        out["params_norm"] = params_norm(seen["model"], torch.device("cpu"), seen["model"].parallel)
+        out["full_norm"] = sum(p.full_tensor().double().square().sum().item() for p in params) ** 0.5
+    return res, out
 
 
 def _four_rank_world(rank, world, tmp):
@@ -136,3 +144,5 @@ def test_state_per_rank_is_ddps_over_the_shards(worlds):
         assert fsdp["optimizer"] == 2 * fsdp["params"]
         for key in ("params", "optimizer"):  # HSDP: 2 shards x 2 replicas
             assert hsdp[key] * 2 == ddp[key], (r, key)
+        # the params norm counts each HSDP replica once (sharding.counts_once)
+        assert hsdp["params_norm"] == pytest.approx(hsdp["full_norm"], rel=1e-12)

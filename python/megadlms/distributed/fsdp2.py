@@ -201,7 +201,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         self.mixed_precision = mixed_precision
 
         device = self._module_device(module)
-        grid = fsdp2_grid(parallel, process_group, device.type)
+        grid = fsdp2_grid(parallel, process_group, device.type, cfg.num_distributed_optimizer_instances)
         self.process_group = grid.dp_group
         self.parallel = grid.parallel  # None for plain data parallelism (the optimizer's grid)
         backend = dist.get_backend(self.process_group)

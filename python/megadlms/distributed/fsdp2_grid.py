@@ -50,10 +50,20 @@ def _uses_grid(parallel) -> bool:
     return parallel is not None and (parallel.tp.size > 1 or parallel.num_distributed_optimizer_instances > 1)
 
 
-def fsdp2_grid(parallel, process_group, device_type: str) -> Fsdp2Grid:
+def fsdp2_grid(parallel, process_group, device_type: str, instances: int = 1) -> Fsdp2Grid:
     """The mesh and groups for FSDP2 over ``parallel`` (a ``ParallelGroups``), or over
-    ``process_group`` alone (plain data parallelism, as before tensor parallelism existed)."""
+    ``process_group`` alone (plain data parallelism, as before tensor parallelism existed).
+    ``instances``: the config's ``num_distributed_optimizer_instances``, which must be the
+    groups' (HSDP's replica groups are their instances)."""
     from torch.distributed.device_mesh import DeviceMesh
+
+    built = parallel.num_distributed_optimizer_instances if parallel is not None else 1
+    if instances != built:
+        raise ValueError(
+            f"FSDP2: num_distributed_optimizer_instances is {instances} in the config but {built} in "
+            "parallel: pass parallel=ParallelGroups.build(..., num_distributed_optimizer_instances=N) "
+            "with the config's N"
+        )
 
     if not _uses_grid(parallel):
         group = process_group if process_group is not None else dist.group.WORLD
