@@ -6,7 +6,7 @@ global batch gives the same loss curve and grad norm (fp32, dropout 0, within 1e
 FSDP2 at (dp2 x tp2) with --sequence-parallel (iterations 1-3) and without (4-5), under HSDP
 (2 replicas x 2 shards, iteration 4) and DDP. The runs chain through checkpoints, so the same
 curves check resharding: FSDP2 tp2 x dp2 -> DDP tp1 dp4 / HSDP dp4 / one process, DDP tp1 ->
-FSDP2 tp2, HSDP -> one process. Per-rank
+FSDP2 tp2, HSDP -> FSDP2 dp4 / one process. Per-rank
 model and optimizer state are measured from the local shards against DDP's. One pooled
 4-rank job and one 1-rank job do all of it.
 """
@@ -80,6 +80,7 @@ def _four_rank_world(rank, world, tmp):
     out["f_to_ddp"] = run(TINY + TP1 + load("f"))
     # resumes from f for one iteration and writes it (iteration 4) under h
     out["f_to_hsdp"], out["bytes_hsdp"] = _run_measured(TP1 + HSDP + load("f") + ckpt("h", exit_at=4))
+    out["h_to_fsdp_dp4"] = run(TINY + TP1 + FSDP + load("h"))
     out["ddp"], out["bytes_ddp"] = _run_measured(TP1 + ckpt("d"))
     out["d_to_fsdp_tp2"] = run(TINY + TP2 + FSDP + load("d"))
     return out
@@ -122,6 +123,7 @@ def test_curves_and_resharding_match_one_process(worlds):
         assert four[0][name].evals[5] == pytest.approx(ref.evals[5], rel=REL), name
     assert four[0]["f_to_hsdp"].iteration == 4
     _assert_curve(four[0]["f_to_hsdp"], ref, [4])
+    _assert_curve(four[0]["h_to_fsdp_dp4"], ref, [5])
     _assert_curve(one["f_to_single"], ref, resumed)
     _assert_curve(one["h_to_single"], ref, [5])
     for r in range(1, 4):  # the loss is reduced once, so every rank reports the same curve
