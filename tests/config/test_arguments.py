@@ -138,12 +138,19 @@ FSDP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
 # (id, extra flags that break a rule, world size, substrings the message must contain,
 #  valid neighbour flags: same intent, fixed)
 RULES = [
-    (
-        "fsdp2_tp",
-        FSDP + ["--tensor-model-parallel-size", "2"],
+    (  # FSDP2 composes with TP (+SP) and, through the instances, hybrid sharding
+        "instances_without_sharding",
+        ["--num-distributed-optimizer-instances", "2"],
         4,
-        ["--use-torch-fsdp2 requires --tensor-model-parallel-size 1"],
-        FSDP,
+        ["needs --use-distributed-optimizer", "or --use-torch-fsdp2 (hybrid sharding)"],
+        FSDP
+        + [
+            "--num-distributed-optimizer-instances",
+            "2",
+            "--tensor-model-parallel-size",
+            "2",
+            "--sequence-parallel",
+        ],
     ),
     (
         "fsdp2_pp",

@@ -135,10 +135,13 @@ def gather_for_save(
     if tp_size(tp_group) == 1 and group_size(ep_group) == 1:
         return
     for i, (key, (group, dim, blocks)) in enumerate(list(_to_gather(tensors, params, tp_group, ep_group))):
-        if hasattr(tensors[key], "to_local"):
-            raise ValueError(f"tensor-parallel checkpoint: {key} is a DTensor; FSDP2 runs with tp = 1 only")
+        local = tensors[key].detach()
+        if hasattr(local, "full_tensor"):
+            # FSDP2 over TP: the DTensor is this TP rank's shard, split over dp; whole it first
+            # (a collective over dp, in the same sorted key order on every rank).
+            local = local.full_tensor()
         # Every rank of the group gathers every key, owner or not: a skipped gather would deadlock.
-        full = gather_full(tensors[key].detach(), group, dim, blocks)
+        full = gather_full(local, group, dim, blocks)
         # Dropping the full tensor on non-owners right away bounds the memory to ~1/world of them.
         if owner(i):
             tensors[key] = full.cpu()
@@ -179,5 +182,16 @@ def read_resharded(
             read(batch)
             with torch.no_grad():
                 for k, full in batch.items():
-                    reads[k][0].copy_(_local_from_full(full, reads[k][1], tp_group, ep_group))
+                    _copy_into(reads[k][0], _local_from_full(full, reads[k][1], tp_group, ep_group))
             batch, size = {}, 0
+
+
+def _copy_into(dst: torch.Tensor, local: torch.Tensor) -> None:
+    """``dst`` := ``local`` (this rank's TP shard); an FSDP2 DTensor ``dst`` takes its own
+    piece of it, cut as FSDP2 cuts (every rank holds ``local``: no scatter)."""
+    if hasattr(dst, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+
+        local = distribute_tensor(local.to(dst.dtype), dst.device_mesh, dst.placements, src_data_rank=None)
+        dst, local = dst.to_local(), local.to_local()
+    dst.copy_(local)

@@ -140,6 +140,7 @@ def _ddp_config(args) -> DistributedDataParallelConfig:
         # the trainer divides the loss by the step's global loss-token count: sum-mode reduction
         calculate_per_token_loss=not args.ddp_average_in_collective,
         num_distributed_optimizer_instances=args.num_distributed_optimizer_instances,
+        use_torch_fsdp2=bool(args.use_torch_fsdp2),
     )
 
 

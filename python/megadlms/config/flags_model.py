@@ -338,7 +338,8 @@ def _data_parallel_flags(g):
         g,
         "--use-torch-fsdp2",
         action="store_true",
-        help="Shard params, grads and optimizer state with PyTorch FSDP2 instead of DDP.",
+        help="Shard params, grads and optimizer state with PyTorch FSDP2 instead of DDP (over dp; "
+        "with --tensor-model-parallel-size each TP rank's shards are sharded again over dp).",
     )
     add_flag(
         g,
@@ -359,7 +360,9 @@ def _data_parallel_flags(g):
         type=int,
         default=1,
         help="Distributed-optimizer instances: state sharded within each of N groups of dp/N ranks, "
-        "gradients all-reduced across them (Megatron; MegaDLMs passes the node count).",
+        "gradients all-reduced across them (Megatron; MegaDLMs passes the node count). With "
+        "--use-torch-fsdp2: hybrid sharding (HSDP), FSDP2 shards within each group and replicates "
+        "across them (Megatron-FSDP's DP-outer size).",
     )
     add_flag(
         g,

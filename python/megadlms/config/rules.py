@@ -92,10 +92,12 @@ def _megadlms_problems(args) -> List[str]:
 
 
 def _fsdp2_problems(args, ddp, optimizer) -> List[str]:
-    """Megatron's rules for --use-torch-fsdp2, each with its fix."""
+    """Megatron's rules for --use-torch-fsdp2, each with its fix. Tensor (and sequence)
+    parallelism compose with it (FSDP2 shards each TP rank's local parameters over dp:
+    distributed/fsdp2_grid.py), as does --num-distributed-optimizer-instances (HSDP);
+    MegaDLMs requires tp 1 here."""
     out = []
     for flag, value in (
-        ("--tensor-model-parallel-size", args.tensor_model_parallel_size),
         ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
         ("--expert-model-parallel-size", args.expert_model_parallel_size),
     ):

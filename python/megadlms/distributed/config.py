@@ -43,7 +43,12 @@ class DistributedDataParallelConfig:
     reduce-scattered within an instance and the shard all-reduced across instances; the
     optimizer state is sharded within an instance (dp / N shards instead of dp), the
     parameters are all-gathered within it. Must divide the data-parallel size (checked by
-    the wrapper / ParallelGroups.build) and needs use_distributed_optimizer when > 1."""
+    the wrapper / ParallelGroups.build) and needs use_distributed_optimizer when > 1, or
+    use_torch_fsdp2: FSDP2 then shards within an instance and replicates across them (HSDP,
+    Megatron-FSDP's DP-outer size)."""
+    use_torch_fsdp2: bool = False
+    """The model is wrapped by TorchFullyShardedDataParallel (set by the trainer from
+    --use-torch-fsdp2); only read by the instances rule above."""
 
     def __post_init__(self) -> None:
         bad = Problems("DistributedDataParallelConfig")
@@ -71,8 +76,9 @@ class DistributedDataParallelConfig:
             f"num_distributed_optimizer_instances must be a positive integer, got {n!r}",
         ):
             bad.check(
-                n == 1 or self.use_distributed_optimizer,
+                n == 1 or self.use_distributed_optimizer or self.use_torch_fsdp2,
                 f"num_distributed_optimizer_instances {n} > 1 needs use_distributed_optimizer "
-                "(instances shard the distributed optimizer's state): enable it or use 1",
+                "(instances shard the distributed optimizer's state) or use_torch_fsdp2 (hybrid "
+                "sharding): enable one or use 1",
             )
         bad.raise_if_any()

@@ -37,6 +37,7 @@ import megadlm_ext as ext
 from .comm import build_communicator
 from .config import DistributedDataParallelConfig
 from .finalize import fsdp2_reduction
+from .fsdp2_grid import TensorParallelGradSum, fsdp2_grid
 from .fsdp2_units import UnitSpec, select_fsdp_units
 from .nan_check import flagged_ranks
 from .wrappers import model_wrapper
@@ -147,6 +148,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             is honoured in :meth:`finish_grad_sync`; ``grad_reduce_in_fp32`` picks the reduce
             dtype when ``mixed_precision`` is not given.
         process_group: data-parallel group (default: WORLD); the 1-D device mesh comes from it.
+        parallel: the run's ``ParallelGroups``. With tensor parallelism (tp > 1) FSDP2 shards
+            each TP rank's local parameters over the mesh's dp dimension; with
+            ``num_distributed_optimizer_instances`` N > 1 it shards within each of N groups
+            of dp/N ranks and replicates across them (HSDP). See ``fsdp2_grid``.
         mixed_precision: a ``MixedPrecisionPolicy`` or None (fp32). See
             :func:`mixed_precision_policy`.
         fsdp_unit_modules: classes or class names to shard as units (see :func:`select_fsdp_units`).
@@ -166,10 +171,10 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         fsdp_unit_modules: Optional[Iterable[UnitSpec]] = None,
         reshard_after_forward: bool = True,
         sync_module_states: bool = True,
+        parallel=None,
     ) -> None:
         require_fsdp2_torch()
         super().__init__()
-        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         if not dist.is_available() or not dist.is_initialized():
@@ -193,18 +198,19 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             # meaning for models whose params are not fp32.
             mixed_precision = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         self.ddp_config = cfg
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
         self.mixed_precision = mixed_precision
 
         device = self._module_device(module)
+        grid = fsdp2_grid(parallel, process_group, device.type, cfg.num_distributed_optimizer_instances)
+        self.process_group = grid.dp_group
+        self.parallel = grid.parallel  # None for plain data parallelism (the optimizer's grid)
         backend = dist.get_backend(self.process_group)
         if device.type == "cpu" and backend == "nccl":
             raise RuntimeError(
                 "FSDP2 with the nccl backend needs the model on CUDA: move it with "
                 ".cuda() before wrapping, or use distributed_backend gloo on CPU"
             )
-        # From the given group rather than init_device_mesh: a dp subgroup of a larger world works.
-        self.mesh = DeviceMesh.from_group(self.process_group, device.type)
+        self.mesh = grid.mesh
 
         if sync_module_states and dist.get_world_size(self.process_group) > 1:
             # Before sharding: afterwards each rank holds a different slice and there are no replicas
@@ -213,7 +219,13 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
 
         self._shard(module, fsdp_unit_modules, reshard_after_forward)
         self.comm = build_communicator("torch", self.process_group)
-        self.shard_comm = self.comm  # parameters and optimizer state are sharded over all of dp
+        # Parameters and optimizer state are sharded over all of dp, or within an HSDP instance.
+        self.shard_comm = (
+            self.comm if grid.shard_group is grid.dp_group else build_communicator("torch", grid.shard_group)
+        )
+        self._tp_grad_sum = TensorParallelGradSum(module, grid.tp_group)
+        # A NaN seen on one TP rank must stop its TP peers too, whose dp groups never saw it.
+        self._nan_comm = self.comm if grid.tp_group is None else build_communicator("torch", dist.group.WORLD)
         # After _shard: the divide-factor and force-sum setters exist only on sharded modules.
         self._set_reduction(module, cfg, backend)
 
@@ -287,7 +299,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ DataParallel protocol
     optimizer_layout = "dtensor"
     grad_buckets: list = []
-    parallel = None  # plain data parallelism: FSDP2 with tensor parallelism is rejected upstream
+    parallel = None  # set in __init__: the ParallelGroups under tp > 1 or HSDP
 
     @property
     def chunks(self) -> List[TorchFullyShardedDataParallel]:
@@ -335,13 +347,15 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         FSDP2's root post-backward callback already waited for the reduce-scatters, so
         ``param.grad`` holds each rank's shard of the averaged gradient. Here: the
         issue-162338 correction when the backend summed and FSDP2 cannot be told to
-        divide, and the NaN/Inf check when ``check_for_nan_in_grad`` is set.
+        divide, the sum over TP of ``tp_partial_grad`` gradients (tensor parallelism), and
+        the NaN/Inf check when ``check_for_nan_in_grad`` is set.
         """
         params = self._params_with_grad()
         # The local shards (plain tensors), so the fused ext kernels scale and scan them in place.
         local = [self._local(p.grad) for p in params]
         if self._grad_post_scale != 1.0:
             ext.scale_(local, self._grad_post_scale)
+        self._tp_grad_sum()
         if self.ddp_config.check_for_nan_in_grad:
             self._agree_on_nan(local)
 
@@ -350,7 +364,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         so no rank runs on into a collective the others never join."""
         bad = bool(local) and ext.has_nonfinite(local)
         # On the mesh's device type: NCCL reduces CUDA tensors only.
-        ranks = flagged_ranks(self.comm, float(bad), self.mesh.device_type)
+        ranks = flagged_ranks(self._nan_comm, float(bad), self.mesh.device_type)
         if not ranks:
             return
         names = [
@@ -361,7 +375,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         here = f"this rank's shards of {names}" if bad else "this rank's shards are finite"
         raise RuntimeError(
             f"check_for_nan_in_grad: NaN/Inf in reduced FSDP2 gradient shards on rank(s) {ranks}; every "
-            f"rank stops. rank {self.comm.rank}: {here}"
+            f"rank stops. rank {self._nan_comm.rank}: {here}"
         )
 
     def scale_gradients(self, scaling_factor: float) -> None:

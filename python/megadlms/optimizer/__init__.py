@@ -70,7 +70,7 @@ def get_optimizer(config: OptimizerConfig, model) -> MixedPrecisionOptimizer:
         problems = dtensor_problems(config)
         if problems:
             raise ValueError(problems[0])
-        return MixedPrecisionOptimizer(config, DTensorLayout(names, wrapper.comm))
+        return MixedPrecisionOptimizer(config, DTensorLayout(names, wrapper.shard_comm, grid))
     if sharded:
         layout = ShardedBufferLayout(wrapper, names, grid, main_in_model=master_in_state)
         return MixedPrecisionOptimizer(config, layout, wrapper=wrapper)

@@ -151,8 +151,16 @@ class DTensorLayout:
 
     sharded = True
 
-    def __init__(self, named_params: Dict[torch.nn.Parameter, str], comm) -> None:
-        self.comm = comm  # the wrapper's data-parallel communicator
+    def __init__(
+        self, named_params: Dict[torch.nn.Parameter, str], comm, grid: Optional[GridReductions] = None
+    ) -> None:
+        # The wrapper's shard communicator: the ranks holding different pieces (dp, or one HSDP
+        # instance, whose replicas hold the same pieces and are left out of the norm's sum).
+        self.comm = comm
+        # Over a tensor-parallel grid: TP-replicated parameters count on TP rank 0 only, and the
+        # squared norm is summed over the model-parallel group as well (grid.py).
+        self.grid = grid if grid is not None else GridReductions(None)
+        self._in_norm: List[bool] = []
         self.entries = []
         for p, fqn in named_params.items():
             if p.dtype != torch.float32:
@@ -166,7 +174,9 @@ class DTensorLayout:
         return [(e.fqn, e.param) for e in self.entries]
 
     def collect_grads(self) -> List[torch.Tensor]:
-        return [e.param.grad for e in self.entries if e.param.grad is not None]
+        with_grad = [e for e in self.entries if e.param.grad is not None]
+        self._in_norm = [self.grid.counts_in_norm(e.param) for e in with_grad]
+        return [e.param.grad for e in with_grad]
 
     @staticmethod
     def _is_sharded(t) -> bool:
@@ -176,21 +186,20 @@ class DTensorLayout:
         """Local shards for the norm (replicated tensors counted on rank 0 only) and for clipping."""
         rank0 = self.comm.rank == 0
         norm, clip = [], []
-        for g in grads:
+        for g, counts in zip(grads, self._in_norm):
             local = g.to_local() if hasattr(g, "to_local") else g
             if not local.is_contiguous():
                 raise RuntimeError("FSDP2 gradient shard is not contiguous; cannot clip it in place")
             clip.append(local)
             # A Replicate placement has the same values on every rank: counted on rank 0 only, or
             # the summed square would count it dp times.
-            if not hasattr(g, "to_local") or self._is_sharded(g) or rank0:
+            if counts and (not hasattr(g, "to_local") or self._is_sharded(g) or rank0):
                 norm.append(local)
         return norm, clip
 
     def all_reduce_sum(self):
-        if self.comm.world_size == 1:
-            return None
-        return lambda t: self.comm.all_reduce(t, "sum")
+        shard_sum = None if self.comm.world_size == 1 else (lambda t: self.comm.all_reduce(t, "sum"))
+        return self.grid.norm_sum(shard_sum)
 
     def any_rank(self, flag: bool) -> bool:
         return flag  # fp16 is rejected for FSDP2; the norm is already global

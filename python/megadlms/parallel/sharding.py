@@ -93,17 +93,21 @@ def counts_once(
     """Whether this rank's local ``param`` (or its gradient) counts in a sum over ranks that must
     count every element of the full model once (grad norm, params norm, parameter count).
 
-    An FSDP2 DTensor's local piece is a different part on every rank: it counts. A tied copy
-    never (the first stage's embedding counts). A TP-replicated tensor counts on TP rank 0
-    only. ``dp_rank`` / ``expert_dp_rank`` given: the sum also runs over data-parallel
-    replicas, so the tensor counts only on the first rank of the group it is replicated over
-    (expert_dp for expert parameters, dp for the others). Omit them when the sum does not run
-    over replicas or every dp rank holds a different shard (the distributed optimizer)."""
-    if hasattr(param, "to_local"):
-        return True
+    A tied copy never counts (the first stage's embedding counts). A TP-replicated tensor
+    counts on TP rank 0 only. ``dp_rank`` / ``expert_dp_rank`` given: the sum also runs over
+    data-parallel replicas, so the tensor counts only on the first rank of the group it is
+    replicated over (expert_dp for expert parameters, dp for the others). Omit them when the
+    sum does not run over replicas or every dp rank holds a different shard (the distributed
+    optimizer). An FSDP2 DTensor's local piece is a different part on every rank of its
+    Shard mesh dims; over replicas it counts only at coordinate 0 of its Replicate dims (HSDP)."""
     sharding = sharding_of(param)
     if sharding.tied_copy or (sharding.tp_dim is None and tp_rank != 0):
         return False
+    if hasattr(param, "to_local"):
+        if dp_rank is None:
+            return True
+        coord = param.device_mesh.get_coordinate()
+        return all(c == 0 for c, pl in zip(coord, param.placements) if pl.is_replicate())
     if dp_rank is None:
         return True
     return (expert_dp_rank if sharding.expert_dim is not None else dp_rank) == 0
