@@ -13,6 +13,7 @@ import torch
 
 from megadlms.checkpoint import RunRecords, save_checkpoint
 from megadlms.checkpoint.convert import ConvertedCheckpoint, convert_checkpoint
+from megadlms.config import CheckpointConfig
 from megadlms.data import TokenizerConfig
 from megadlms.diffusion import generate
 from megadlms.hf.export import export_hf
@@ -184,7 +185,7 @@ def test_vocab_unpadded_and_one_precision(tmp_path, rope_swiglu_ckpt, rope_swigl
     bf16 = {k: v.to(torch.bfloat16) for k, v in main.items()}
     _save(tmp_path / "bf16", cfg, bf16, optimizer=ConvertedCheckpoint(optim))
     conf = types.SimpleNamespace(
-        checkpoint=types.SimpleNamespace(
+        checkpoint=CheckpointConfig(
             load=str(tmp_path / "bf16"),
             ckpt_convert_save=str(tmp_path / "conv"),
             ckpt_convert_format="torch",
