@@ -53,6 +53,80 @@ def add_gumbel_noise(
     return logits.exp() / (-torch.log(u)) ** temperature
 
 
+def _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale) -> None:
+    """The argument rules of :func:`generate`, each a ValueError naming the argument."""
+    if prompt.dim() != 2:
+        raise ValueError(f"prompt must be int64 [batch, length], got shape {tuple(prompt.shape)}")
+    if gen_length <= 0 or block_length <= 0 or steps <= 0:
+        raise ValueError(
+            f"gen_length ({gen_length}), block_length ({block_length}) and steps ({steps}) must be positive"
+        )
+    if gen_length % block_length:
+        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    if steps % (gen_length // block_length):
+        raise ValueError(
+            f"steps ({steps}) must be a multiple of the number of blocks "
+            f"gen_length/block_length = {gen_length // block_length}"
+        )
+    if remasking not in REMASKING:
+        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
+    if temperature < 0 or cfg_scale < 0:
+        raise ValueError(f"temperature ({temperature}) and cfg_scale ({cfg_scale}) must be >= 0")
+
+
+def _denoise_step(
+    model,
+    x,
+    prompt_index,
+    end,
+    num_transfer,
+    mask_token_id,
+    temperature,
+    remasking,
+    cfg_scale,
+    generator,
+    vocab_size,
+) -> torch.Tensor:
+    """One denoising step: predict every position, commit the ``num_transfer`` [b] most
+    confident masked positions of the current block (those before ``end``)."""
+    mask_index = x == mask_token_id
+    if cfg_scale > 0:
+        uncond = x.clone()
+        uncond[prompt_index] = mask_token_id
+        cond_logits, uncond_logits = model(torch.cat([x, uncond])).chunk(2)
+        logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
+    else:
+        logits = model(x)
+    if vocab_size is not None:
+        logits = logits[..., :vocab_size]
+    if not 0 <= mask_token_id < logits.shape[-1]:
+        raise ValueError(
+            f"mask_token_id {mask_token_id} is outside the model's vocabulary of {logits.shape[-1]}"
+        )
+    # [MASK] is excluded from the draw only; confidence is LLaDA's p(x0) from the
+    # unmodified logits (not renormalised over the non-[MASK] tokens).
+    draw_logits = logits.clone()
+    draw_logits[..., mask_token_id] = float("-inf")
+    x0 = add_gumbel_noise(draw_logits, temperature, generator).argmax(dim=-1)
+    if remasking == "low_confidence":
+        probs = F.softmax(logits, dim=-1)
+        conf = probs.gather(-1, x0[..., None]).squeeze(-1).to(torch.float64)
+    else:
+        conf = torch.rand(x0.shape, dtype=torch.float64, device=x.device, generator=generator)
+    conf[:, end:] = float("-inf")  # later blocks wait their turn
+    # Positions not masked (prompt, committed) keep their value in x0 and get -inf confidence, so
+    # even a topk that reaches them changes nothing.
+    x0 = torch.where(mask_index, x0, x)
+    conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
+    transfer = torch.zeros_like(mask_index)
+    k_per_row = num_transfer.tolist()
+    # topk row by row: rows may commit different k (their blocks held different numbers of masks).
+    for j, k in enumerate(k_per_row):
+        if k > 0:
+            transfer[j, torch.topk(conf[j], k).indices] = True
+    return torch.where(transfer, x0, x)
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -77,24 +151,8 @@ def generate(
     training flag restored afterwards. ``vocab_size``: logits past it (Megatron's padding
     rows, never tokens) are dropped, as the Hugging Face export drops those rows.
     """
-    if prompt.dim() != 2:
-        raise ValueError(f"prompt must be int64 [batch, length], got shape {tuple(prompt.shape)}")
-    if gen_length <= 0 or block_length <= 0 or steps <= 0:
-        raise ValueError(
-            f"gen_length ({gen_length}), block_length ({block_length}) and steps ({steps}) must be positive"
-        )
-    if gen_length % block_length:
-        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
+    _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
     num_blocks = gen_length // block_length
-    if steps % num_blocks:
-        raise ValueError(
-            f"steps ({steps}) must be a multiple of the number of blocks "
-            f"gen_length/block_length = {num_blocks}"
-        )
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
-    if temperature < 0 or cfg_scale < 0:
-        raise ValueError(f"temperature ({temperature}) and cfg_scale ({cfg_scale}) must be >= 0")
     # ``model`` is the plain model (unwrap wrappers with megadlms.distributed.unwrap_model);
     # a model without a config is still checked against its logits below.
     model_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
@@ -118,43 +176,10 @@ def generate(
             start, end = P + block * block_length, P + (block + 1) * block_length
             num_transfer = get_num_transfer_tokens(x[:, start:end] == mask_token_id, steps_per_block)
             for step in range(steps_per_block):
-                mask_index = x == mask_token_id
-                if cfg_scale > 0:
-                    uncond = x.clone()
-                    uncond[prompt_index] = mask_token_id
-                    cond_logits, uncond_logits = model(torch.cat([x, uncond])).chunk(2)
-                    logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
-                else:
-                    logits = model(x)
-                if vocab_size is not None:
-                    logits = logits[..., :vocab_size]
-                if not 0 <= mask_token_id < logits.shape[-1]:
-                    raise ValueError(
-                        f"mask_token_id {mask_token_id} is outside "
-                        f"the model's vocabulary of {logits.shape[-1]}"
-                    )
-                # [MASK] is excluded from the draw only; confidence is LLaDA's p(x0) from the
-                # unmodified logits (not renormalised over the non-[MASK] tokens).
-                draw_logits = logits.clone()
-                draw_logits[..., mask_token_id] = float("-inf")
-                x0 = add_gumbel_noise(draw_logits, temperature, generator).argmax(dim=-1)
-                if remasking == "low_confidence":
-                    probs = F.softmax(logits, dim=-1)
-                    conf = probs.gather(-1, x0[..., None]).squeeze(-1).to(torch.float64)
-                else:
-                    conf = torch.rand(x0.shape, dtype=torch.float64, device=device, generator=generator)
-                conf[:, end:] = float("-inf")  # later blocks wait their turn
-                # Positions not masked (prompt, committed) keep their value in x0 and get -inf confidence, so
-                # even a topk that reaches them changes nothing.
-                x0 = torch.where(mask_index, x0, x)
-                conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
-                transfer = torch.zeros_like(mask_index)
-                k_per_row = num_transfer[:, step].tolist()
-                # topk row by row: rows may commit different k (their blocks held different numbers of masks).
-                for j, k in enumerate(k_per_row):
-                    if k > 0:
-                        transfer[j, torch.topk(conf[j], k).indices] = True
-                x = torch.where(transfer, x0, x)
+                x = _denoise_step(
+                    model, x, prompt_index, end, num_transfer[:, step], mask_token_id, temperature,
+                    remasking, cfg_scale, generator, vocab_size,
+                )  # fmt: skip
     finally:
         model.train(was_training)
     return x
