@@ -1,5 +1,7 @@
 """Faults under the real launcher: ``torchrun`` (its default settings, ``--standalone``) on
-2 CPU ranks, a tiny model, faults injected by ``fault_launcher.py``.
+2 CPU ranks, a tiny model, faults injected by ``fault_launcher.py``. Where an assertion is
+about the trainer and not the launcher (the SIGTERM to one rank, the auto-resume), the run
+uses 2 pooled ranks instead of a launch.
 
 The reference of every interrupted run is an uninterrupted run of the same flags on 2 gloo
 ranks: its metrics JSONL. The interrupted run's JSONL keeps appending across restarts; every
