@@ -3,7 +3,9 @@
     MEGADLMS_TEST_FAULT='{"kind": "kill", "rank": 1, "iteration": 7, "attempt": 0}' \\
         torchrun --max-restarts 1 ... tests/training/fault_launcher.py <pretrain flags>
 
-kinds (``iteration`` is the 1-based step the fault hits; only in restart ``attempt``):
+kinds (``iteration`` is the 1-based step the fault hits; only in restart ``attempt``, default 0;
+a JSON list of such faults injects each in its own attempt, so one launch with
+``--max-restarts N`` serves N faults):
 
 * ``kill``: SIGKILL this rank at the start of that step (mid-step for its peers);
 * ``kill_in_save``: SIGKILL this rank inside the save at the end of that step, after its
@@ -91,7 +93,9 @@ def main() -> int:
             f.write(str(os.getpid()))
         os.replace(path + ".tmp", path)
     if os.environ.get("MEGADLMS_TEST_FAULT"):
-        _install(json.loads(os.environ["MEGADLMS_TEST_FAULT"]))
+        faults = json.loads(os.environ["MEGADLMS_TEST_FAULT"])
+        for fault in faults if isinstance(faults, list) else [faults]:
+            _install(fault)  # a no-op unless it names this rank and restart attempt
     from megadlms.pretrain import main as pretrain_main
 
     return pretrain_main(sys.argv[1:])

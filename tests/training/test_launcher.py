@@ -192,18 +192,32 @@ _TINY_MODEL_AND_DATA = (
 ).split()
 
 
+def _seed_ddp_tp2_rank(rank, world, argv, cwd):
+    """pretrain_difflm.py's entry (megadlms.pretrain.main) on one pooled rank; rank 0's log."""
+    import contextlib
+    import io
+
+    from megadlms.pretrain import main
+
+    out = io.StringIO()
+    os.chdir(cwd)  # where the torchrun launch ran: the test's own directory
+    with contextlib.redirect_stdout(out):  # setup_logging binds its handler to sys.stdout
+        rc = main(argv)
+    return rc, out.getvalue()
+
+
 def test_torchrun_seed_ddp_tp2_command_on_8_ranks(tmp_path):
-    """``torchrun --nnodes=1 --nproc_per_node=8 pretrain_difflm.py ... --tensor-model-parallel-size=2
-    ... --data-parallel-size=4`` trains with DistributedDataParallel at tp2 x dp4."""
-    env = dict(
-        os.environ,
-        OMP_NUM_THREADS="1",
-        PYTHONPATH=os.pathsep.join([os.path.join(ROOT, "python"), ROOT, os.environ.get("PYTHONPATH", "")]),
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc_per_node=8"]
-    cmd += [os.path.join(ROOT, "pretrain_difflm.py")] + SEED_DDP_TP2 + _TINY_MODEL_AND_DATA
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = proc.stdout
+    """The seed's ``torchrun --nnodes=1 --nproc_per_node=8 pretrain_difflm.py ...
+    --tensor-model-parallel-size=2 ... --data-parallel-size=4`` command trains with
+    DistributedDataParallel at tp2 x dp4. Its flags run through pretrain_difflm.py's entry
+    point on 8 pooled gloo ranks: what torchrun itself adds (rendezvous, env, rank processes)
+    is tested by test_torchrun_fsdp2_seed_command_then_generate's real launch, so this case
+    does not pay for 8 fresh interpreters."""
+    from tests.dist_utils import run_distributed
+
+    argv = SEED_DDP_TP2 + _TINY_MODEL_AND_DATA
+    results = run_distributed(_seed_ddp_tp2_rank, 8, args=(argv, str(tmp_path)), timeout=600)
+    assert [rc for rc, _ in results] == [0] * 8, results[0][1][-3000:]
+    out = results[0][1]
     assert "DistributedDataParallel | 8 rank(s) = tp2 x dp4, gloo" in out
     assert " iteration        2/       2 |" in out and "tp2 x dp4," in out and "params/rank" in out

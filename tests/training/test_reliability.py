@@ -1,5 +1,7 @@
 """Faults under the real launcher: ``torchrun`` (its default settings, ``--standalone``) on
-2 CPU ranks, a tiny model, faults injected by ``fault_launcher.py``.
+2 CPU ranks, a tiny model, faults injected by ``fault_launcher.py``. Where an assertion is
+about the trainer and not the launcher (the SIGTERM to one rank, the auto-resume), the run
+uses 2 pooled ranks instead of a launch.
 
 The reference of every interrupted run is an uninterrupted run of the same flags on 2 gloo
 ranks: its metrics JSONL. The interrupted run's JSONL keeps appending across restarts; every
@@ -91,43 +93,81 @@ def reference(tmp_path_factory):
     return curve
 
 
-def _check_resumed(tmp, name, reference, log, died_after, resume_from):
-    """The JSONL holds iterations 1..died_after, then resume_from+1..12, each equal to the reference."""
-    records = _curve(tmp / f"{name}.jsonl")
-    its = [r["iteration"] for r in records]
-    assert its == list(range(1, died_after + 1)) + list(range(resume_from + 1, 13)), its
-    for r in records:
-        assert r["lm_loss"] == reference[r["iteration"]], r  # bitwise
-    assert f"loaded {tmp / name}/iter_{resume_from:07d}" in log
-    assert (tmp / name / "latest_checkpointed_iteration.txt").read_text() == "12"
-
-
-SIGKILLS = {
-    # rank 1 at the start of step 7: its peer is inside the step's first collective
-    "step": ({"kind": "kill", "rank": 1, "iteration": 7}, [], 6),
-    # rank 1 inside the save of iteration 8, after writing its tensor files
-    "save": ({"kind": "kill_in_save", "rank": 1, "iteration": 8}, [], 8),
+# One launch per run of flags; each fault hits its own restart attempt (fault_launcher.py).
+SIGKILL_LAUNCHES = {
+    "step_save": (
+        [
+            # attempt 0, rank 1 at the start of step 7: its peer is inside the step's first collective
+            {"kind": "kill", "rank": 1, "iteration": 7, "attempt": 0},
+            # attempt 1 (resumed from 4), rank 1 inside the save of iteration 8, after writing
+            # its tensor files
+            {"kind": "kill_in_save", "rank": 1, "iteration": 8, "attempt": 1},
+        ],
+        [],
+    ),
     # --async-save: rank 0 while it finishes the background save of iteration 8 (common.json)
-    "async": ({"kind": "kill_in_save", "rank": 0, "iteration": 8}, ["--async-save"], None),
+    "async": ([{"kind": "kill_in_save", "rank": 0, "iteration": 8, "attempt": 0}], ["--async-save"]),
 }
+# case: (launch, the attempt its fault kills, the last iteration logged before it; None: 8..12)
+SIGKILLS = {"step": ("step_save", 0, 6), "save": ("step_save", 1, 8), "async": ("async", 0, None)}
+
+
+@pytest.fixture(scope="module")
+def sigkill_launch(tmp_path_factory):
+    """launch name -> (tmp, return code, log) of its torchrun run, started once per module."""
+    done = {}
+
+    def launch(name):
+        if name not in done:
+            tmp = tmp_path_factory.mktemp(name)
+            faults, extra = SIGKILL_LAUNCHES[name]
+            # bounded per attempt: each restart re-imports both ranks (slow on a loaded machine)
+            argv, timeout = _dir_args(tmp, name) + extra, 110 + 100 * len(faults)
+            done[name] = (tmp, *_torchrun(tmp, name, argv, faults, len(faults), timeout))
+        return done[name]
+
+    return launch
+
+
+def _segments(records):
+    """The JSONL's iterations split at each restart (where the iteration goes back)."""
+    segs = [[]]
+    for r in records:
+        if segs[-1] and r["iteration"] <= segs[-1][-1]:
+            segs.append([])
+        segs[-1].append(r["iteration"])
+    return segs
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(480)
 @pytest.mark.parametrize("case", sorted(SIGKILLS))
-def test_sigkill_restart_resumes_bitwise(tmp_path, reference, case):
-    """torchrun --max-restarts 1 restarts the group after a SIGKILL; it resumes from iteration
-    4 (the last complete checkpoint: 8 never completed) and reproduces the reference bitwise."""
-    fault, extra, died_after = SIGKILLS[case]
-    rc, log = _torchrun(tmp_path, case, _dir_args(tmp_path, case) + extra, fault, restarts=1)
+def test_sigkill_restart_resumes_bitwise(reference, sigkill_launch, case):
+    """torchrun --max-restarts restarts the group after a SIGKILL; it resumes from iteration
+    4 (the last complete checkpoint: 8 never completed) and reproduces the reference bitwise.
+    The step and save kills share one launch (--max-restarts 2, one kill per attempt)."""
+    name, attempt, died_after = SIGKILLS[case]
+    faults, _ = SIGKILL_LAUNCHES[name]
+    tmp, rc, log = sigkill_launch(name)
     assert rc == 0, log[-4000:]
-    assert f"local_rank: {fault['rank']}" in log and "resuming from --save" in log
+    assert f"local_rank: {faults[attempt]['rank']}" in log and "resuming from --save" in log
+    records = _curve(tmp / f"{name}.jsonl")
+    segs = _segments(records)
+    assert len(segs) == len(faults) + 1, segs  # one restart per fault, then the run to the end
+    got = segs[attempt][-1]
     if died_after is None:  # async: the kill lands while training continues past iteration 8
-        records = _curve(tmp_path / f"{case}.jsonl")
-        its = [r["iteration"] for r in records]
-        died_after = next(its[i - 1] for i in range(1, len(its)) if its[i] <= its[i - 1])
-        assert 8 <= died_after <= 12, its
-    _check_resumed(tmp_path, case, reference, log, died_after=died_after, resume_from=4)
+        assert 8 <= got <= 12, segs
+    else:
+        assert got == died_after, segs
+    start = 1 if attempt == 0 else 5
+    assert segs[attempt] == list(range(start, got + 1)), segs
+    after = segs[attempt + 1]
+    assert after == list(range(5, after[-1] + 1)), segs  # resumed from 4: nothing before it lost
+    assert segs[-1][-1] == 12, segs
+    for r in records:
+        assert r["lm_loss"] == reference[r["iteration"]], r  # bitwise
+    assert log.count(f"loaded {tmp / name}/iter_{4:07d}") >= len(faults), log[-4000:]  # every restart
+    assert (tmp / name / "latest_checkpointed_iteration.txt").read_text() == "12"
 
 
 def _wait_for(predicate, timeout, what):
@@ -151,15 +191,39 @@ def _state(pid):
         return "gone"
 
 
+def _sigterm_world(rank, world, argv):
+    """The trainer with fault_launcher's SIGTERM to rank 1 at step 5 on a pooled rank; rank
+    0's log. The fault's monkeypatches are undone after the job (the slot serves others)."""
+    import contextlib
+    import io
+
+    from megadlms.checkpoint import checkpointer
+    from megadlms.pretrain import main
+    from megadlms.training import train
+    from tests.training import fault_launcher
+
+    real = train.train_step, checkpointer.save_checkpoint
+    fault_launcher._install({"kind": "sigterm", "rank": 1, "iteration": 5})
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):  # setup_logging binds its handler to sys.stdout
+            rc = main(FLAGS + argv)
+    finally:
+        train.train_step, checkpointer.save_checkpoint = real
+    return rc, out.getvalue()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_sigterm_to_one_rank_and_to_all_saves_and_exits_zero(tmp_path, reference):
-    """--exit-signal-handler under torchrun: a real SIGTERM to rank 1 only (during step 5),
-    then SIGTERM from outside to every rank (as SLURM does); each run saves at the next step
-    boundary and exits 0; a later run without --load resumes (auto-resume) to the end."""
+    """--exit-signal-handler: a real SIGTERM to rank 1 only (during step 5; 2 pooled ranks),
+    then under torchrun SIGTERM from outside to every rank (as SLURM does); each run saves at
+    the next step boundary and exits 0; a later run without --load (2 pooled ranks) resumes
+    (auto-resume) to the end."""
     argv = _dir_args(tmp_path, "one") + ["--exit-signal-handler"]
-    rc, log = _torchrun(tmp_path, "one", argv, {"kind": "sigterm", "rank": 1, "iteration": 5})
-    assert rc == 0, log[-4000:]
+    results = run_distributed(_sigterm_world, 2, (argv,), timeout=300)
+    assert [rc for rc, _ in results] == [0, 0], results[0][1][-4000:]
+    log = results[0][1]
     assert "exiting at iteration 5 (signal)" in log
     assert (tmp_path / "one" / "latest_checkpointed_iteration.txt").read_text() == "5"
 
@@ -179,9 +243,9 @@ def test_sigterm_to_one_rank_and_to_all_saves_and_exits_zero(tmp_path, reference
     stopped = int((tmp_path / "all" / "latest_checkpointed_iteration.txt").read_text())
     assert f"exiting at iteration {stopped} (signal)" in log and 3 <= stopped < 12
 
-    rc, log = _torchrun(tmp_path, "all2", ["--save", str(tmp_path / "all"), "--metrics-jsonl",
-                        str(tmp_path / "all.jsonl")])  # fmt: skip
-    assert rc == 0, log[-4000:]
+    # the resume is about the trainer, not the launcher: 2 pooled ranks, no third torchrun launch
+    argv = ["--save", str(tmp_path / "all"), "--metrics-jsonl", str(tmp_path / "all.jsonl")]
+    assert run_distributed(_reference_world, 2, (argv,), timeout=300) == [0, 0]
     records = _curve(tmp_path / "all.jsonl")
     assert [r["iteration"] for r in records] == list(range(1, 13))
     assert all(r["lm_loss"] == reference[r["iteration"]] for r in records)
