@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -232,7 +233,8 @@ def test_sigterm_to_one_rank_and_to_all_saves_and_exits_zero(tmp_path, reference
     with open(log_path, "w") as out:
         proc = subprocess.Popen(_cmd(argv), env=_env(tmp_path), stdout=out, stderr=subprocess.STDOUT)
         try:
-            _wait_for(lambda: "iter  3/12" in log_path.read_text(), 90, "iteration 3")
+            # the progress line of iteration 3, in Megatron's format ("iteration        3/      12 |")
+            _wait_for(lambda: re.search(r"iteration +3/ +12 \|", log_path.read_text()), 90, "iteration 3")
             for pid in _pids(tmp_path):
                 os.kill(pid, signal.SIGTERM)
             rc = proc.wait(timeout=90)
