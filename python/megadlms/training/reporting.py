@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from datetime import datetime
 from typing import Optional, Tuple
 
@@ -101,7 +102,10 @@ class Reporter:
     """The trainer's reporting after each step (see the module docstring)."""
 
     def __init__(self, trainer) -> None:
-        self.tr, c = trainer, trainer.config
+        # A weak proxy: a strong reference would make trainer <-> reporter a cycle, so the trainer
+        # (and its data loader) would outlive pretrain() until a gc pass, whose shutdown of the
+        # loader's workers then waits out their 5 s join timeouts (10 s at every run's exit).
+        self.tr, c = weakref.proxy(trainer), trainer.config
         self.log = c.logging
         self._last = (trainer.skipped_total, trainer.nan_total)  # the interval's counts start here
         self._input_len = [0.0, 0]  # the interval's sum and count of real_input_length
