@@ -10,10 +10,9 @@
 #
 # USE_FSDP2=1 shards with PyTorch FSDP2 instead of DDP + the distributed optimizer.
 # DRY_RUN=1 prints the command instead of running it.
-# Differences from the MegaDLMs script: TP = PP = 1 here (tensor, pipeline and context
-# parallelism work: change the sizes in PARALLEL_ARGS and DATA_PARALLEL_SIZE), W&B is
-# left out (the --wandb-* flags work: add --wandb-project and --wandb-exp-name after
-# `pip install 'megadlms[wandb]'`), no non-persistent checkpoints, and
+# Differences from the MegaDLMs script: no tensor/pipeline parallelism yet (TP=PP=1;
+# other values stop with a clear error), no W&B client (the --wandb-* flags are accepted
+# and ignored, so they are left out here), no non-persistent checkpoints, and
 # --num-distributed-optimizer-instances stays 1. Speed-only flags such as
 # --attention-backend flash are accepted and reported as having no effect.
 set -euo pipefail
