@@ -385,7 +385,7 @@ def section_mfu(device, reps, dry, peak_tflops, mbs):
         "| optimizer state per rank (fp32 main params + Adam moments) | "
         f"{_optimizer_state_bytes(opt) / 2**30:.3f} GiB |"
     )
-    emit("| activation recompute | n/a: megadlms has no activation recompute (--recompute-* are rejected) |")
+    emit("| activation recompute | off here (saved bytes per layer: benchmarks/activation_memory.py) |")
 
 
 SECTIONS = ("ops", "ddp", "comm", "mfu")

@@ -94,8 +94,7 @@ def _megadlms_problems(args) -> List[str]:
 def _fsdp2_problems(args, ddp, optimizer) -> List[str]:
     """Megatron's rules for --use-torch-fsdp2, each with its fix. Tensor (and sequence)
     parallelism compose with it (FSDP2 shards each TP rank's local parameters over dp:
-    distributed/fsdp2_grid.py), as does --num-distributed-optimizer-instances (HSDP);
-    MegaDLMs requires tp 1 here."""
+    distributed/fsdp2_grid.py), as does --num-distributed-optimizer-instances (HSDP)."""
     out = []
     for flag, value in (
         ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size),
