@@ -22,11 +22,13 @@ import pytest
 # What starts rank processes or a launcher: a call of one of these names, or a string that
 # names the launcher (a torchrun command line, the demo script). A single helper process (a
 # compiler, a child killed mid-save) is not a rank: those tests stay in the fast tier.
-SPAWNERS = ("run_distributed",)
+# _Pool: the pool's own tests start private pools (tests/distributed/test_pool.py).
+SPAWNERS = ("run_distributed", "_Pool")
 # Public helpers of tests/dist_utils.py that start no ranks (test_suite_tiers checks the two
 # lists cover all of them).
 NOT_SPAWNERS: tuple = ("shutdown_pool",)  # stops the pool at session end; starts nothing
-LAUNCHER_TEXT = ("torch.distributed.run", "torchrun", "demo.sh")
+# gpu-check: `make gpu-check` runs tools/gpu_check.sh, which starts the benchmark and the test runs.
+LAUNCHER_TEXT = ("torch.distributed.run", "torchrun", "demo.sh", "gpu-check")
 
 # node id -> what it smokes (one multi-rank test per wrapper and per parallel dimension).
 SMOKE = {

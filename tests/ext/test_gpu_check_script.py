@@ -56,6 +56,7 @@ def test_script_arguments_and_budget(tmp_path):
     assert "PASS" not in summary and "FAIL" not in summary
 
 
+@pytest.mark.slow  # the whole script up to its GPU probe (imports torch in a child)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: make gpu-check runs for real")
 def test_without_a_gpu_the_full_check_refuses_clearly(tmp_path):
     r = _bash(SCRIPT, env=_env(tmp_path))
