@@ -28,7 +28,7 @@ from typing import Dict, Optional
 import torch
 import torch.nn.functional as F
 
-from .mappings import Group, _all_gather, _reduce_scatter, group_rank, group_size
+from .mappings import Group, _all_gather, gather_from_sequence_parallel, group_rank, group_size
 
 PAD_POSITION = -1
 """Position id of a padded token: not a key for any query, its output is never scored."""
@@ -85,24 +85,12 @@ def shard_sequence(
     return out
 
 
-class _GatherKV(torch.autograd.Function):
-    """All-gather along ``dim`` over the cp group; backward reduce-scatters the gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # Every rank's queries attended to this rank's keys: the key's gradient is the sum over ranks.
-        return _reduce_scatter(grad, ctx.dim, ctx.group), None, None
-
-
 def gather_kv(x: torch.Tensor, group: Group, dim: int = 2) -> torch.Tensor:
     """The full-sequence K or V ([B, G, S, D] with ``dim`` 2) from every cp rank's part, in
     cp-rank order (differentiable: dK/dV are reduce-scattered back)."""
-    return _GatherKV.apply(x, group, dim)
+    # The sequence-parallel gather with a partial gradient: every rank's queries attended to this
+    # rank's keys, so the key's gradient is the sum over ranks, reduce-scattered.
+    return gather_from_sequence_parallel(x, group, seq_dim=dim, grad_is_partial=True)
 
 
 @dataclass
