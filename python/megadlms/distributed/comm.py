@@ -189,3 +189,18 @@ def build_communicator(backend: str, group):
     if group is None or dist.get_world_size(group) == 1:
         return LocalCommunicator()
     return TorchCommunicator(group)
+
+
+def sum_in_place(comm, tensors) -> None:
+    """Sum ``tensors`` over ``comm``'s ranks in place, one all-reduce per dtype instead of one
+    per tensor (every rank must pass the same list). cat copies, hence the copy back."""
+    by_dtype: dict = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group])
+        comm.all_reduce(flat, "sum")
+        offset = 0
+        for t in group:
+            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()

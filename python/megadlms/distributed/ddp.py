@@ -64,7 +64,7 @@ import torch.distributed as dist
 import megadlm_ext as ext
 from megadlms.parallel.sharding import is_expert_param, sharding_of
 
-from .comm import build_communicator, resolve_group
+from .comm import build_communicator, resolve_group, sum_in_place
 from .config import DistributedDataParallelConfig
 from .ddp_groups import data_parallel_group, instance_communicators, reduce_groups
 from .nan_check import agree_on_nan
@@ -337,17 +337,7 @@ class DistributedDataParallel(torch.nn.Module):
         valid; TP peers own the same shard ranges, so the valid parts are summed together."""
         if self._tp_comm is None:
             return
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for p in self._sp_params:
-            by_dtype.setdefault(p.main_grad.dtype, []).append(p.main_grad)
-        for grads in by_dtype.values():
-            # One all-reduce per dtype instead of one per parameter; cat copies, hence the copy back.
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self._tp_comm.all_reduce(flat, "sum")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view(g.shape))
-                offset += g.numel()
+        sum_in_place(self._tp_comm, [p.main_grad for p in self._sp_params])
 
     def _check_nan(self, bucket: Bucket) -> None:
         """Queue this rank's NaN/Inf check of ``bucket`` before its collective as a device flag

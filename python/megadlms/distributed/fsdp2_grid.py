@@ -18,14 +18,14 @@ FSDP's DP-outer size): the dp group is split into N instances of dp/N consecutiv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from megadlms.parallel.sharding import sharding_of
 
-from .comm import build_communicator
+from .comm import build_communicator, sum_in_place
 
 
 @dataclass
@@ -101,17 +101,7 @@ class TensorParallelGradSum:
     def __call__(self) -> None:
         if self.comm is None:
             return
-        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
-        for p in self.params:
-            if p.grad is not None:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                by_dtype.setdefault(g.dtype, []).append(g)
-        for grads in by_dtype.values():
-            # One all-reduce per dtype; cat copies, hence the copy back. Every TP peer has the same
-            # list: the same parameters got gradients (the same model on every TP rank).
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.comm.all_reduce(flat, "sum")
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset : offset + g.numel()].view(g.shape))
-                offset += g.numel()
+        # Every TP peer has the same list: the same parameters got gradients (the same model on
+        # every TP rank).
+        grads = [p.grad for p in self.params if p.grad is not None]
+        sum_in_place(self.comm, [g.to_local() if hasattr(g, "to_local") else g for g in grads])
