@@ -206,9 +206,11 @@ def _run_job(store, base: _Baseline, results, job, rank, world, timeout, env, cw
     except dist.DistError:  # the store went away with the pytest process: the watchdog exits us
         pass
     fn = args = out = None  # noqa: F841 (drop the job's objects before collecting)
+    # Every time: the job's objects in reference cycles (a trainer, a DataLoader iterator
+    # with its workers) hold its process groups, and a gloo group's threads run until the
+    # group itself is freed.
+    gc.collect()
     _destroy_groups()
-    if multiprocessing.active_children():
-        gc.collect()  # a DataLoader iterator in a reference cycle shuts its workers down here
     base.reap_children()
     base.restore_logging()
 

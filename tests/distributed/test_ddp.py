@@ -298,3 +298,22 @@ def test_nccl_ext_backend_on_gpu():
     for res in run_distributed(_nccl_ext_world, ws):
         for cfg, err in res.items():
             assert err <= 1e-5, (cfg, err)
+
+
+def test_a_trained_wrapper_is_freed_with_its_model():
+    """The wrapper's gradient hooks reach it weakly. A parameter holding the wrapper would
+    close a cycle through a tensor, which Python's gc does not traverse: a model trained
+    through DDP, its grad buffers and its process groups would outlive the run."""
+    import gc
+    import weakref
+
+    from megadlms.distributed import DistributedDataParallel
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ddp = DistributedDataParallel(net)
+    ddp(torch.randn(3, 4)).sum().backward()
+    ddp.finish_grad_sync()
+    refs = [weakref.ref(ddp), weakref.ref(net), weakref.ref(ddp.buffers_[0])]
+    del ddp, net
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True, True]

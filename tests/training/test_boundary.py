@@ -15,7 +15,7 @@ from tests.dist_utils import run_distributed
 TINY = (
     "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 2 "
     "--global-batch-size 8 --train-iters 4 --lr 1e-3 --mock-data --num-workers 0 --log-interval 1 "
-    "--eval-interval 100 --untie-embeddings-and-output-weights"
+    "--eval-interval 100 --eval-iters 1 --untie-embeddings-and-output-weights"
 ).split()
 
 

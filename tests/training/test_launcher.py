@@ -188,7 +188,7 @@ SEED_DDP_TP2 = (
 ).split()
 _TINY_MODEL_AND_DATA = (
     "--num-layers 1 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
-    "--train-iters 2 --lr 1e-3 --mock-data --tokenizer-type ByteTokenizer --num-workers 0 --log-interval 1"
+    "--train-iters 2 --eval-iters 1 --lr 1e-3 --mock-data --tokenizer-type ByteTokenizer --num-workers 0 --log-interval 1"
 ).split()
 
 

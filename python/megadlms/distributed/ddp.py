@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
@@ -164,7 +165,11 @@ class DistributedDataParallel(torch.nn.Module):
         self._attach_grad_views()
         # Post-accumulate: fires once per backward after autograd has summed every use of the
         # parameter (tied or reused weights included), so its gradient is complete here.
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in names]
+        # The hook reaches the wrapper through a weak reference: a parameter that held the
+        # wrapper would close a cycle through a tensor, which Python's gc cannot see into, so
+        # the model, its buffers and its process groups would outlive every run in a process.
+        hook = _weak_hook(self._on_grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in names]
         overlap_gather = cfg.use_distributed_optimizer and cfg.overlap_param_gather
         self._gather = ParamGather(module, self.buckets, names, overlap_gather)
         self._hooks += self._gather.hooks
@@ -473,3 +478,15 @@ class DistributedDataParallel(torch.nn.Module):
         """Load into the wrapped module (copies in place, so buffer views stay valid)."""
         self.finish_param_sync()
         return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+
+
+def _weak_hook(method):
+    """``method`` as a parameter hook that does not keep its object alive."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(param):
+        bound = ref()
+        if bound is not None:
+            bound(param)
+
+    return hook
