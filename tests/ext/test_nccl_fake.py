@@ -1,13 +1,13 @@
 """The NCCL communicator core against a fake libnccl (tests/ext/fake_nccl.cpp), on CPU.
 
-The fake is compiled with g++ (once per session, tests/ext/conftest.py) and loaded through the real dlopen loader; the
-communicator core (csrc/nccl/communicator.cpp) is driven through _C._NcclTestCommunicator
-with the fake's host streams/events. Covers: the version check at load, non-blocking
-init with its timeout and Ctrl-C, the watchdog (async error, a collective that never
-completes, its device binding, CUDA-graph capture, the runtime unloading at exit), abort
-and the waits after it, the stream/event ordering of a collective and its work handle,
-close() bounded when a peer is dead, closing at interpreter exit, and destroy without
-the GIL.
+The fake is compiled with g++ (once per session, tests/ext/conftest.py) and loaded through
+the real dlopen loader; the communicator core (csrc/nccl/communicator.cpp) is driven through
+_C._NcclTestCommunicator with the fake's host streams/events. Covers: the version check at
+load, non-blocking init with its timeout and Ctrl-C, the watchdog (async error, a collective
+that never completes, its device binding, CUDA-graph capture, the runtime unloading at
+exit), abort and the waits after it, the stream/event ordering of a collective and its work
+handle, close() bounded when a peer is dead, closing at interpreter exit, and destroy
+without the GIL.
 """
 
 import _thread
