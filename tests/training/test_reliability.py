@@ -60,6 +60,17 @@ def _cmd(argv, restarts=0):
     ]  # fmt: skip
 
 
+def _popen(cmd, env, out, **kw):
+    # a session of its own: a launch the test gives up on is stopped with its ranks (_stop)
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, **kw)
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _curve(path):
     return [json.loads(x) for x in open(path).read().splitlines() if '"event": "train"' in x]
 
@@ -115,7 +126,7 @@ def restart_launch(tmp_path_factory):
     env = _env(tmp, KILLS + HOLDS, MEGADLMS_TEST_ATTEMPTS=json.dumps(ATTEMPTS))
     with open(log_path, "w") as out:
         cmd = _cmd(_dir_args(tmp, "restarts"), restarts=len(KILLS))
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=str(tmp))
+        proc = _popen(cmd, env, out, cwd=str(tmp))
         try:
             # bounded per attempt: each restart re-imports both ranks (slow on a loaded machine)
             _wait_for(lambda: proc.poll() is not None or all(p.exists() for p in held), 420, "attempt 3")
@@ -124,7 +135,7 @@ def restart_launch(tmp_path_factory):
                     os.kill(pid, signal.SIGTERM)
             rc = proc.wait(timeout=90)
         finally:
-            proc.kill()
+            _stop(proc)
     log = log_path.read_text()
     assert rc == 0, log[-4000:]
     stopped = int((tmp / "restarts" / "latest_checkpointed_iteration.txt").read_text())
@@ -260,7 +271,7 @@ def test_stopped_rank_fails_peers_within_timeout_and_exception_stops_all(tmp_pat
     )
     with open(log_path, "w") as out:
         cmd = _cmd(["--train-iters", "6"], restarts=1)
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
+        proc = _popen(cmd, env, out)
         try:
             _wait_for(
                 lambda: all((tmp_path / f"rank_{r}.attempt_0.pid").exists() for r in (0, 1)),
@@ -279,7 +290,7 @@ def test_stopped_rank_fails_peers_within_timeout_and_exception_stops_all(tmp_pat
             stop_log, t_restart = log_path.read_text(), time.monotonic()
             rc = proc.wait(timeout=90)
         finally:
-            proc.kill()
+            _stop(proc)
     assert "rank 0: collective 'all-reduce of the step's loss-token count' failed" in stop_log
     assert "Timed out" in stop_log and "iteration 3" in stop_log
     assert t_fail - t_stop < 5 + 10, t_fail - t_stop  # the timeout, plus polling and log flushing
