@@ -7,8 +7,9 @@
 # Re-running starts a fresh training run (old demo checkpoints are replaced).
 #
 # Knobs (environment): PY (python with megadlms installed; default python3),
-# DEMO_DIR (./demo), NPROC (2), TRAIN_ITERS (1600), PROMPT, GEN_LENGTH (32), and
-# EXTRA_ARGS (appended to the pretrain_difflm.py flags; later flags win).
+# DEMO_DIR (./demo), NPROC (2), TRAIN_ITERS (1600), PROMPT, GEN_LENGTH (32),
+# EXTRA_ARGS (appended to the pretrain_difflm.py flags; later flags win), and
+# STOP_AFTER=data (only prepare the corpus, e.g. ahead of an offline run; default: all steps).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,6 +20,11 @@ NPROC="${NPROC:-2}"
 TRAIN_ITERS="${TRAIN_ITERS:-1600}"
 PROMPT="${PROMPT:-And God said, Let there be}"
 GEN_LENGTH="${GEN_LENGTH:-32}"
+STOP_AFTER="${STOP_AFTER:-}"
+if [[ -n "$STOP_AFTER" && "$STOP_AFTER" != data ]]; then
+  echo "demo.sh: STOP_AFTER=$STOP_AFTER is not a step to stop after (use STOP_AFTER=data, or unset it)" >&2
+  exit 2
+fi
 # Use this checkout's code even when another megadlms is installed.
 export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # The ranks share the machine's cores: split them (1 thread each on a 2-core machine).
@@ -35,6 +41,9 @@ else
   KJV="$("$PY" -c 'from megadlms.data import kjv_jsonl_path; print(kjv_jsonl_path())')"
   "$PY" -m megadlms.data.preprocess --input "$KJV" --json-keys text \
     --output-prefix "$DEMO_DIR/kjv" --tokenizer-type ByteTokenizer --append-eod --workers 2
+fi
+if [[ "$STOP_AFTER" == data ]]; then
+  exit 0
 fi
 
 echo "== 2/3 train: $NPROC ranks (torchrun, gloo), $TRAIN_ITERS iterations"

@@ -54,15 +54,26 @@ done
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT" || exit 2
+# The CUDA devices python $1 sees; prints nothing when it cannot import torch. One torch
+# import both checks the python and counts the GPUs (each import costs seconds).
+cuda_devices() {
+  "$1" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null | tail -1
+}
+DEVICES=""
 if [[ -z "${PY:-}" ]]; then
   for cand in "$ROOT/.venv/bin/python" "$(command -v python3 || true)"; do
-    if [[ -n "$cand" && -x "$cand" ]] && "$cand" -c "import torch" >/dev/null 2>&1; then
-      PY="$cand"
-      break
+    if [[ -n "$cand" && -x "$cand" ]]; then
+      DEVICES="$(cuda_devices "$cand")"
+      if [[ -n "$DEVICES" ]]; then
+        PY="$cand"
+        break
+      fi
     fi
   done
+else
+  DEVICES="$(cuda_devices "$PY")"
 fi
-if [[ -z "${PY:-}" ]] || ! "$PY" -c "import torch" >/dev/null 2>&1; then
+if [[ -z "${PY:-}" || ! "$DEVICES" =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: no python with torch found (set PY=/path/to/python)" >&2
   exit 2
 fi
@@ -173,7 +184,7 @@ if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then TIMEOUT_ARGS=(--timeou
 
 NGPU=0
 if [[ $DRY -eq 0 ]]; then
-  NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)" 2>/dev/null || echo 0)
+  NGPU=$DEVICES
   if [[ "$NGPU" -lt 1 ]]; then
     echo "gpu_check.sh: no CUDA device visible to $PY; run with --dry-run on a machine without a GPU" >&2
     exit 2

@@ -9,46 +9,24 @@ tests in test_cuda.py run the real kernels where a device exists).
 
 import ctypes
 import math
-import os
-import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
+from .conftest import CXX
 from .helpers import expect_accumulate, expect_flatten, expect_norm, packed_offsets, random_list
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CODE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 OPS = dict(copy=0, accumulate=1, scale=2, sum_squares=3, nonfinite=4)
 SEG = np.dtype([("src", "<u8"), ("dst", "<u8"), ("start", "<i8"), ("sd", "<i4"), ("dd", "<i4")])
 
 
 @pytest.fixture(scope="module")
-def emu(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
+def emu(shims):
+    if CXX is None:
         pytest.skip("no C++ compiler to build the CUDA-kernel emulation")
-    lib = tmp_path_factory.mktemp("emu") / "cuda_emu.so"
-    subprocess.run(
-        [
-            cxx,
-            "-std=c++17",
-            "-O2",
-            "-fno-strict-aliasing",
-            "-ffp-contract=off",
-            "-Wno-unknown-pragmas",
-            "-shared",
-            "-fPIC",
-            "-I",
-            os.path.join(ROOT, "csrc", "include"),
-            os.path.join(ROOT, "tests", "ext", "cuda_emu.cpp"),
-            "-o",
-            str(lib),
-        ],
-        check=True,
-    )
+    lib = shims.path("cuda_emu.so")  # built by tests/ext/conftest.py, in the background
     so = ctypes.CDLL(str(lib))
     so.emu_run.argtypes = [
         ctypes.c_int,

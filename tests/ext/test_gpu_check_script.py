@@ -4,11 +4,14 @@ The GPU check cannot run here, so its argument handling, its budget and its --dr
 mode are checked: `make gpu-check GPU_CHECK_ARGS=--dry-run` with pip cut off from every
 index must pass, install nothing and leave its summary under $OUT. The dry run builds
 nothing and does not re-run the CPU tests of the GPU path (test_cuda_emulation.py and
-test_nccl_fake.py run on their own in the suite).
+test_nccl_fake.py run on their own in the suite). The Makefile's dry run, one single-threaded
+chain of subprocesses, starts with the module and runs on the second core while the other
+script runs of the module go on; its test reads the result.
 """
 
 import os
 import re
+import signal
 import subprocess
 import sys
 
@@ -40,6 +43,36 @@ def _env(out, **extra):
     return {**env, **OFFLINE, "PY": sys.executable, "OUT": str(out), **extra}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def make_dry_run(request, tmp_path_factory):
+    """`make gpu-check GPU_CHECK_ARGS=--dry-run` with pip cut off, started in the background
+    at the module's first test when its test is selected; yields a function that waits for
+    it and returns (CompletedProcess, the $OUT folder)."""
+    if not any(i.name == "test_make_gpu_check_dry_run_offline" for i in request.session.items):
+        yield None
+        return
+    out = tmp_path_factory.mktemp("make_dry_run")
+    env = _env(out, GPU_CHECK_PY=sys.executable)
+    env.pop("PY")
+    env.pop("VIRTUAL_ENV", None)  # the target must not fall back to a venv of its own
+    argv = ["make", "--no-print-directory", "gpu-check", "GPU_CHECK_ARGS=--dry-run"]
+    logs = out / "make.stdout", out / "make.stderr"
+    with open(logs[0], "w") as so, open(logs[1], "w") as se:  # files: a full pipe would block it
+        # a session of its own: an unfinished run is stopped with all its children
+        proc = subprocess.Popen(argv, stdout=so, stderr=se, cwd=ROOT, env=env, start_new_session=True)
+
+    def result():
+        rc = proc.wait(timeout=600)
+        return subprocess.CompletedProcess(argv, rc, logs[0].read_text(), logs[1].read_text()), out
+
+    try:
+        yield result
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def test_script_arguments_and_budget(tmp_path):
     assert _bash("-n", SCRIPT).returncode == 0
     help_ = _bash(SCRIPT, "--help")
@@ -63,19 +96,9 @@ def test_without_a_gpu_the_full_check_refuses_clearly(tmp_path):
     assert r.returncode == 2 and "no CUDA device" in r.stderr and "--dry-run" in r.stderr
 
 
-def test_make_gpu_check_dry_run_offline(tmp_path):
+def test_make_gpu_check_dry_run_offline(make_dry_run):
     """The Makefile target (no `install` prerequisite), pip cut off, summary under $OUT."""
-    env = _env(tmp_path, GPU_CHECK_PY=sys.executable)
-    env.pop("PY")
-    env.pop("VIRTUAL_ENV", None)  # the target must not fall back to a venv of its own
-    r = subprocess.run(
-        ["make", "--no-print-directory", "gpu-check", "GPU_CHECK_ARGS=--dry-run"],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=env,
-        timeout=600,
-    )
+    r, tmp_path = make_dry_run()
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "pip install" not in r.stdout.split("=== [environment]")[0]  # no `make install` ran first
     summary = (tmp_path / "summary.txt").read_text()

@@ -5,9 +5,6 @@ argument errors; the cuBLAS argument mapping of csrc/cuda/grouped_gemm.cu throug
 emulation of cublasGemmEx; the CUDA route against the CPU one (GPU only)."""
 
 import ctypes
-import os
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -15,9 +12,9 @@ import torch
 import megadlm_ext
 from megadlms.ops import grouped_matmul
 
+from .conftest import CXX, cublas_headers
 from .helpers import DTYPES, ROUTES, route
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SIZES = ([5, 0, 7, 1], [0, 0, 3], [4], [0, 0], [2, 9, 0, 0, 6])
 
 
@@ -203,23 +200,10 @@ def test_grouped_matmul_checks_tokens_per_expert():
 
 
 @pytest.fixture(scope="module")
-def cublas_emu(tmp_path_factory):
-    cxx = shutil.which("g++") or shutil.which("c++")
-    cuda_inc = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "include")
-    if cxx is None or not os.path.exists(os.path.join(cuda_inc, "library_types.h")):
+def cublas_emu(shims):
+    if CXX is None or not cublas_headers():
         pytest.skip("needs a C++ compiler and the CUDA runtime headers (library_types.h)")
-    lib = tmp_path_factory.mktemp("cublas_emu") / "cublas_emu.so"
-    src = os.path.join(ROOT, "tests", "ext", "cublas_emu.cpp")
-    inc = [
-        "-I",
-        os.path.join(ROOT, "csrc", "include"),
-        "-I",
-        os.path.join(ROOT, "csrc", "cuda"),
-        "-I",
-        cuda_inc,
-    ]
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-x", "c++", *inc, src, "-o", str(lib)]
-    subprocess.run(cmd, check=True, timeout=120)
+    lib = shims.path("cublas_emu.so")  # built by tests/ext/conftest.py, in the background
     so = ctypes.CDLL(str(lib))
     p = ctypes.c_void_p
     so.emu_grouped.argtypes = [p, p, p, p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]

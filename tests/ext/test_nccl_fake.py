@@ -1,19 +1,17 @@
 """The NCCL communicator core against a fake libnccl (tests/ext/fake_nccl.cpp), on CPU.
 
-The fake is compiled here with g++ and loaded through the real dlopen loader; the
-communicator core (csrc/nccl/communicator.cpp) is driven through _C._NcclTestCommunicator
-with the fake's host streams/events. Covers: the version check at load, non-blocking
-init with its timeout and Ctrl-C, the watchdog (async error, a collective that never
-completes, its device binding, CUDA-graph capture, the runtime unloading at exit), abort
-and the waits after it, the stream/event ordering of a collective and its work handle,
-close() bounded when a peer is dead, closing at interpreter exit, and destroy without
-the GIL.
+The fake is compiled with g++ (once per session, tests/ext/conftest.py) and loaded through
+the real dlopen loader; the communicator core (csrc/nccl/communicator.cpp) is driven through
+_C._NcclTestCommunicator with the fake's host streams/events. Covers: the version check at
+load, non-blocking init with its timeout and Ctrl-C, the watchdog (async error, a collective
+that never completes, its device binding, CUDA-graph capture, the runtime unloading at
+exit), abort and the waits after it, the stream/event ordering of a collective and its work
+handle, close() bounded when a peer is dead, closing at interpreter exit, and destroy
+without the GIL.
 """
 
 import _thread
 import ctypes
-import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -24,23 +22,16 @@ import pytest
 import megadlm_ext
 from megadlm_ext import nccl
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from .conftest import CXX
+
 UID = bytes(128)
 F32 = 7
 
 
-def _compile(cxx, out, version):
-    src = os.path.join(ROOT, "tests", "ext", "fake_nccl.cpp")
-    cmd = [cxx, "-std=c++17", "-O1", "-shared", "-fPIC", f"-DFAKE_VERSION={version}", src, "-o", str(out)]
-    subprocess.run(cmd, check=True)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
-def fake(tmp_path_factory):
+def fake(shims):
     """(ctypes handle of the fake, its path), loaded into megadlm_ext's NCCL loader."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
+    if CXX is None:
         pytest.fail("no C++ compiler to build the fake libnccl (install g++)")
     from megadlm_ext import _C
 
@@ -48,9 +39,8 @@ def fake(tmp_path_factory):
         # The loader keeps the first library it loads for the whole process: the fake
         # must not stand in for the real libnccl that the GPU tests use.
         pytest.skip("CUDA build: the real NCCL path is tested by the gpu tests (test_nccl*.py)")
-    d = tmp_path_factory.mktemp("fake_nccl")
-    old = _compile(cxx, d / "libnccl_old.so.2", 20903)
-    good = _compile(cxx, d / "libnccl.so.2", 22703)
+    # built by tests/ext/conftest.py, in the background (NCCL 2.9.3 and 2.27.3)
+    old, good = shims.path("libnccl_old.so.2"), shims.path("libnccl.so.2")
     if _C.nccl_loaded() and _C.nccl_path() != good:
         pytest.skip(f"another libnccl is already loaded in this process: {_C.nccl_path()}")
     ok, why = _C.nccl_load([old, good])

@@ -12,7 +12,15 @@ a JSON list of such faults injects each in its own attempt, so one launch with
   tensor files are written (rank 0: while it writes common.json);
 * ``stop``: SIGSTOP this rank at the start of that step (a rank that stops responding);
 * ``raise``: raise inside the forward of that step on this rank;
-* ``sigterm``: send SIGTERM to this rank at the start of that step.
+* ``sigterm``: send SIGTERM to this rank at the start of that step;
+* ``hold_for_sigterm``: at the start of that step write ``rank_<r>.attempt_<a>.held`` (next to
+  the pid file) and wait, at most 120 s, until a SIGTERM from outside has reached the trainer's
+  handler (--exit-signal-handler): the test's signal then lands mid-run at a known step,
+  without racing the training to its end.
+
+``$MEGADLMS_TEST_ATTEMPTS`` (JSON, restart attempt -> ``{"argv": [...], "env": {...}}``) gives
+one attempt extra pretrain flags or environment on every rank, so attempts of one launch can
+differ (e.g. ``--async-save`` in one of them) where torchrun passes the same command to all.
 
 Every rank writes its pid to ``$MEGADLMS_TEST_PID_DIR/rank_<r>.attempt_<a>.pid`` when set.
 Nothing here is part of megadlms: the faults are monkeypatches of a test process.
@@ -24,9 +32,27 @@ import json
 import os
 import signal
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [os.path.join(ROOT, "python"), ROOT]
+
+
+def _hold_for_sigterm(rank: int, attempt: int) -> None:
+    handler, seen = signal.getsignal(signal.SIGTERM), []
+    assert callable(handler), "hold_for_sigterm needs --exit-signal-handler"
+
+    def noting(signum, frame):
+        seen.append(signum)
+        handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, noting)
+    with open(os.path.join(os.environ["MEGADLMS_TEST_PID_DIR"], f"rank_{rank}.attempt_{attempt}.held"), "w"):
+        pass
+    deadline = time.monotonic() + 120
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.01)  # a signal interrupts the sleep: the handler runs at once
+    signal.signal(signal.SIGTERM, handler)
 
 
 def _install(fault: dict) -> None:
@@ -54,6 +80,8 @@ def _install(fault: dict) -> None:
                     raise RuntimeError("injected failure inside the forward")
 
                 pipeline_run._run_chunk = failing
+            if kind == "hold_for_sigterm":
+                _hold_for_sigterm(rank, attempt)
         return real_step(model, optimizer, micro, cfg, iteration, **kw)
 
     def save(root, iteration, **kw):
@@ -83,22 +111,25 @@ def _install(fault: dict) -> None:
 
 
 def main() -> int:
-    pid_dir = os.environ.get("MEGADLMS_TEST_PID_DIR")
+    pid_dir, attempt = (
+        os.environ.get("MEGADLMS_TEST_PID_DIR"),
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+    )
     if pid_dir:
-        name = (
-            f"rank_{os.environ.get('RANK', '0')}.attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-        )
+        name = f"rank_{os.environ.get('RANK', '0')}.attempt_{attempt}"
         path = os.path.join(pid_dir, name + ".pid")
         with open(path + ".tmp", "w") as f:  # renamed into place: a reader never sees it empty
             f.write(str(os.getpid()))
         os.replace(path + ".tmp", path)
+    this = json.loads(os.environ.get("MEGADLMS_TEST_ATTEMPTS") or "{}").get(attempt, {})
+    os.environ.update(this.get("env", {}))  # before megadlms is imported
     if os.environ.get("MEGADLMS_TEST_FAULT"):
         faults = json.loads(os.environ["MEGADLMS_TEST_FAULT"])
         for fault in faults if isinstance(faults, list) else [faults]:
             _install(fault)  # a no-op unless it names this rank and restart attempt
     from megadlms.pretrain import main as pretrain_main
 
-    return pretrain_main(sys.argv[1:])
+    return pretrain_main(sys.argv[1:] + this.get("argv", []))
 
 
 if __name__ == "__main__":
