@@ -128,7 +128,10 @@ def _crash_child(root, where):
 @pytest.mark.parametrize("where", ["tensors", "common"])
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, where):
     root = str(tmp_path)
-    p = mp.get_context("spawn").Process(target=_crash_child, args=(root, where))
+    # fork, not spawn: the child needs a process of its own to die in, not a fresh
+    # interpreter (spawn re-imported torch and megadlms, ~5 s of the test); the patches it
+    # makes stay in the child.
+    p = mp.get_context("fork").Process(target=_crash_child, args=(root, where))
     p.start()
     p.join(120)
     assert p.exitcode == -signal.SIGKILL
