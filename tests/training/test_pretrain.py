@@ -34,7 +34,10 @@ ITERS, HALF = 8, 4  # every resume splits the run at HALF (the eval interval too
 # Only the straight DDP run's evaluations are read (--metrics-jsonl): the other runs skip
 # them (validation draws from its own seed, so the training curve is the same either way).
 NO_EVAL = ["--eval-iters", "0"]
-FSDP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+# FSDP2 runs take the global batch in one micro-batch per rank (12 = 6 x dp 2): its gathers and
+# reduce-scatters run per micro-batch, and the curve does not depend on the split (the
+# LLaDA crop is drawn per step, the masks per sample), so it still matches DDP's at 2 x 3.
+FSDP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--micro-batch-size", "6"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 
 
