@@ -134,7 +134,11 @@ def test_kill_during_save_keeps_previous_checkpoint(tmp_path, where):
     p = mp.get_context("fork").Process(target=_crash_child, args=(root, where))
     p.start()
     p.join(120)
-    assert p.exitcode == -signal.SIGKILL
+    stuck = p.is_alive()
+    if stuck:  # a child stuck (e.g. on a lock held at the fork) fails this test and is reaped
+        p.kill()
+        p.join()
+    assert not stuck and p.exitcode == -signal.SIGKILL
     assert os.path.isdir(os.path.join(root, "iter_0000002.tmp"))  # the torn save
     assert not os.path.exists(os.path.join(root, "iter_0000002"))
     assert ck.read_latest_iteration(root) == 1
