@@ -104,12 +104,15 @@ def test_disk_full_keeps_previous_checkpoint_and_latest(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ trainer paths (gloo ranks)
+ITERS, SAVE = 4, 2  # every run trains ITERS steps and saves every SAVE (resumes split there)
+LAST, PREV = f"iter_{ITERS:07d}", f"iter_{SAVE:07d}"  # the newest and the previous checkpoint
+SECOND_HALF = list(range(SAVE + 1, ITERS + 1))
 TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
     "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
     "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 2 --global-batch-size 8 "
-    "--train-iters 8 --lr 2e-3 --seed 7 --mock-data --log-interval 1 --eval-interval 1000 "
-    "--eval-iters 0 --save-interval 4"
+    f"--train-iters {ITERS} --lr 2e-3 --seed 7 --mock-data --log-interval 1 --eval-interval 1000 "
+    f"--eval-iters 0 --save-interval {SAVE}"
 ).split()
 
 
@@ -136,7 +139,7 @@ def _position_world(rank, world, tmp):
     save = os.path.join(tmp, "s")
     seen = out["straight_seen"] = {}
     out["straight"] = _spied_run(["--num-workers", "0"], seen)  # the reference: no workers
-    out["part"] = _spied_run(["--num-workers", "0", "--save", save, "--exit-interval", "4"], {})
+    out["part"] = _spied_run(["--num-workers", "0", "--save", save, "--exit-interval", str(SAVE)], {})
     seen = out["resume_seen"] = {}
     out["resume"] = _spied_run(["--num-workers", "1", "--save", save], seen)  # auto-resume from --save
     return out
@@ -144,7 +147,7 @@ def _position_world(rank, world, tmp):
 
 def _one_rank_world(rank, world, tmp):
     seen = {}
-    _spied_run(["--num-workers", "1", "--load", os.path.join(tmp, "s", "iter_0000004"), "--no-auto-resume",
+    _spied_run(["--num-workers", "1", "--load", os.path.join(tmp, "s", PREV), "--no-auto-resume",
                 "--save", os.path.join(tmp, "one")], seen)  # fmt: skip
     return seen
 
@@ -157,12 +160,12 @@ def test_resume_restores_exact_next_sample_any_rank_count_with_workers(tmp_path)
     tmp = str(tmp_path)
     r = run_distributed(_position_world, 2, (tmp,))
     for res in r:
-        assert [res["resume_seen"][i] for i in range(5, 9)] == [res["straight_seen"][i] for i in range(5, 9)]
+        assert [res["resume_seen"][i] for i in SECOND_HALF] == [res["straight_seen"][i] for i in SECOND_HALF]
     a = r[0]
-    assert a["part"].iteration == 4 and sorted(a["resume"].losses) == [5, 6, 7, 8]
-    assert [a["resume"].losses[i] for i in range(5, 9)] == [a["straight"].losses[i] for i in range(5, 9)]
+    assert a["part"].iteration == SAVE and sorted(a["resume"].losses) == SECOND_HALF
+    assert [a["resume"].losses[i] for i in SECOND_HALF] == [a["straight"].losses[i] for i in SECOND_HALF]
     one = run_distributed(_one_rank_world, 1, (tmp,))[0]
-    for i in range(5, 9):
+    for i in SECOND_HALF:
         assert one[i] == sorted(r[0]["straight_seen"][i] + r[1]["straight_seen"][i]), i
 
 
@@ -175,16 +178,17 @@ def _save_world(rank, world, tmp):
     out["sync"] = _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "b")], {})
     # FSDP2 + --async-save (DTensor shards staged), read back by DDP: resharding still works
     fsdp = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--num-workers", "0"]
-    _spied_run(fsdp + ["--save", os.path.join(tmp, "f"), "--async-save", "--exit-interval", "4"], {})
+    _spied_run(fsdp + ["--save", os.path.join(tmp, "f"), "--async-save", "--exit-interval", str(SAVE)], {})
     out["from_fsdp"] = _spied_run(
         ["--untie-embeddings-and-output-weights", "--num-workers", "0", "--load", os.path.join(tmp, "f")], {}
     )
     out["untied"] = _spied_run(["--untie-embeddings-and-output-weights", "--num-workers", "0"], {})
-    # damage iteration 8 of the async run: the resume names the file; --ckpt-fallback takes 4
-    files = ck.read_common(os.path.join(tmp, "a", "iter_0000008"))["files"]
+    # damage the newest checkpoint of the async run: the resume names the file; --ckpt-fallback
+    # takes the previous one
+    files = ck.read_common(os.path.join(tmp, "a", LAST))["files"]
     out["victim"] = victim = max((f for f in files if f.endswith(".distcp")), key=lambda f: files[f]["size"])
     if rank == 0:
-        _flip(os.path.join(tmp, "a", "iter_0000008", victim))
+        _flip(os.path.join(tmp, "a", LAST, victim))
     dist.barrier()
     try:
         _spied_run(["--num-workers", "0", "--save", os.path.join(tmp, "a")], {})
@@ -194,11 +198,11 @@ def _save_world(rank, world, tmp):
     out["fallback"] = _spied_run(
         ["--num-workers", "0", "--save", os.path.join(tmp, "a"), "--ckpt-fallback"], {}
     )
-    # ENOSPC on rank 1 only while the trainer saves iteration 8: every rank raises it
+    # ENOSPC on rank 1 only while the trainer saves the last iteration: every rank raises it
     real_write = filesystem._write_item
 
     def full(transforms, stream, *a, **k):
-        if "iter_0000008" in str(getattr(stream, "name", "")):
+        if LAST in str(getattr(stream, "name", "")):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), stream.name)
         return real_write(transforms, stream, *a, **k)
 
@@ -224,19 +228,19 @@ def test_async_save_fallback_and_disk_full_on_two_ranks(tmp_path):
     r = run_distributed(_save_world, 2, (str(tmp_path),))
     a = r[0]
     assert a["async"].losses == a["sync"].losses and len(a["async"].save_stalls) == 2
-    assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "8"
-    assert sorted(a["from_fsdp"].losses) == [5, 6, 7, 8]
-    for i in range(5, 9):
+    assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == str(ITERS)
+    assert sorted(a["from_fsdp"].losses) == SECOND_HALF
+    for i in SECOND_HALF:
         assert a["from_fsdp"].losses[i] == pytest.approx(a["untied"].losses[i], rel=1e-5), i
     for res in r:
         assert res["victim"] in res["corrupt"] and "fails its checksum" in res["corrupt"]
         fb = res["fallback"]
-        assert sorted(fb.losses) == [5, 6, 7, 8]
-        assert [fb.losses[i] for i in range(5, 9)] == [a["sync"].losses[i] for i in range(5, 9)]
-        assert "no space left on device" in res["enospc"] and "iter_0000004" in res["enospc"]
-    assert (tmp_path / "full" / "latest_checkpointed_iteration.txt").read_text() == "4"
-    assert not (tmp_path / "full" / "iter_0000008").exists()
-    assert ck.read_common(str(tmp_path / "full" / "iter_0000004"))["files"]
+        assert sorted(fb.losses) == SECOND_HALF
+        assert [fb.losses[i] for i in SECOND_HALF] == [a["sync"].losses[i] for i in SECOND_HALF]
+        assert "no space left on device" in res["enospc"] and PREV in res["enospc"]
+    assert (tmp_path / "full" / "latest_checkpointed_iteration.txt").read_text() == str(SAVE)
+    assert not (tmp_path / "full" / LAST).exists()
+    assert ck.read_common(str(tmp_path / "full" / PREV))["files"]
 
 
 def test_reliability_flags_parse_into_the_config():

@@ -128,9 +128,17 @@ def _crash_child(root, where):
 @pytest.mark.parametrize("where", ["tensors", "common"])
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path, where):
     root = str(tmp_path)
-    p = mp.get_context("spawn").Process(target=_crash_child, args=(root, where))
+    # fork, not spawn: the child needs a process of its own to die in, not a fresh
+    # interpreter (spawn re-imported torch and megadlms, ~5 s of the test); the patches it
+    # makes stay in the child.
+    p = mp.get_context("fork").Process(target=_crash_child, args=(root, where))
     p.start()
     p.join(120)
+    stuck = p.is_alive()
+    if stuck:  # a child stuck (e.g. on a lock held at the fork) fails this test and is reaped
+        p.kill()
+        p.join()
+    assert not stuck, "the crash child hung: killed after 120 s"
     assert p.exitcode == -signal.SIGKILL
     assert os.path.isdir(os.path.join(root, "iter_0000002.tmp"))  # the torn save
     assert not os.path.exists(os.path.join(root, "iter_0000002"))

@@ -7,11 +7,15 @@ import torch
 
 from megadlms import checkpoint as ck
 from megadlms.pretrain import run
+from tests.hf.helpers import frozen_heap  # noqa: F401  (in-process runs: see its docstring)
+
+pytestmark = pytest.mark.usefixtures("frozen_heap")
 
 MODEL = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
     "--position-embedding-type rope --swiglu --normalization RMSNorm --disable-bias-linear "
-    "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data --eval-iters 0 --log-interval 1"
+    "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data --eval-iters 0 --log-interval 1 "
+    "--num-workers 0"
 ).split()
 
 

@@ -11,6 +11,7 @@ from megadlms.models import GPTModel
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # in-process runs (tests/hf/helpers.py)
 
 SMALL = dict(
     vocab_size=259,
@@ -116,6 +117,8 @@ def _train_flags(flags, tmp_path, iters=4):
         "0",
         "--seed",
         "3",
+        "--num-workers",  # no data-loader processes forked from the pytest process
+        "0",
     ]
 
 

@@ -26,11 +26,18 @@ TINY = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
     "--position-embedding-type rope --normalization RMSNorm --swiglu --disable-bias-linear "
     "--attention-dropout 0 --hidden-dropout 0 --micro-batch-size 2 --global-batch-size 12 "
-    "--train-iters 20 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 3 "
+    "--train-iters 8 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 3 "
     "--weight-decay 0.1 --clip-grad 1.0 --seed 7 --mock-data --num-workers 0 --log-interval 1 "
-    "--eval-interval 10 --eval-iters 1 --difflm-eval-mc-samples 2 --difflm-varilen-prob 0.2"
+    "--eval-interval 4 --eval-iters 1 --difflm-eval-mc-samples 2 --difflm-varilen-prob 0.2"
 ).split()
-FSDP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights"]
+ITERS, HALF = 8, 4  # every resume splits the run at HALF (the eval interval too)
+# Only the straight DDP run's evaluations are read (--metrics-jsonl): the other runs skip
+# them (validation draws from its own seed, so the training curve is the same either way).
+NO_EVAL = ["--eval-iters", "0"]
+# FSDP2 runs take the global batch in one micro-batch per rank (12 = 6 x dp 2): its gathers and
+# reduce-scatters run per micro-batch, and the curve does not depend on the split (the
+# LLaDA crop is drawn per step, the masks per sample), so it still matches DDP's at 2 x 3.
+FSDP = ["--use-torch-fsdp2", "--untie-embeddings-and-output-weights", "--micro-batch-size", "6"]
 UNTIED = ["--untie-embeddings-and-output-weights"]
 
 
@@ -51,9 +58,11 @@ def _ddp_world(rank, world, tmp):
     for fmt in ("torch_dist", "torch"):
         save = os.path.join(tmp, f"ddp_{fmt}")
         out[f"part_{fmt}"] = _run(
-            UNTIED + ["--save", save, "--save-interval", "100", "--exit-interval", "10", "--ckpt-format", fmt]
+            UNTIED
+            + NO_EVAL
+            + ["--save", save, "--save-interval", "100", "--exit-interval", "4", "--ckpt-format", fmt]
         )
-        out[f"resume_{fmt}"] = _run(UNTIED + ["--load", save, "--ckpt-format", fmt])
+        out[f"resume_{fmt}"] = _run(UNTIED + NO_EVAL + ["--load", save, "--ckpt-format", fmt])
     return out
 
 
@@ -66,23 +75,24 @@ def ddp_runs(tmp_path_factory):
 def test_ddp_resume_is_bitwise_and_metrics_parse(ddp_runs):
     tmp_path, (a, b) = ddp_runs
     straight = a["straight"]
-    assert straight.wrapper == "DistributedDataParallel" and straight.iteration == 20
-    assert _losses(straight, 1, 20) == _losses(b["straight"], 1, 20)  # ranks agree
+    assert straight.wrapper == "DistributedDataParallel" and straight.iteration == ITERS
+    assert _losses(straight, 1, ITERS) == _losses(b["straight"], 1, ITERS)  # ranks agree
     for fmt in ("torch_dist", "torch"):
         part, resume = a[f"part_{fmt}"], a[f"resume_{fmt}"]
-        assert part.exit_reason == "exit_interval" and part.iteration == 10
-        assert sorted(resume.losses) == list(range(11, 21))
-        assert _losses(part, 1, 10) == _losses(straight, 1, 10)
+        assert part.exit_reason == "exit_interval" and part.iteration == HALF
+        assert sorted(resume.losses) == list(range(HALF + 1, ITERS + 1))
+        assert _losses(part, 1, HALF) == _losses(straight, 1, HALF)
         # bitwise: same floats, not approximately
-        assert _losses(resume, 11, 20) == _losses(straight, 11, 20), fmt
-        assert [resume.lrs[i] for i in range(11, 21)] == [straight.lrs[i] for i in range(11, 21)]
-    assert os.path.isfile(tmp_path / "ddp_torch" / "iter_0000010" / "mp_rank_00" / "model_optim_rng.pt")
-    assert (tmp_path / "ddp_torch_dist" / "latest_checkpointed_iteration.txt").read_text() == "10"
+        assert _losses(resume, HALF + 1, ITERS) == _losses(straight, HALF + 1, ITERS), fmt
+        second_half = range(HALF + 1, ITERS + 1)
+        assert [resume.lrs[i] for i in second_half] == [straight.lrs[i] for i in second_half]
+    assert os.path.isfile(tmp_path / "ddp_torch" / f"iter_{HALF:07d}" / "mp_rank_00" / "model_optim_rng.pt")
+    assert (tmp_path / "ddp_torch_dist" / "latest_checkpointed_iteration.txt").read_text() == str(HALF)
     # --metrics-jsonl: one JSON object per logged iteration, plus eval records
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     train = [m for m in records if m["event"] == "train"]
     evals = [m for m in records if m["event"] == "eval"]
-    assert [m["iteration"] for m in train] == list(range(1, 21))
+    assert [m["iteration"] for m in train] == list(range(1, ITERS + 1))
     for m in train:
         for key in (
             "iteration",
@@ -97,21 +107,22 @@ def test_ddp_resume_is_bitwise_and_metrics_parse(ddp_runs):
             assert key in m
         assert m["consumed_samples"] == 12 * m["iteration"] and m["tokens_per_sec"] > 0
         assert m["lm_loss"] == pytest.approx(straight.losses[m["iteration"]], rel=1e-12)
-    assert [e["iteration"] for e in evals] == [10, 20]
-    assert evals[0]["valid_nelbo"] == pytest.approx(straight.evals[10])
+    assert [e["iteration"] for e in evals] == [HALF, ITERS]
+    assert evals[0]["valid_nelbo"] == pytest.approx(straight.evals[HALF])
     # the loss falls on average (random tokens: towards log(vocab) from above)
-    assert sum(_losses(straight, 16, 20)) < sum(_losses(straight, 1, 5))
+    assert sum(_losses(straight, ITERS - 2, ITERS)) < sum(_losses(straight, 1, 3))
 
 
 # ------------------------------------------------------------------ world 2: FSDP2, 2 ranks
 def _fsdp_world(rank, world, tmp, ddp_torch_ckpt):
     save = os.path.join(tmp, "fsdp")
     return {
-        "straight": _run(FSDP),
-        "part": _run(FSDP + ["--save", save, "--save-interval", "5", "--exit-interval", "10"]),
-        "resume": _run(FSDP + ["--load", save]),
+        "straight": _run(FSDP + NO_EVAL),
+        # a periodic save before the exit's save (the resume reads the newest)
+        "part": _run(FSDP + NO_EVAL + ["--save", save, "--save-interval", "3", "--exit-interval", str(HALF)]),
+        "resume": _run(FSDP + NO_EVAL + ["--load", save]),
         # a DDP checkpoint in the single-file torch format, read into DTensor shards
-        "from_ddp_torch": _run(FSDP + ["--load", ddp_torch_ckpt]),
+        "from_ddp_torch": _run(FSDP + NO_EVAL + ["--load", ddp_torch_ckpt]),
     }
 
 
@@ -120,7 +131,7 @@ def _ddp3_world(rank, world, tmp):
     from megadlms.distributed import unwrap_model
     from megadlms.training import pipeline_run, train
 
-    out = {"from_fsdp": _run(UNTIED + ["--load", os.path.join(tmp, "fsdp")])}
+    out = {"from_fsdp": _run(UNTIED + NO_EVAL + ["--load", os.path.join(tmp, "fsdp")])}
 
     # NaN in rank 2's loss at iteration 3 only: the step is skipped on every rank.
     real_inputs, real_step = pipeline_run._train_inputs, train.train_step
@@ -146,11 +157,11 @@ def _ddp3_world(rank, world, tmp):
     pipeline_run._train_inputs, train.train_step = nan_inputs, spy_step
     try:
         inject = {2}  # 0-based: the third iteration
-        out["nan"] = _run(UNTIED + ["--train-iters", "5"])
+        out["nan"] = _run(UNTIED + NO_EVAL + ["--train-iters", "5"])
         out["sums"] = list(sums)
         inject = set(range(100))
         try:
-            _run(UNTIED + ["--train-iters", "5", "--nan-skip-limit", "1"])
+            _run(UNTIED + NO_EVAL + ["--train-iters", "5", "--nan-skip-limit", "1"])
             out["limit_error"] = None
         except RuntimeError as exc:
             out["limit_error"] = str(exc)
@@ -166,7 +177,9 @@ def _ddp3_world(rank, world, tmp):
     train.train_step = sigterm_step
     try:
         out["signal"] = _run(
-            UNTIED + ["--exit-signal-handler", "--save", os.path.join(tmp, "sig"), "--save-interval", "100"]
+            UNTIED
+            + NO_EVAL
+            + ["--exit-signal-handler", "--save", os.path.join(tmp, "sig"), "--save-interval", "100"]
         )
     finally:
         train.train_step = real_step
@@ -176,16 +189,17 @@ def _ddp3_world(rank, world, tmp):
 def _distopt_world(rank, world, tmp):
     fsdp = os.path.join(tmp, "fsdp")
     out = {
-        "resume": _run(UNTIED + ["--load", fsdp, "--use-distributed-optimizer"]),
-        "finetune": _run(UNTIED + ["--load", fsdp, "--finetune", "--train-iters", "4"]),
+        "resume": _run(UNTIED + NO_EVAL + ["--load", fsdp, "--use-distributed-optimizer"]),
+        "finetune": _run(UNTIED + NO_EVAL + ["--load", fsdp, "--finetune", "--train-iters", "4"]),
         "duration": _run(
             UNTIED
+            + NO_EVAL
             + ["--exit-duration-in-mins", "0", "--save", os.path.join(tmp, "dur"), "--save-interval", "100"]
         ),
-        "vanilla": _run(["--model-running-mode", "vanilla", "--train-iters", "4"]),
+        "vanilla": _run(NO_EVAL + ["--model-running-mode", "vanilla", "--train-iters", "4"]),
     }
     try:
-        _run(UNTIED + ["--load", fsdp, "--hidden-size", "64"])
+        _run(UNTIED + NO_EVAL + ["--load", fsdp, "--hidden-size", "64"])
         out["mismatch"] = None
     except ValueError as exc:
         out["mismatch"] = str(exc)
@@ -199,13 +213,13 @@ def test_fsdp2_resume_and_cross_wrapper_resharding(tmp_path, ddp_runs):
     straight = f["straight"]
     assert straight.wrapper == "TorchFullyShardedDataParallel"
     # dp-invariance across wrappers: FSDP2 and DDP runs of the same flags give the same curve
-    for i in range(1, 21):
+    for i in range(1, ITERS + 1):
         assert straight.losses[i] == pytest.approx(ddp["straight"].losses[i], rel=1e-5), i
-        if i > 10:
+        if i > HALF:
             assert f["from_ddp_torch"].losses[i] == pytest.approx(ddp["straight"].losses[i], rel=1e-5), i
-    assert f["part"].iteration == 10 and f["part"].exit_reason == "exit_interval"
-    # FSDP2 10 + resume 10 == 20 straight, to 1e-6
-    for i in range(11, 21):
+    assert f["part"].iteration == HALF and f["part"].exit_reason == "exit_interval"
+    # FSDP2 HALF + resume the rest == ITERS straight, to 1e-6
+    for i in range(HALF + 1, ITERS + 1):
         assert f["resume"].losses[i] == pytest.approx(straight.losses[i], rel=1e-6, abs=1e-6)
 
     # FSDP2 dp=2 checkpoint -> DDP dp=3 and distributed optimizer dp=1
@@ -213,8 +227,9 @@ def test_fsdp2_resume_and_cross_wrapper_resharding(tmp_path, ddp_runs):
     dist1 = run_distributed(_distopt_world, 1, (tmp,))[0]
     d1 = dist1["resume"]
     from_fsdp = d3[0]["from_fsdp"]
-    assert from_fsdp.wrapper == "DistributedDataParallel" and sorted(from_fsdp.losses) == list(range(11, 21))
-    for i in range(11, 21):
+    rest = list(range(HALF + 1, ITERS + 1))
+    assert from_fsdp.wrapper == "DistributedDataParallel" and sorted(from_fsdp.losses) == rest
+    for i in rest:
         assert from_fsdp.losses[i] == pytest.approx(straight.losses[i], rel=1e-5), i
         assert d1.losses[i] == pytest.approx(straight.losses[i], rel=1e-5), i
 
