@@ -163,17 +163,24 @@ def _destroy_groups() -> None:
             pass
 
 
+def _finish(store, job: int, world: int) -> int:
+    """Count this rank as done with the job; the last one opens the gate the others wait on."""
+    n = store.add(f"job{job}/finished", 1)
+    if n == world:
+        store.set(f"job{job}/all", b"1")
+    return n
+
+
 def _wait_for_peers(store, job: int, world: int, timeout: float) -> None:
     """Keep this rank's group open until every rank is done with the job.
 
     ``init_process_group`` does not wait for the peers to finish connecting: a rank that
     returned at once and destroyed its group would break a peer's half-made connection.
-    A failed rank does not wait (the ranks blocked on it then error out instead of hanging)."""
-    key, deadline = f"job{job}/finished", time.monotonic() + timeout
-    n = store.add(key, 1)
-    while n < world and time.monotonic() < deadline:
-        time.sleep(0.005)
-        n = store.add(key, 0)
+    A failed rank does not wait (the ranks blocked on it then error out instead of hanging).
+    A blocking wait, not polling: finished ranks would otherwise take turns with the store
+    and the rank still working for the 2 cores."""
+    if _finish(store, job, world) < world:
+        store.wait([f"job{job}/all"], datetime.timedelta(seconds=timeout))
 
 
 def _run_job(store, base: _Baseline, results, job, rank, world, timeout, env, cwd, payload) -> None:
@@ -211,8 +218,9 @@ def _run_job(store, base: _Baseline, results, job, rank, world, timeout, env, cw
         if msg[3]:
             _wait_for_peers(store, job, world, timeout)
         else:
-            store.add(f"job{job}/finished", 1)
-    except dist.DistError:  # the store went away with the pytest process: the watchdog exits us
+            _finish(store, job, world)
+    except dist.DistError:  # a peer never finished (the caller's timeout reports it), or the
+        # store went away with the pytest process (the watchdog then exits us)
         pass
     fn = args = out = None  # noqa: F841 (drop the job's objects before collecting)
     # Every time: the job's objects in reference cycles (a trainer, a DataLoader iterator

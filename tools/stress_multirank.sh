@@ -62,7 +62,7 @@ done
 tagged() {  # pids of live processes whose environment carries this run's tag
     local tag=$1 f
     for f in /proc/[0-9]*/environ; do
-        tr '\0' '\n' <"$f" 2>/dev/null | grep -qx "MEGADLMS_STRESS_RUN=$tag" && basename "$(dirname "$f")"
+        tr '\0' '\n' 2>/dev/null <"$f" | grep -qx "MEGADLMS_STRESS_RUN=$tag" && basename "$(dirname "$f")"
     done
 }
 
@@ -78,7 +78,7 @@ one_run() {  # one repetition; writes its verdict to $LOGS/verdict_$1
         sleep 1
     done
     if [ -n "$leaked" ]; then
-        for p in $leaked; do echo "    leaked: $(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null | cut -c1-160)"; done >>"$log"
+        for p in $leaked; do echo "    leaked: $(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | cut -c1-160)"; done >>"$log"
         kill -9 $leaked 2>/dev/null
     fi
     # teardown aborts: a rank or slot killed by SIGABRT, or the pool's exit-code check
