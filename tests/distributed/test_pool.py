@@ -117,15 +117,21 @@ def _exit_after_reporting(rank, world):
 
 def _leak_groups(rank, world):
     """Keep two gloo groups alive past the job (as objects in reference cycles or caches do)."""
+    before = len(os.listdir("/proc/self/task"))
     _LEAKED.extend([dist.new_group(), dist.new_group()])
-    return len(os.listdir("/proc/self/task"))
+    during = len(os.listdir("/proc/self/task"))
+    return during, (during - before) // 2  # threads now, threads per gloo group
 
 
 def test_a_slot_leaking_threads_is_recycled_cleanly(private_pool, monkeypatch):
     pool = private_pool
     first = pool.run(dist_utils._job_payload(_leak_groups, ()), 2, timeout=60)
     pids = [p.pid for p in pool.procs]
-    monkeypatch.setattr(dist_utils, "MAX_SLOT_THREADS", min(first) - 1)  # the leak is past it
+    during, per_group = min(n for n, _ in first), max(g for _, g in first)
+    assert per_group > 0
+    # the leak is past it; the job's default group is not counted: its threads end with the
+    # job (or shortly after), the leaked groups' do not
+    monkeypatch.setattr(dist_utils, "MAX_SLOT_THREADS", during - per_group - 1)
     again = pool.run(dist_utils._job_payload(_leak_groups, ()), 2, timeout=60)
     assert not set(pids) & {p.pid for p in pool.procs}  # stopped and respawned before the job
     assert again == first  # fresh slots: the leaked threads went with the old ones
