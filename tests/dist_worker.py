@@ -17,6 +17,7 @@ import gc
 import io
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import random
@@ -69,6 +70,16 @@ def kill_pids(pids) -> None:
             pass
 
 
+def _fresh_multiprocessing() -> None:
+    """A job's DataLoader workers and Processes start as in a fresh interpreter: with the
+    platform's default start method and no forkserver. A slot forked by the pool's forkserver
+    inherits that server's context and handles (its own forkserver would then be "not a
+    child": ChildProcessError)."""
+    multiprocessing.set_start_method(None, force=True)
+    fs = multiprocessing.forkserver._forkserver
+    fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = fs._inherited_fds = None
+
+
 class _Baseline:
     """The process state right after start-up, reinstated before every job."""
 
@@ -88,6 +99,7 @@ class _Baseline:
         self.signals = {sig: signal.getsignal(sig) for sig in _SIGNALS}
 
     def reset(self) -> None:
+        _fresh_multiprocessing()
         # a fresh process seeds torch, random and numpy non-deterministically: so do we
         torch.seed()
         random.seed()
