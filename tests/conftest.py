@@ -2,11 +2,17 @@
 the multi-rank worker pool (tests/dist_utils.py) is shut down, and checked, at session end."""
 
 import os
+import sys
 
 import pytest
 import torch
 
 os.environ.setdefault("OMP_NUM_THREADS", "2")
+# PYTHONDONTWRITEBYTECODE (set in some images) makes every run recompile and re-rewrite the
+# asserts of ~220 test modules (~5 s of CPU at collection), and every rank and CLI process
+# recompile megadlms: the suite keeps its bytecode in the git-ignored __pycache__ folders.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -7,14 +7,14 @@ module-level function (it travels by name) and whatever it returns picklable (re
 as ``torch.save`` bytes). An exception on any rank is re-raised here naming the rank, with
 its traceback.
 
-The ranks are slots of a pool of long-lived processes (spawning costs ~4 s of imports per
-rank): slot r serves rank r of every world of size > r, one job at a time, and the pool lives
+The ranks are slots of a pool of long-lived processes, forked from a forkserver that has
+imported torch once (a spawned rank costs ~4 s of imports; a forked one ~0.1 s): slot r serves rank r of every world of size > r, one job at a time, and the pool lives
 for the whole pytest session (tests/conftest.py shuts it down and fails the session if a slot
 then exits uncleanly). Each job runs in a process group of its own and in the state of a
 freshly spawned rank (tests/dist_worker.py lists what is reset). A failing job fails its test
 alone; a job that runs past ``timeout`` is reported with each stuck rank's stacks, and the
-pool is torn down and respawned for the next caller. ``fresh=True`` spawns a world for this
-call alone, for a job that needs what only a new process gives (an env var read at import or
+pool is torn down and respawned for the next caller. ``fresh=True`` spawns (a new
+interpreter, no forkserver) a world for this call alone, for a job that needs what only a new process gives (an env var read at import or
 library load, a clean ``sys.modules``).
 """
 
@@ -39,6 +39,7 @@ from tests import dist_worker
 
 SPAWN_TIMEOUT = 300.0  # start-up of new slots: not charged to a job's timeout
 GRACE = 15.0  # after one rank fails, how long the others get to report before teardown
+STACK_WAIT = 1.0  # at most, for a stuck slot's stack dump to appear (it takes milliseconds)
 STOP_TIMEOUT = 120.0  # all slots together: exits are slow on a loaded 2-core machine
 # A slot past this many threads is recycled between jobs. Gloo groups that a job's objects
 # keep alive outlive destroy_process_group with their threads (3 per group; measured: +21
@@ -58,10 +59,18 @@ def _job_payload(fn, args) -> bytes:
 
 
 class _Pool:
-    """Slots 0..n-1 (grown on demand), a shared result queue and the store they rendezvous on."""
+    """Slots 0..n-1 (grown on demand), a shared result queue and the store they rendezvous on.
 
-    def __init__(self):
-        self.ctx = mp.get_context("spawn")
+    ``grace`` and ``stack_wait`` default to GRACE and STACK_WAIT (the pool's own tests shorten
+    them); ``ctx`` is the multiprocessing context the slots start in."""
+
+    def __init__(self, grace: float | None = None, stack_wait: float | None = None, ctx=None):
+        self.grace = GRACE if grace is None else grace
+        self.stack_wait = STACK_WAIT if stack_wait is None else stack_wait
+        self.ctx = ctx or _forkserver()
+        self._reset()
+
+    def _reset(self) -> None:
         self.procs, self.tasks = [], []
         self.results = None
         self.store = None
@@ -166,7 +175,7 @@ class _Pool:
                 )
             errors.update(
                 dict.fromkeys(
-                    missing, f"no report {GRACE} s after another rank failed (pool torn down){stuck}"
+                    missing, f"no report {self.grace} s after another rank failed (pool torn down){stuck}"
                 )
             )
         if errors:
@@ -190,7 +199,7 @@ class _Pool:
                 else:
                     errors[rank] = data
             if errors:  # the rest either finish soon or wait on the failed rank: bound it
-                deadline = min(deadline, time.monotonic() + GRACE)
+                deadline = min(deadline, time.monotonic() + self.grace)
         return results, errors
 
     def _stacks(self, slots: list[int]) -> str:
@@ -200,11 +209,15 @@ class _Pool:
                 os.kill(self.procs[s].pid, signal.SIGUSR1)
             except ProcessLookupError:
                 pass
-        time.sleep(1.0)
+        paths = [os.path.join(self.dir, f"slot{s}.stacks") for s in slots]
+        deadline = time.monotonic() + self.stack_wait
+        while time.monotonic() < deadline and not all(_size(p) for p in paths):
+            time.sleep(0.01)
+        time.sleep(min(0.05, self.stack_wait))  # a dump that just began: let it finish
         out = []
-        for s in slots:
+        for s, path in zip(slots, paths):
             try:
-                with open(os.path.join(self.dir, f"slot{s}.stacks")) as f:
+                with open(path) as f:
                     out.append(f"\n--- rank {s} stacks ---\n{f.read()[:12000]}")
             except OSError:
                 pass
@@ -241,7 +254,22 @@ class _Pool:
             q.close()
         if self.dir:
             shutil.rmtree(self.dir, ignore_errors=True)
-        self.__init__()
+        self._reset()
+
+
+def _forkserver():
+    """The context pool slots start in: forked from a server that has imported torch once
+    (a spawned slot re-imports it: ~2-8 s a slot, paid again at each respawn)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["pytest", "tests.dist_worker"])
+    return ctx
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _thread_count(pid) -> int:
@@ -262,7 +290,7 @@ def run_distributed(fn, world_size: int, args=(), timeout: float = 300.0, fresh:
     processes for this call instead of using the session's pool.
     """
     payload = _job_payload(fn, args)
-    pool = _Pool() if fresh else _POOL
+    pool = _Pool(ctx=mp.get_context("spawn")) if fresh else _POOL  # fresh: a new interpreter
     try:
         out = pool.run(payload, world_size, timeout, name=getattr(fn, "__qualname__", repr(fn)))
     finally:

@@ -17,6 +17,7 @@ import gc
 import io
 import logging
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import pickle
 import random
@@ -69,6 +70,16 @@ def kill_pids(pids) -> None:
             pass
 
 
+def _fresh_multiprocessing() -> None:
+    """A job's DataLoader workers and Processes start as in a fresh interpreter: with the
+    platform's default start method and no forkserver. A slot forked by the pool's forkserver
+    inherits that server's context and handles (its own forkserver would then be "not a
+    child": ChildProcessError)."""
+    multiprocessing.set_start_method(None, force=True)
+    fs = multiprocessing.forkserver._forkserver
+    fs._forkserver_address = fs._forkserver_alive_fd = fs._forkserver_pid = fs._inherited_fds = None
+
+
 class _Baseline:
     """The process state right after start-up, reinstated before every job."""
 
@@ -88,6 +99,7 @@ class _Baseline:
         self.signals = {sig: signal.getsignal(sig) for sig in _SIGNALS}
 
     def reset(self) -> None:
+        _fresh_multiprocessing()
         # a fresh process seeds torch, random and numpy non-deterministically: so do we
         torch.seed()
         random.seed()
@@ -138,10 +150,19 @@ class _Baseline:
 
 
 def _watch_parent(parent: int) -> None:
-    """Exit (with everything this slot started) once the pytest process is gone."""
+    """Exit (with everything this slot started) once the pytest process is gone.
+
+    The slot's own parent is the pytest process (spawned) or the forkserver that forked it
+    (which exits with pytest): either way, being re-parented, or ``parent`` gone, means exit."""
+    first = os.getppid()
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent:
+        try:
+            os.kill(parent, 0)
+            gone = os.getppid() != first
+        except ProcessLookupError:
+            gone = True
+        if gone:
             kill_pids(process_tree(os.getpid()))
             os._exit(3)
 
@@ -154,17 +175,24 @@ def _destroy_groups() -> None:
             pass
 
 
+def _finish(store, job: int, world: int) -> int:
+    """Count this rank as done with the job; the last one opens the gate the others wait on."""
+    n = store.add(f"job{job}/finished", 1)
+    if n == world:
+        store.set(f"job{job}/all", b"1")
+    return n
+
+
 def _wait_for_peers(store, job: int, world: int, timeout: float) -> None:
     """Keep this rank's group open until every rank is done with the job.
 
     ``init_process_group`` does not wait for the peers to finish connecting: a rank that
     returned at once and destroyed its group would break a peer's half-made connection.
-    A failed rank does not wait (the ranks blocked on it then error out instead of hanging)."""
-    key, deadline = f"job{job}/finished", time.monotonic() + timeout
-    n = store.add(key, 1)
-    while n < world and time.monotonic() < deadline:
-        time.sleep(0.005)
-        n = store.add(key, 0)
+    A failed rank does not wait (the ranks blocked on it then error out instead of hanging).
+    A blocking wait, not polling: finished ranks would otherwise take turns with the store
+    and the rank still working for the 2 cores."""
+    if _finish(store, job, world) < world:
+        store.wait([f"job{job}/all"], datetime.timedelta(seconds=timeout))
 
 
 def _run_job(store, base: _Baseline, results, job, rank, world, timeout, env, cwd, payload) -> None:
@@ -202,14 +230,18 @@ def _run_job(store, base: _Baseline, results, job, rank, world, timeout, env, cw
         if msg[3]:
             _wait_for_peers(store, job, world, timeout)
         else:
-            store.add(f"job{job}/finished", 1)
-    except dist.DistError:  # the store went away with the pytest process: the watchdog exits us
+            _finish(store, job, world)
+    except dist.DistError:  # a peer never finished (the caller's timeout reports it), or the
+        # store went away with the pytest process (the watchdog then exits us)
         pass
     fn = args = out = None  # noqa: F841 (drop the job's objects before collecting)
     # Every time: the job's objects in reference cycles (a trainer, a DataLoader iterator
     # with its workers) hold its process groups, and a gloo group's threads run until the
-    # group itself is freed.
+    # group itself is freed. What survives the collection is held by modules and caches:
+    # freezing it keeps the next collection to that job's own objects (a full collection
+    # of torch's and megadlms' module objects costs 60-350 ms a job).
     gc.collect()
+    gc.freeze()
     _destroy_groups()
     base.reap_children()
     base.restore_logging()
@@ -223,6 +255,7 @@ def worker_main(slot: int, store_port: int, tasks, results, parent: int, stacks_
     threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     store = dist.TCPStore(HOST, store_port, is_master=False, timeout=datetime.timedelta(seconds=300))
     base = _Baseline()
+    gc.freeze()  # the start-up imports: never garbage, never traversed again
     results.put(("ready", slot, os.getpid()))
     while True:
         task = tasks.get()

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Repeat a multi-process test N times and count unclean runs (a failed test, a rank that
-# died after returning its result -- e.g. SIGABRT "terminate called without an active
-# exception" at interpreter exit -- or a run past the per-run time limit).
+# Repeat multi-process tests N times and count unclean runs: a failed test, a teardown abort
+# (a rank or pool slot that died after returning its result -- e.g. SIGABRT "terminate called
+# without an active exception" at interpreter exit, which the pool's shutdown check reports
+# as "exited uncleanly"), a process the run started still alive after it (found by a tag in
+# its environment, then killed), or a run past the per-run time limit.
 #
 #   tools/stress_multirank.sh [--load K] [--parallel P] [N] [PER_RUN_SECONDS] [pytest target...]
 #   tools/stress_multirank.sh 30 240 "tests/distributed/test_ddp.py::test_ddp_matches_torch_ddp[3]"
@@ -57,16 +59,36 @@ for _ in $(seq 1 "$LOAD"); do
     LOADERS+=($!)
 done
 
+tagged() {  # pids of live processes whose environment carries this run's tag
+    local tag=$1 f
+    for f in /proc/[0-9]*/environ; do
+        tr '\0' '\n' 2>/dev/null <"$f" | grep -qx "MEGADLMS_STRESS_RUN=$tag" && basename "$(dirname "$f")"
+    done
+}
+
 one_run() {  # one repetition; writes its verdict to $LOGS/verdict_$1
-    local i=$1 log="$LOGS/run_$1.log" rc
-    timeout -k 10 "$LIMIT" "$PY" -m pytest -q -x -p no:cacheprovider "${TARGETS[@]}" >"$log" 2>&1
+    local i=$1 log="$LOGS/run_$1.log" rc tag="$$-$1" leaked="" aborts t
+    MEGADLMS_STRESS_RUN=$tag timeout -k 10 "$LIMIT" "$PY" -m pytest -q -x -p no:cacheprovider "${TARGETS[@]}" >"$log" 2>&1
     rc=$?
-    if [ $rc -ne 0 ] || grep -q "terminate called" "$log"; then
-        echo "run $i: UNCLEAN (rc $rc) -> $log"
-        grep -m3 -E "terminate called|exited uncleanly|Error" "$log" | sed 's/^/    /'
+    # leaked processes: anything started by the run (pool slots, the forkserver, DataLoader
+    # workers, launchers) still alive a few seconds after pytest exited; they are killed
+    for t in 1 2 3 4 5; do
+        leaked=$(tagged "$tag")
+        [ -z "$leaked" ] && break
+        sleep 1
+    done
+    if [ -n "$leaked" ]; then
+        for p in $leaked; do echo "    leaked: $(tr '\0' ' ' 2>/dev/null <"/proc/$p/cmdline" | cut -c1-160)"; done >>"$log"
+        kill -9 $leaked 2>/dev/null
+    fi
+    # teardown aborts: a rank or slot killed by SIGABRT, or the pool's exit-code check
+    aborts=$(grep -c -E "terminate called|exited uncleanly|Aborted|core dumped" "$log")
+    if [ $rc -ne 0 ] || [ "$aborts" -ne 0 ] || [ -n "$leaked" ]; then
+        echo "run $i: UNCLEAN (rc $rc, $aborts teardown aborts, $(echo $leaked | wc -w) leaked processes) -> $log"
+        grep -m5 -E "terminate called|exited uncleanly|Aborted|leaked:|Error|passed|failed" "$log" | sed 's/^/    /'
     else
+        echo "run $i: clean ($(tail -1 "$log" | tr -d '='))"
         rm -f "$log"
-        echo "run $i: clean"
     fi >"$LOGS/verdict_$i"
 }
 
