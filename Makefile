@@ -20,7 +20,10 @@ export MAX_JOBS ?= 2
 export CFLAGS ?= -g0
 PYTEST_ARGS ?=
 # tests/tiers.py marks `slow` every test that starts ranks or a launcher, except its SMOKE list
-PYTEST := $(PY) -m pytest -p tests.tiers
+# Without bytecode caches (PYTHONDONTWRITEBYTECODE, set in some images, with a venv installed
+# without compiling) every rank, launcher and CLI process recompiles torch from source: ~3x the
+# CPU of each import. The suite writes the caches (tests/conftest.py does it for direct runs).
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -p tests.tiers
 
 # The install is redone only when the build inputs change (a stamp inside the venv), so
 # `make test` / `make demo` after the first run start at once.
