@@ -20,10 +20,11 @@ grad norms, validation NELBO and final weights must match the reference within 1
   bitwise the uninterrupted run's (RNG restored at the same layout);
 * too few micro-batches for the schedule stop the CLI with the error naming the flags.
 
-One spawn per world size does all its runs. Only the pp=2 x tp=2 x dp=2 curve runs on 8 ranks
-(8 ranks on 2 cores cost 4x): the resharding runs use 4, where the same pp/tp/dp changes fit.
-Runs whose evaluation no test reads pass --eval-iters 0 (the train stream does not depend on
-it).
+One world per size does all its runs (the 4-rank one in two jobs: a job's runs keep their
+process groups and their threads until it ends). Only the pp=2 x tp=2 x dp=2 curve runs on 8
+ranks (8 ranks on 2 cores cost 4x): the resharding runs use 4, where the same pp/tp/dp
+changes fit. Runs whose evaluation no test reads pass --eval-iters 0 (the train stream does
+not depend on it).
 """
 
 from __future__ import annotations
