@@ -9,7 +9,8 @@ distributed optimizer, FSDP2) resume at tp=2, and megadlms-generate loads a TP c
 The independent reference is the one-process run (the plain model, no collectives). The
 vocabulary is padded to the same 384 rows at every tp (--make-vocab-size-divisible-by 128
 at tp 1, 64 at tp 2: Megatron pads to a multiple of that x tp), so every layout trains the
-same model. One spawn per world size does all its runs.
+same model. One world per size does all its runs (the 4-rank one in two jobs); the runs
+whose evaluation no test reads pass --eval-iters 0.
 """
 
 from __future__ import annotations
@@ -29,12 +30,18 @@ TINY = (
     "--train-iters 5 --lr 2e-3 --min-lr 2e-4 --lr-decay-style cosine --lr-warmup-iters 1 "
     "--weight-decay 0.1 --clip-grad 1.0 --seed 7 --mock-data --num-workers 0 --log-interval 1 "
     "--eval-interval 5 --eval-iters 1 --difflm-eval-mc-samples 2 --difflm-varilen-prob 0.2 "
-    "--untie-embeddings-and-output-weights"
+    "--untie-embeddings-and-output-weights "
+    # The tests read the evaluation at iteration 5; stopping there by --exit-interval skips the
+    # end-of-training evaluations of the validation (the same numbers again) and test sets.
+    "--exit-interval 5"
 ).split()
 TP1 = ["--make-vocab-size-divisible-by", "128"]
 TP2 = ["--tensor-model-parallel-size", "2", "--make-vocab-size-divisible-by", "64"]
 DISTOPT = ["--use-distributed-optimizer"]
 DROPOUT = ["--attention-dropout", "0.1", "--hidden-dropout", "0.1"]
+# No evaluation (no valid/test set; the train stream does not depend on it): for the runs whose
+# NELBO no test reads.
+NOEVAL = ["--eval-iters", "0"]
 REL = 1e-5
 
 
@@ -85,43 +92,55 @@ def _counting_fused_gemms(argv):
         megadlm_ext.wgrad_accumulate = real
 
 
-def _four_rank_world(rank, world, tmp):
+def _four_rank_curves(rank, world, tmp):
     out = {
         "dp4": _run(TP1),
         "dp4_distopt": _run(TP1 + DISTOPT),
         "tp2_sp": _run(TP2 + ["--sequence-parallel"]),
         "tp2_distopt": _run(TP2 + DISTOPT + ["--overlap-grad-reduce", "--ddp-bucket-size", "2000"]),
-        "instances2": _run(TP1 + DISTOPT + ["--num-distributed-optimizer-instances", "2"]),
+        "instances2": _run(TP1 + DISTOPT + NOEVAL + ["--num-distributed-optimizer-instances", "2"]),
     }
     out["tp2"], out["fused_gemms"] = _counting_fused_gemms(TP2)
     out["tp2_nofusion"], out["unfused_gemms"] = _counting_fused_gemms(
         TP2 + ["--no-gradient-accumulation-fusion"]
     )
+    return out
+
+
+def _four_rank_resumes(rank, world, tmp):
+    out = {}
     ckpt = os.path.join(tmp, "tp2ckpt")
-    out["tp2_part"] = _run(TP2 + DISTOPT + ["--save", ckpt, "--save-interval", "100", "--exit-interval", "3"])
-    out["tp2_to_dp4"] = _run(TP1 + DISTOPT + ["--load", ckpt])
+    out["tp2_part"] = _run(
+        TP2 + DISTOPT + NOEVAL + ["--save", ckpt, "--save-interval", "100", "--exit-interval", "3"]
+    )
+    out["tp2_to_dp4"] = _run(TP1 + DISTOPT + NOEVAL + ["--load", ckpt])
     # and back: a tp1 checkpoint (DDP + distributed optimizer, or FSDP2) resumes at tp2
     for name, flags in (("dp4", DISTOPT), ("fsdp", ["--use-torch-fsdp2"])):
         root = os.path.join(tmp, f"{name}ckpt")
         out[f"{name}_part"] = _run(
-            TP1 + flags + ["--save", root, "--save-interval", "100", "--exit-interval", "3"]
+            TP1 + flags + NOEVAL + ["--save", root, "--save-interval", "100", "--exit-interval", "3"]
         )
-        out[f"{name}_to_tp2"] = _run(TP2 + DISTOPT + ["--load", root])
-    out["dropout"] = _replicated_after(TP2 + DROPOUT)
+        out[f"{name}_to_tp2"] = _run(TP2 + DISTOPT + NOEVAL + ["--load", root])
+    out["dropout"] = _replicated_after(TP2 + DROPOUT + NOEVAL)
     return out
 
 
 def _one_process_world(rank, world, tmp):
     return {
         "single": _run(TP1),
-        "tp2_to_single": _run(TP1 + ["--load", os.path.join(tmp, "tp2ckpt")]),
+        "tp2_to_single": _run(TP1 + NOEVAL + ["--load", os.path.join(tmp, "tp2ckpt")]),
     }
 
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("tp"))
-    four = run_distributed(_four_rank_world, 4, args=(tmp,), timeout=1500)
+    # Two jobs on the 4-rank world: a job's runs keep their process groups (and the groups'
+    # threads) until the job ends, and 14 runs in one job took a slot past the pool's
+    # recycling limit (a respawn, imports again, for the next test).
+    curves = run_distributed(_four_rank_curves, 4, args=(tmp,), timeout=900)
+    resumes = run_distributed(_four_rank_resumes, 4, args=(tmp,), timeout=900)
+    four = [{**a, **b} for a, b in zip(curves, resumes)]
     one = run_distributed(_one_process_world, 1, args=(tmp,), timeout=600)
     return four, one[0], tmp
 
