@@ -8,14 +8,15 @@ as ``torch.save`` bytes). An exception on any rank is re-raised here naming the 
 its traceback.
 
 The ranks are slots of a pool of long-lived processes, forked from a forkserver that has
-imported torch once (a spawned rank costs ~4 s of imports; a forked one ~0.1 s): slot r serves rank r of every world of size > r, one job at a time, and the pool lives
+imported torch once (a spawned rank costs ~4 s of imports; a forked one ~0.1 s): slot r
+serves rank r of every world of size > r, one job at a time, and the pool lives
 for the whole pytest session (tests/conftest.py shuts it down and fails the session if a slot
 then exits uncleanly). Each job runs in a process group of its own and in the state of a
 freshly spawned rank (tests/dist_worker.py lists what is reset). A failing job fails its test
 alone; a job that runs past ``timeout`` is reported with each stuck rank's stacks, and the
 pool is torn down and respawned for the next caller. ``fresh=True`` spawns (a new
-interpreter, no forkserver) a world for this call alone, for a job that needs what only a new process gives (an env var read at import or
-library load, a clean ``sys.modules``).
+interpreter, no forkserver) a world for this call alone, for a job that needs what only a
+new process gives (an env var read at import or library load, a clean ``sys.modules``).
 """
 
 from __future__ import annotations
