@@ -174,8 +174,8 @@ def run(argv: Optional[Sequence[str]] = None):
 def _teardown(ok: bool) -> None:
     """Destroy the process group so nothing of it is left to interpreter finalization.
 
-    The trainer's wrappers sit in reference cycles (autograd hooks) and keep their gloo
-    groups and work objects alive until a gc pass; if that pass is the interpreter's final
+    Objects of the run that sit in reference cycles keep their gloo groups and work objects
+    alive until a gc pass; if that pass is the interpreter's final
     one, gloo's worker threads are torn down with Python half gone and the process can abort
     ("terminate called without an active exception", SIGABRT, after correct results). So:
     collect those cycles first, then (on success, when every rank is here) a barrier so no

@@ -7,9 +7,8 @@ import torch
 
 from megadlms import checkpoint as ck
 from megadlms.pretrain import run
-from tests.hf.helpers import frozen_heap  # noqa: F401  (in-process runs: see its docstring)
 
-pytestmark = pytest.mark.usefixtures("frozen_heap")
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # in-process runs (tests/conftest.py)
 
 MODEL = (
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "

@@ -1,7 +1,4 @@
-"""Tiny megadlms checkpoints for the Hugging Face tests (and the frozen-heap fixture of the
-modules that call ``pretrain.run`` in the pytest process)."""
-
-import gc
+"""Tiny megadlms checkpoints for the Hugging Face tests."""
 
 import pytest
 import torch
@@ -71,16 +68,3 @@ def rope_swiglu_export(tmp_path_factory, rope_swiglu_ckpt):
     out = tmp_path_factory.mktemp("rope_swiglu_export")
     export_hf(str(ck), str(out))
     return out, ours
-
-
-@pytest.fixture(scope="module")
-def frozen_heap():
-    """Leave the pytest process's own objects out of the gc passes of in-process runs.
-
-    ``pretrain.run`` collects twice at its teardown (the trainer's reference cycles hold
-    its gloo groups); in the pytest process each full pass walks every object of the session
-    (~0.6 s a pass measured, over half of a 5-step run). Objects made after the freeze, the
-    trainer's included, are collected as before."""
-    gc.freeze()
-    yield
-    gc.unfreeze()

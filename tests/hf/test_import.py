@@ -11,7 +11,7 @@ from megadlms.models import GPTModel
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
-pytestmark = pytest.mark.usefixtures("frozen_heap")  # in-process runs (tests/hf/helpers.py)
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # in-process runs (tests/conftest.py)
 
 SMALL = dict(
     vocab_size=259,
