@@ -73,7 +73,13 @@ c10::cuda::CUDAStream side_stream(c10::Device device, const c10::cuda::CUDAStrea
 }
 
 std::mutex g_mu;
-std::list<Entry> g_entries;  // most recently used first
+// Most recently used first. Allocated once and never destroyed, as PyTorch does with its own
+// process-lifetime caches (the caching allocator, the cuBLAS handle pool): a namespace-scope
+// list would be destroyed by the exit handlers after the CUDA runtime has unloaded, and the
+// destructor of an entry's CUDA tensor then throws cudaErrorCudartUnloading inside a
+// destructor (std::terminate: every CUDA process ended with SIGABRT). The driver reclaims
+// the memory at exit.
+std::list<Entry>& g_entries = *new std::list<Entry>();
 int64_t g_bytes = 0;
 int64_t g_hits = 0, g_misses = 0;
 
