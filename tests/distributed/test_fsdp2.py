@@ -40,7 +40,7 @@ class RotaryEmbedding(nn.Module):
         )
 
     def forward(self, seq_len):
-        pos = torch.arange(seq_len, dtype=self.inv_freq.dtype)
+        pos = torch.arange(seq_len, dtype=self.inv_freq.dtype, device=self.inv_freq.device)
         return torch.outer(pos, self.inv_freq).cos().repeat_interleave(2, dim=-1)
 
 

@@ -62,6 +62,7 @@ def test_non_default_stream_orders_after_producer():
     assert abs(float(norm) - (64 * 4096 * 9.0) ** 0.5) < 1e-2
 
 
+@pytest.mark.cuda_graph
 def test_cuda_graph_capture_and_replay():
     """flatten / accumulate_into / l2_norm captured once, replayed on new values."""
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -94,6 +95,7 @@ def test_cuda_graph_capture_and_replay():
     assert torch.equal(flat, torch.cat([t.float() for t in ts]) * 2.0)
 
 
+@pytest.mark.cuda_graph
 def test_table_first_seen_under_capture_is_filled_for_eager_calls():
     """A table first uploaded while a graph is captured is filled outside the graph: an
     eager call that hits it before any replay reads the right segments."""

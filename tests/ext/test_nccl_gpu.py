@@ -101,6 +101,7 @@ def test_single_rank_overlap_on_own_stream():
         assert work.is_completed() and torch.equal(z, x)
 
 
+@pytest.mark.cuda_graph
 def test_collective_captured_into_a_cuda_graph_replays_without_a_watchdog_abort():
     """The watchdog (bound to this device) skips the captured work: no failed event query
     and no abort across several poll periods; replays redo the collective."""

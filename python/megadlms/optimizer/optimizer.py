@@ -169,6 +169,7 @@ class DTensorLayout:
                     "use mixed_precision_policy(bf16=True) for bf16 compute"
                 )
             self.entries.append(Entry(fqn, p, p))
+        self.device = next(iter(named_params)).device if named_params else torch.device("cpu")
 
     def all_fqns(self):
         return [(e.fqn, e.param) for e in self.entries]
@@ -253,8 +254,10 @@ class MixedPrecisionOptimizer:
                     }
                 )
         if not any(g["params"] for g in groups):
-            # This rank owns no elements (tiny model, large dp): keep torch.optim happy.
-            groups.append({"params": [torch.zeros(0)], "weight_decay": 0.0, "_entries": [], "_fqns": []})
+            # This rank owns no elements (tiny model, large dp): keep torch.optim happy, on the
+            # device the other ranks' params live on (their fused kernel choice is then this one's).
+            empty = torch.zeros(0, device=layout.device)
+            groups.append({"params": [empty], "weight_decay": 0.0, "_entries": [], "_fqns": []})
         layout.decoupled_grads = config.lowers_state
         layout.keep_buffer_grads = config.main_grads_dtype != torch.float32
         self.inner = inner_optimizer(config, groups)
@@ -420,8 +423,9 @@ class MixedPrecisionOptimizer:
                 st[key] = self.layout.local_piece(i, full).to(torch.float32).clone()
             if self.config.optimizer == "adam":
                 # torch's AdamW keeps a per-param step tensor for bias correction: rebuild it from the
-                # saved global count.
-                st["step"] = torch.tensor(float(self.step_count))
+                # saved global count (fp32 on the param's device for the fused kernel, as torch's own
+                # AdamW makes it; a host tensor otherwise, as before).
+                st["step"] = self._adam_step_tensor(e.main)
             self.inner.state[e.main] = st
         for sg in state_dict.get("param_groups", []):
             for g in self.inner.param_groups:
@@ -431,6 +435,11 @@ class MixedPrecisionOptimizer:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
         # Push the loaded main params into the model params (cast, and gather when sharded).
         self.layout.copy_main_to_model()
+
+    def _adam_step_tensor(self, main: torch.Tensor) -> torch.Tensor:
+        if any(g.get("fused") for g in self.inner.param_groups):
+            return torch.tensor(float(self.step_count), dtype=torch.float32, device=main.device)
+        return torch.tensor(float(self.step_count))
 
     # ------------------------------------------------------------------ precision-aware state
     @property

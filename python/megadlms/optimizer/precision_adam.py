@@ -153,6 +153,18 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         self.set_fp32(p, "exp_avg_sq", v)
 
 
+def adamw_kernel(config, groups: List[dict]) -> dict:
+    """torch.optim.AdamW's kernel choice (``OptimizerConfig.fused_adam``): None gives
+    ``fused=True`` when every main param is a CUDA tensor and torch's default elsewhere (the
+    per-tensor loop on CPU, so every CPU number stays bitwise what it was); True fuses on any
+    device torch's fused kernel supports (CPU included: tests run the fused plumbing there);
+    False keeps torch's default (foreach on CUDA)."""
+    if config.fused_adam is None:
+        on_cuda = all(p.is_cuda for g in groups for p in g["params"])
+        return {"fused": True} if on_cuda else {}
+    return {"fused": True} if config.fused_adam else {}
+
+
 def inner_optimizer(config, groups: List[dict]) -> torch.optim.Optimizer:
     """The torch optimizer that updates the main params of a MixedPrecisionOptimizer:
     AdamW, SGD, or (an OptimizerConfig dtype below fp32) the precision-aware AdamW."""
@@ -176,6 +188,7 @@ def inner_optimizer(config, groups: List[dict]) -> torch.optim.Optimizer:
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_eps,
             weight_decay=config.weight_decay,
+            **adamw_kernel(config, groups),
         )
     else:
         return torch.optim.SGD(

@@ -72,6 +72,12 @@ def _si(x: float) -> str:
     return f"{x:.0f}"
 
 
+def param_count(n: float) -> str:
+    """A parameter count for the log: millions below 1e9 (three significant digits, as small
+    test models print, e.g. ``0.804M``), billions from there (``1.73B``, not ``1.73e+03M``)."""
+    return f"{n / 1e9:.3g}B" if n >= 1e9 else f"{n / 1e6:.3g}M"
+
+
 def _hms(seconds: float) -> str:
     seconds = max(0, int(seconds))
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"

@@ -27,7 +27,7 @@ from megadlms.optimizer import get_optimizer
 from megadlms.parallel.sharding import counts_once
 
 from . import builders, pipeline_run
-from .logging_utils import MetricsLogger
+from .logging_utils import MetricsLogger, param_count
 from .reporting import Reporter
 from .run_state import RunResult, SignalFlag
 from .step import StepOut, train_step
@@ -95,7 +95,7 @@ class Trainer:
         check_model_for_mode(parts[0], config.diffusion)  # once, not per micro-batch
         self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
         # A collective (all-reduce over the world): every rank reaches this line in the same order.
-        self.num_params = _logical_params(parts, self.grad_groups)
+        self.num_params = _logical_params(parts, self.grad_groups, self.device)
         # Wrap after init_model: the wrapper buckets (DDP) or shards (FSDP2) the parameters as they are, so
         # they must already hold their final values.
         self.model = builders.wrap_model(model, config, self.grad_groups)
@@ -115,7 +115,7 @@ class Trainer:
             rank=self.rank, world_size=self.world, train_iters=t.train_iters, log=config.logging,
             save_dir=config.checkpoint.save, run_record=config.to_dict(),
             diffusion=config.diffusion.model_running_mode != "vanilla",
-            layout=f"{self.groups.describe()}, {self.params_per_rank / 1e6:.3g}M params/rank",
+            layout=f"{self.groups.describe()}, {param_count(self.params_per_rank)} params/rank",
             device=self.device,
         )  # fmt: skip
         self.reporter = Reporter(self)  # after the restore: it starts from the restored counters
@@ -195,7 +195,7 @@ class Trainer:
         _log.info(
             f"megadlms: {_wrapper_name(self.model)} | {self.world} rank(s) = {self.groups.describe()}, "
             f"{dist.get_backend()}, {self.device.type} | GPTModel {self.num_params / 1e6:.2f}M "
-            f"params ({self.params_per_rank / 1e6:.3g}M per rank), {m.num_layers} layers, "
+            f"params ({param_count(self.params_per_rank)} per rank), {m.num_layers} layers, "
             f"hidden {m.hidden_size}, {m.attention} "
             f"attention, vocab {m.vocab_size} | {c.diffusion.model_running_mode} | global "
             f"batch {self.gbs} = micro {self.mbs} x dp {self.dp_size} x {self.num_micro} accum | "
@@ -409,13 +409,14 @@ def _wrapper_name(model: DataParallel) -> str:
     return f"{type(chunks[0]).__name__} x {len(chunks)} chunk(s)"
 
 
-def _logical_params(parts, groups) -> int:
+def _logical_params(parts, groups, device) -> int:
     """Parameters of the full (unsharded) model (collective over the world): each element once,
     by the rule of the grad and params norms (``sharding.counts_once``)."""
     ranks = {"tp_rank": groups.tp.rank, "dp_rank": groups.dp.rank, "expert_dp_rank": groups.expert_dp.rank}
     total = sum(p.numel() for m in parts for p in m.parameters() if counts_once(p, **ranks))
     if groups.world_size > 1:  # the shards and stages live on different ranks
-        t = torch.tensor([float(total)], dtype=torch.float64)
+        # On the collective's device: NCCL takes no CPU tensors (a multi-GPU run would stop here).
+        t = torch.tensor([float(total)], dtype=torch.float64, device=device)
         dist.all_reduce(t)
         total = int(t.item())
     return total
