@@ -220,14 +220,34 @@ def fsdp_world(rank, world):
     )
 
     # --- no_sync over 4 micro-batches == one large batch ------------------------------
-    acc = TorchFullyShardedDataParallel(make_model())
-    big = torch.cat(data[1:5])  # 4 micro-steps, each world*MICRO rows
-    for i in range(4):
-        mb = data[1 + i][rank * MICRO : (rank + 1) * MICRO]
-        ctx = acc.no_sync() if i < 3 else torch.enable_grad()
-        with ctx:
-            (lm_loss(acc(mb), mb) / 4).backward()
-    acc.finish_grad_sync()
+    # ... and without resharding after forward (ZeRO-2): the same gradients, bitwise, from
+    # one all-gather per unit for the whole step instead of two per micro-batch.
+    gathers = {}
+    # FSDP2's collective (renamed all_gather_single in newer torch), counted where it is looked up
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    real_gather = getattr(dist, gather_name)
+    for reshard in (True, False):
+        acc = TorchFullyShardedDataParallel(make_model(), reshard_after_forward=reshard)
+        big = torch.cat(data[1:5])  # 4 micro-steps, each world*MICRO rows
+        count = [0]
+
+        def counting_gather(*args, **kwargs):
+            count[0] += 1
+            return real_gather(*args, **kwargs)
+
+        setattr(dist, gather_name, counting_gather)
+        try:
+            for i in range(4):
+                mb = data[1 + i][rank * MICRO : (rank + 1) * MICRO]
+                ctx = acc.no_sync() if i < 3 else torch.enable_grad()
+                with ctx:
+                    (lm_loss(acc(mb), mb) / 4).backward()
+        finally:
+            setattr(dist, gather_name, real_gather)
+        acc.finish_grad_sync()
+        gathers[reshard] = (count[0], [full(p.grad) for p in acc.module.parameters()])
+    out["gathers"] = {k: v[0] for k, v in gathers.items()}
+    out["zero2_same_grads"] = all(torch.equal(a, b) for a, b in zip(gathers[True][1], gathers[False][1]))
     ref_big = make_model()
     # the reference weights each micro-step's global mean equally, as the loop above does
     sum(
@@ -340,6 +360,10 @@ def test_fsdp2_against_references(world):
 
     assert r["unwrap_is_base"] and TorchFullyShardedDataParallel in r["classnames"]
     assert r["units"] == ["decoder.layers.0", "decoder.layers.1", "embedding", "output_layer"]
+    # ZeRO-2 (reshard_after_forward=False): each of the 5 FSDP states (4 units + the root)
+    # gathers once in the 4-micro-batch step; resharding gathers in every forward and again in
+    # every backward (40 with torch 2.13).
+    assert r["zero2_same_grads"] and r["gathers"][False] == 5 < r["gathers"][True], r["gathers"]
     assert not r["rotary_is_unit"] and r["root_is_fsdp"] and r["all_dtensor"]
     assert r["attr_shared"] is True and r["attr_sharding"] == ParamSharding(expert_dim=0)
     # torch 2.13 gloo averages under ReduceOp.AVG: no correction needed, and the value is right

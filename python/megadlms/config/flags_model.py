@@ -346,7 +346,9 @@ def _data_parallel_flags(g):
         "--torch-fsdp2-no-reshard-after-forward",
         action="store_false",
         dest="torch_fsdp2_reshard_after_forward",
-        help="FSDP2: keep gathered params after forward (accepted; the trainer always reshards).",
+        help="FSDP2 (ZeRO-2): keep each unit's gathered params after forward and through the step's "
+        "micro-batches (one all-gather per step instead of two per micro-batch; the unsharded "
+        "params stay in memory for the step).",
     )
     add_flag(
         g,

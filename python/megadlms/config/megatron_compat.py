@@ -47,13 +47,6 @@ WITHOUT_EFFECT = (
         "the format is always read from the checkpoint",
     ),
     (
-        # The dest is the positive name; its flag is the negative one, so the inert value is True.
-        "torch_fsdp2_reshard_after_forward",
-        "--torch-fsdp2-no-reshard-after-forward",
-        True,
-        "the trainer always reshards FSDP2 units after forward",
-    ),
-    (
         "tp_comm_overlap",
         "--tp-comm-overlap",
         False,

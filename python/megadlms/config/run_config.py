@@ -52,6 +52,11 @@ class ParallelConfig:
     """Derived when None; when given it must equal world / (tp x cp x pp)."""
     use_torch_fsdp2: bool = False
     """The data-parallel wrapper: PyTorch FSDP2 instead of megadlms DistributedDataParallel."""
+    torch_fsdp2_reshard_after_forward: bool = True
+    """FSDP2: free each unit's gathered parameters after its forward (re-gathered in backward,
+    and again for every micro-batch). False (Megatron's ``--torch-fsdp2-no-reshard-after-forward``,
+    "ZeRO-2"): gather once per step and keep the parameters through the step's micro-batches:
+    fewer all-gathers and casts, the unsharded 16-bit parameters held for the whole step."""
     distributed_backend: Optional[str] = None
     """torch.distributed backend; None: nccl when CUDA is available, else gloo."""
     distributed_timeout_minutes: int = 10

@@ -156,7 +156,8 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             :func:`mixed_precision_policy`.
         fsdp_unit_modules: classes or class names to shard as units (see :func:`select_fsdp_units`).
         reshard_after_forward: FSDP2's knob: free gathered parameters after forward (saves
-            memory, re-gathers in backward).
+            memory, re-gathers in backward). False (ZeRO-2) also keeps them gathered through
+            :meth:`no_sync` micro-batches: one all-gather per unit and step.
         sync_module_states: broadcast rank 0's parameters and buffers before sharding so the
             sharded model equals the model rank 0 built (what our DDP's broadcast does).
     """
@@ -217,6 +218,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
             # left to make equal.
             self._broadcast_from_rank0(module)
 
+        self.reshard_after_forward = reshard_after_forward
         self._shard(module, fsdp_unit_modules, reshard_after_forward)
         self.comm = build_communicator("torch", self.process_group)
         # Parameters and optimizer state are sharded over all of dp, or within an HSDP instance.
@@ -330,13 +332,19 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally (unsharded) without reduce-scatter; the first
-        backward after the block reduces the accumulated sum."""
-        # On the root only: FSDP2 applies it to every unit below (recurse=True).
+        backward after the block reduces the accumulated sum. Without resharding after
+        forward the gathered parameters also stay through these backwards, so the next
+        micro-batch's forward gathers nothing (the synced last backward frees them)."""
+        # On the root only: FSDP2 applies these to every unit below (recurse=True).
         self.module.set_requires_gradient_sync(False)
+        if not self.reshard_after_forward:
+            self.module.set_reshard_after_backward(False)
         try:
             yield
         finally:
             self.module.set_requires_gradient_sync(True)
+            if not self.reshard_after_forward:
+                self.module.set_reshard_after_backward(True)
 
     def start_grad_sync(self) -> None:
         """No-op: FSDP2 launches each unit's reduce-scatter from its post-backward hook."""

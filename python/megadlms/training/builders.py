@@ -97,7 +97,11 @@ def wrap_model(model: torch.nn.Module, config: RunConfig, groups: Optional[Paral
     if config.parallel.use_torch_fsdp2:
         # FSDP2 applies its own mixed precision; Float16Module would cast the weights it shards in fp32.
         return TorchFullyShardedDataParallel(
-            model, ddp, mixed_precision=fsdp_mixed_precision(config), parallel=groups
+            model,
+            ddp,
+            mixed_precision=fsdp_mixed_precision(config),
+            parallel=groups,
+            reshard_after_forward=config.parallel.torch_fsdp2_reshard_after_forward,
         )
     if opt.bf16 or opt.fp16:
         model = Float16Module(model, dtype=torch.bfloat16 if opt.bf16 else torch.float16)
