@@ -17,14 +17,13 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <stdexcept>
 #include <string>
 #include <type_traits>
 #include <utility>
 
 #include "megadlm/kernels.h"
+#include "launch.cuh"
 #include "multi_tensor_kernels.cuh"
 
 namespace megadlm {
@@ -43,11 +42,6 @@ const char* op_name(OpKind op) {
     case kCopyStreaming: return "streaming copy";
   }
   return "unknown op";
-}
-
-void check(cudaError_t e, const std::string& what) {
-  if (e != cudaSuccess)
-    throw std::runtime_error("megadlm_ext CUDA " + what + " failed: " + cudaGetErrorString(e));
 }
 
 // The one element kernel per (op, src type, dst type). `partials` (reductions): one
@@ -88,27 +82,10 @@ __global__ void megadlm_norm_finish_kernel(const float* partials, int n, float* 
   if (threadIdx.x == 0) *out = float(sqrt(sums[0]));
 }
 
-// SM count and resident blocks per SM of `kernel` on the current device, cached: the
-// occupancy query costs microseconds, a launch is on the hot path.
-std::pair<int, int> occupancy(const void* kernel) {
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  static std::mutex m;
-  static std::map<std::pair<const void*, int>, std::pair<int, int>> cache;
-  std::lock_guard<std::mutex> lock(m);
-  auto it = cache.find({kernel, dev});
-  if (it != cache.end()) return it->second;
-  int sms = 0, per_sm = 0;
-  check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
-        "cudaDeviceGetAttribute");
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0),
-        "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
-  return cache[{kernel, dev}] = {sms, per_sm};
-}
-
 template <int OP, class S, class D>
 int grid_of(int64_t total) {
-  const auto occ = occupancy(reinterpret_cast<const void*>(&megadlm_multi_tensor_kernel<OP, S, D>));
+  const auto occ =
+      occupancy(reinterpret_cast<const void*>(&megadlm_multi_tensor_kernel<OP, S, D>), kThreads);
   const int64_t cap = OP == kSumSquares ? kMaxReduceBlocks : int64_t(1) << 30;
   return grid_size((total + kChunk - 1) / kChunk, occ.second, occ.first, cap);
 }
@@ -164,15 +141,7 @@ int grid_for(OpKind op, int32_t pair, int64_t total) {
 
 void run(OpKind op, int32_t pair, const Segment* d_segs, int64_t nseg, int64_t total, float scale,
          void* d_workspace, void* d_out, void* stream_ptr) {
-  // An error left pending by earlier asynchronous work would otherwise surface at our
-  // launch check and be blamed on this op.
-  const cudaError_t prior = cudaGetLastError();
-  if (prior != cudaSuccess)
-    throw std::runtime_error(
-        std::string("megadlm_ext CUDA: an error from earlier work on this device was "
-                    "pending before ") +
-        op_name(op) + " ran (not raised by megadlm_ext): " + cudaGetErrorString(prior) +
-        ". Run with CUDA_LAUNCH_BLOCKING=1 to find the failing call");
+  check_pending(op_name(op));
   Launch l{d_segs,
            nseg,
            total,

@@ -180,25 +180,38 @@ __device__ __forceinline__ void process_any(const Segment& s, int64_t a, int64_t
   }
 }
 
-// One thread's share of the work of block blockIdx.x: the block takes its even share
-// of chunks of the global range (one binary search per block, then the segments in
-// order); within a segment the block's threads split the elements.
-template <int OP, class S, class D>
-__device__ void block_range(const Segment* __restrict__ segs, int64_t nseg, int64_t total,
-                            float scale, const int* flag, Acc& acc) {
+// The segment walk of block blockIdx.x: the block takes its even share of chunks of the
+// global range (one binary search per block, then the segments in order) and calls
+// f(segment, a, b) for the segment-local element range [a, b) of each segment it covers;
+// f returns false to stop the walk. Any table row with an int64_t `start` (Segment, or the
+// fused AdamW step's AdamTensor, adam_kernels.cuh).
+template <class Seg, class F>
+__device__ __forceinline__ void walk_block_range(const Seg* __restrict__ segs, int64_t nseg,
+                                                 int64_t total, F&& f) {
   int64_t c0, c1;
   block_chunks((total + kChunk - 1) / kChunk, gridDim.x, blockIdx.x, &c0, &c1);
   const int64_t begin = c0 * kChunk;
   const int64_t end = c1 * kChunk < total ? c1 * kChunk : total;
   if (begin >= end) return;
   for (int64_t i = find_segment(segs, nseg, begin); i < nseg && segs[i].start < end; ++i) {
-    if (OP == kNonFinite && *reinterpret_cast<const volatile int*>(flag))
-      return;  // found elsewhere
-    const Segment s = segs[i];
+    const Seg s = segs[i];
     const int64_t s1 = segment_end(segs, nseg, i, total);
     const int64_t lo = begin > s.start ? begin : s.start, hi = end < s1 ? end : s1;
-    process_any<OP, S, D>(s, lo - s.start, hi - s.start, scale, acc);
+    if (!f(s, lo - s.start, hi - s.start)) return;
   }
+}
+
+// One thread's share of the work of block blockIdx.x (within a segment the block's
+// threads split the elements).
+template <int OP, class S, class D>
+__device__ void block_range(const Segment* __restrict__ segs, int64_t nseg, int64_t total,
+                            float scale, const int* flag, Acc& acc) {
+  walk_block_range(segs, nseg, total, [&](const Segment& s, int64_t a, int64_t b) {
+    if (OP == kNonFinite && *reinterpret_cast<const volatile int*>(flag))
+      return false;  // found elsewhere
+    process_any<OP, S, D>(s, a, b, scale, acc);
+    return true;
+  });
 }
 
 }  // namespace cuda

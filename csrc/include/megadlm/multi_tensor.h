@@ -60,13 +60,17 @@ struct Segment {
 };
 static_assert(sizeof(Segment) == 32, "Segment layout is shared with the CUDA kernels");
 
-// Number of elements of segment i given the table and the global total.
-MEGADLM_HD int64_t segment_end(const Segment* segs, int64_t nseg, int64_t i, int64_t total) {
+// The walk helpers below take any table row with an int64_t `start` (Segment, or the
+// AdamTensor rows of the fused AdamW step, megadlm/adam.h).
+// Global end of segment i given the table and the global total.
+template <class Seg>
+MEGADLM_HD int64_t segment_end(const Seg* segs, int64_t nseg, int64_t i, int64_t total) {
   return i + 1 < nseg ? segs[i + 1].start : total;
 }
 
 // Index of the segment containing global element g (segs sorted by start, g < total).
-MEGADLM_HD int64_t find_segment(const Segment* segs, int64_t nseg, int64_t g) {
+template <class Seg>
+MEGADLM_HD int64_t find_segment(const Seg* segs, int64_t nseg, int64_t g) {
   int64_t lo = 0, hi = nseg - 1;
   while (lo < hi) {  // last segment with start <= g
     int64_t mid = (lo + hi + 1) >> 1;
