@@ -478,6 +478,7 @@ py::dict backend_info() {
 }  // namespace megadlm
 
 void megadlm_register_nccl(py::module_& m);  // csrc/nccl/nccl_bindings.cpp
+void megadlm_register_adam(py::module_& m);  // csrc/adam_bindings.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace megadlm;
@@ -513,4 +514,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Tests/benchmarks: drop cached device tables (not those held by captured CUDA graphs).");
 #endif
   megadlm_register_nccl(m);
+  megadlm_register_adam(m);
 }

@@ -16,6 +16,7 @@ import os
 import torch  # noqa: F401  (loads libtorch before _C)
 
 from . import reference as _ref
+from . import reference_adam as _ref_adam
 
 __version__ = "0.1.0"
 _log = logging.getLogger("megadlm_ext")
@@ -147,4 +148,51 @@ def grouped_gemm(a, b, batch_sizes, *, trans_a=False, trans_b=False, out=None, a
         )
     return impl.grouped_gemm(
         a, b, batch_sizes, trans_a=trans_a, trans_b=trans_b, out=out, accumulate=accumulate, alpha=alpha
+    )
+
+
+def adamw_step(
+    params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step, model_params=None
+) -> None:
+    """One AdamW step (torch's math, decoupled weight decay) over lists of tensors, in place:
+    one kernel launch for all of them on CUDA, a C++ kernel on CPU.
+
+    Per element, in fp32 registers: ``p *= 1 - lr*weight_decay``; ``m = beta1*m + (1-beta1)*g``;
+    ``v = beta2*v + (1-beta2)*g*g``; ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)`` with
+    ``bc_i = 1 - beta_i**step``. ``step`` is the number of this update (1 for the first, as
+    torch's AdamW counts after its increment). The parameter is updated from the unrounded
+    new moments; the moments are stored rounded (to nearest even) to their dtypes after.
+
+    - ``params``: fp32 main params, written. ``grads``: fp32 or bf16, read.
+    - ``exp_avgs`` / ``exp_avg_sqs``: fp32, bf16 or fp16, stored unscaled, written.
+    - ``model_params`` (optional): bf16 / fp16 copies written from the new fp32 params in the
+      same pass (what ``copy_main_to_model`` does next, without re-reading the param).
+
+    One entry per parameter in every list, each the parameter's number of elements (any
+    shape), contiguous, on params[0]'s device; one dtype per list (call once per dtype
+    combination); no two tensors may share memory. Every op rounds once to fp32 (no FMA):
+    the CPU kernel, the CUDA kernel and the reference route are bitwise equal. Launched on
+    torch's current stream, no host sync; the scalars are fixed at the call (a captured
+    CUDA graph replays the same step number). Bad arguments raise ValueError naming the list
+    and index.
+    """
+    impl = _impl()
+    fn = _ref_adam.adamw_step if impl is _ref else getattr(impl, "adamw_step", None)
+    if fn is None:  # a _C built before the op existed
+        raise RuntimeError(
+            "megadlm_ext._C has no adamw_step: it was built from older sources; rebuild it "
+            "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)"
+        )
+    fn(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        model_params=model_params,
     )

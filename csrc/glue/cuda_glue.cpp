@@ -198,6 +198,10 @@ void clear_table_cache() {
   g_hits = g_misses = 0;
 }
 
+at::Tensor cached_device_table(c10::Device device, const std::vector<Segment>& rows) {
+  return device_table(device, rows, c10::cuda::getCurrentCUDAStream(device.index()));
+}
+
 int grid_for(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total) {
   c10::cuda::CUDAGuard guard(device);
   return cuda::grid_for(op, uniform_pair(segs.data(), int64_t(segs.size())), total);

@@ -23,6 +23,11 @@ at::Tensor cuda_run(OpKind op, c10::Device device, const std::vector<Segment>& s
 // drops every entry not held by a captured CUDA graph. For tests and benchmarks.
 std::tuple<int64_t, int64_t, int64_t> table_cache_stats();
 void clear_table_cache();
+// The device-table cache for another kernel's table (the fused AdamW step's), given as
+// rows of sizeof(Segment) bytes: the cache compares bytes, whatever the rows mean. Returns
+// the device copy on `device`, valid for work queued on its current stream from now on;
+// hold it until the launch is queued.
+at::Tensor cached_device_table(c10::Device device, const std::vector<Segment>& rows);
 // Blocks of the element kernel `cuda_run` would launch for this table.
 int grid_for(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total);
 
