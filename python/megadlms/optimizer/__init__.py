@@ -29,6 +29,11 @@ def dtensor_problems(config: OptimizerConfig, who: str = "DTensor-sharded (FSDP2
     (``who`` names the switch that shards them; the CLI checks this before launch)."""
     if config.fp16:  # the fp16 grad scaler unscales local tensors, not DTensor shards
         return [f"{who} is incompatible with fp16, which needs loss scaling: use bf16"]
+    if config.fused_adam == "megadlm":  # adamw_fused.py takes plain tensors
+        return [
+            f"{who} is incompatible with fused_adam='megadlm' (our kernel steps plain tensors): "
+            "keep the default, torch's fused AdamW on CUDA"
+        ]
     return []
 
 

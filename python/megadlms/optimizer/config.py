@@ -54,12 +54,17 @@ class OptimizerConfig:
     """Adam's first moment in memory: 'fp32', 'bf16', 'fp16' or 'fp8' (E4M3, scaled)."""
     exp_avg_sq_dtype: DtypeLike = torch.float32
     """Adam's second moment in memory: same choices."""
-    fused_adam: Optional[bool] = None
-    """AdamW's step as torch's fused kernel (``torch.optim.AdamW(fused=True)``: one pass over
-    every tensor, ~3x faster than foreach on a GPU). None: fused when the main params are CUDA
-    tensors, torch's default elsewhere (the per-tensor loop on CPU: CPU numbers unchanged);
-    True: fused on any device (CPU too); False: torch's default (foreach on CUDA), for
-    debugging. Not used by the precision-aware optimizer (its own step)."""
+    fused_adam: Optional[Union[bool, str]] = None
+    """Which AdamW step runs. fp32 state: None is torch's fused kernel
+    (``torch.optim.AdamW(fused=True)``: one pass over every tensor, ~3x faster than foreach on
+    a GPU) when the main params are CUDA tensors and torch's default elsewhere (the per-tensor
+    loop on CPU: CPU numbers unchanged); True: torch's fused kernel on any device (CPU too);
+    False: torch's default (foreach on CUDA), for debugging; "megadlm": our fused kernel
+    (``megadlm_ext.adamw_step``, one launch; its C++ kernel on CPU), same state and checkpoints.
+    Precision-aware optimizer (a dtype below fp32): None is our fused kernel on CUDA and the
+    per-parameter Python step on CPU; "megadlm": our kernel everywhere; False: the Python step
+    everywhere; True is refused (torch's kernel keeps fp32 state). The scaled fp16 / fp8 moments
+    and fp16 main params always take the Python step (optimizer/adamw_fused.py)."""
 
     @property
     def lowers_state(self) -> bool:
@@ -75,6 +80,15 @@ class OptimizerConfig:
             except ValueError as exc:
                 bad.add(str(exc))
         bad.check(not (self.bf16 and self.fp16), "fp16 and bf16 are exclusive: pick one")
+        if bad.check(
+            self.fused_adam in (None, True, False, "megadlm"),
+            f"fused_adam must be None, True, False or 'megadlm', got {self.fused_adam!r}",
+        ):
+            bad.check(
+                not (self.fused_adam is True and self.lowers_state),
+                "fused_adam=True is torch's fused AdamW, which keeps fp32 state: with an optimizer "
+                "dtype below fp32 use fused_adam=None (our fused step on CUDA) or 'megadlm'",
+            )
         bad.check(
             self.optimizer in ("adam", "sgd"), f"optimizer must be 'adam' or 'sgd', got {self.optimizer!r}"
         )

@@ -8,6 +8,11 @@ those fp32 tensors, the parameter is updated from the UNROUNDED new moments, and
 the moments are stored rounded to their dtypes (``StateCodec.encode_``), as TE's kernel does.
 With every dtype fp32 the step is bitwise torch.optim.AdamW's single-tensor step.
 
+Where the step runs (``kernel``, adamw_fused.py): with unscaled state (fp32 / bf16 moments, fp32
+main params) CUDA params take ``megadlm_ext.adamw_step``, one fused launch per param group, same
+math order and rounding order to fp32 rounding; CPU params keep the per-parameter step below
+(bitwise as before), and so do the scaled codecs (fp16 / fp8 moments, fp16 main params).
+
 Gradients are read from ``param.decoupled_grad`` when set (Megatron's and TE's name: a main
 grad whose dtype differs from the main param's, e.g. a bf16 grad buffer), else ``param.grad``;
 a 16-bit gradient is upcast per parameter, one transient fp32 copy at a time.
@@ -25,6 +30,7 @@ from typing import Dict, List, Optional
 import torch
 from torch.optim.adam import adam as _adam_step
 
+from .adamw_fused import KERNELS, fused_group_step, kernel_applies, kernel_from_config, uses_kernel
 from .precision import StateCodec
 
 STATE_KEYS = ("exp_avg", "exp_avg_sq")
@@ -51,7 +57,10 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         exp_avg_dtype: torch.dtype = torch.float32,
         exp_avg_sq_dtype: torch.dtype = torch.float32,
         master_dtype: Optional[torch.dtype] = None,
+        kernel: str = "auto",
     ) -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
         super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
         self.codecs: Dict[str, StateCodec] = {
             "exp_avg": StateCodec(exp_avg_dtype),
@@ -60,6 +69,8 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
         if master_dtype is not None:  # main params held in the state (main_params_dtype fp16)
             self.codecs["master_param"] = StateCodec(master_dtype)
         self.scales: Dict[torch.Tensor, Dict[str, torch.Tensor]] = {}
+        # The fused step (adamw_fused.py): where `kernel` sends a param, for unscaled state.
+        self.kernel = kernel if kernel_applies(self.codecs) else "python"
 
     # ------------------------------------------------------------------ state access
     def _init_state(self, p: torch.Tensor) -> dict:
@@ -112,11 +123,17 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
+            fused = []
             for p in group["params"]:
                 g = grad_of(p)
                 if g is None:
                     continue
-                self._step_one(p, g, group, beta1, beta2)
+                if uses_kernel(self.kernel, p):
+                    fused.append((p, g))
+                else:
+                    self._step_one(p, g, group, beta1, beta2)
+            if fused:
+                fused_group_step(self, fused, group)
         return None
 
     def _step_one(self, p, g, group, beta1, beta2) -> None:
@@ -168,9 +185,10 @@ def adamw_kernel(config, groups: List[dict]) -> dict:
 def inner_optimizer(config, groups: List[dict]) -> torch.optim.Optimizer:
     """The torch optimizer that updates the main params of a MixedPrecisionOptimizer:
     AdamW, SGD, or (an OptimizerConfig dtype below fp32) the precision-aware AdamW."""
-    if config.optimizer == "adam" and config.lowers_state:
+    if config.optimizer == "adam" and (config.lowers_state or config.fused_adam == "megadlm"):
         # Any dtype below fp32: moments (and main params) stored low, stepped in fp32. All-fp32
-        # stays on torch's AdamW below, so the default is bitwise what it always was.
+        # stays on torch's AdamW below, so the default is bitwise what it always was, unless
+        # fused_adam="megadlm" asks for our fused kernel (fp32 state, same checkpoints).
         return PrecisionAwareAdamW(
             groups,
             lr=config.lr,
@@ -180,6 +198,7 @@ def inner_optimizer(config, groups: List[dict]) -> torch.optim.Optimizer:
             exp_avg_dtype=config.exp_avg_dtype,
             exp_avg_sq_dtype=config.exp_avg_sq_dtype,
             master_dtype=None if config.main_params_dtype == torch.float32 else config.main_params_dtype,
+            kernel=kernel_from_config(config),
         )
     elif config.optimizer == "adam":
         return torch.optim.AdamW(
