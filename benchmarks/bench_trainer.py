@@ -97,15 +97,15 @@ def run_row(name: str, model: list, iters: int, folder: str, timeout: float) -> 
 def table(results: list, peak: float, what: str) -> list:
     lines = [
         f"## trainer throughput ({what}; medians of iterations 2..N)",
-        f"| row | micro-batch | global batch | s/iter | TFLOP/s/GPU | MFU (of {peak:g}) | tokens/s | mem GB "
-        "| exit |",
+        f"| row | micro-batch | global batch | s/iter | TFLOP/s/GPU | MFU (of {peak:g} TFLOP/s) | tokens/s "
+        "| mem GB | exit |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        mfu = r["tflops"] / peak if peak else float("nan")
+        mfu = f"{r['tflops'] / peak:.1%}" if peak else "- (no peak known)"
         status = "0" if r["ok"] else f"FAIL ({r['rc']})"
         lines.append(
-            f"| {r['name']} | {r['mbs']} | {r['gbs']} | {r['s']:.3f} | {r['tflops']:.1f} | {mfu:.1%} | "
+            f"| {r['name']} | {r['mbs']} | {r['gbs']} | {r['s']:.3f} | {r['tflops']:.1f} | {mfu} | "
             f"{r['tokens'] / 1e3:.1f}k | {r['mem']:.1f} | {status} |"
         )
     return lines
