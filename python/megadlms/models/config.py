@@ -38,6 +38,11 @@ class TransformerConfig:
     """Query heads (--num-attention-heads)."""
     vocab_size: int
     """Rows of the embedding / output layer (already padded by the caller if wanted)."""
+    unpadded_vocab_size: Optional[int] = None
+    """Real tokens: rows [unpadded_vocab_size, vocab_size) are Megatron's padding
+    (--make-vocab-size-divisible-by), never tokens. Training's softmax still runs over every
+    row (Megatron's); sampling and answer scoring leave the padding out. Recorded with the
+    model in checkpoints; None: every row is a token."""
     seq_length: int
     """Training sequence length (--seq-length)."""
     max_position_embeddings: Optional[int] = None
@@ -130,10 +135,17 @@ class TransformerConfig:
         """Fill the derived defaults (Megatron's rules) and check every field."""
         bad = Problems("TransformerConfig")
         bad.positive(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
+        bad.positive(self, "unpadded_vocab_size", required=False)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if bad.items:  # the rules below need the sizes
             bad.raise_if_any()
+        if self.unpadded_vocab_size is not None:
+            bad.check(
+                self.unpadded_vocab_size <= self.vocab_size,
+                f"unpadded_vocab_size {self.unpadded_vocab_size} exceeds vocab_size {self.vocab_size}: "
+                "the embedding needs a row per token (pad vocab_size up, never down)",
+            )
         bad.check(
             self.seq_length <= self.max_position_embeddings,
             f"seq_length {self.seq_length} exceeds max_position_embeddings "
