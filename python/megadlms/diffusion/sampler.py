@@ -158,11 +158,10 @@ def generate(
     training flag restored afterwards.
 
     Only real tokens are drawn: the logits are cut to the first ``vocab_size`` rows (default:
-    the model's ``config.unpadded_vocab_size``, recorded in checkpoints) before the argmax,
-    the Gumbel draw and the confidence softmax, as the Hugging Face export drops Megatron's
-    padding rows (``megadlms.diffusion.vocab``). Under tensor parallelism every TP rank calls
-    this with the same prompt and seed: the model's vocab slices are all-gathered, so the
-    ranks draw the same tokens.
+    the model's recorded ``config.unpadded_vocab_size``) before any draw or softmax, as the
+    Hugging Face export drops Megatron's padding rows (``megadlms.diffusion.vocab``). Under
+    tensor parallelism every TP rank calls this with the same prompt and seed (the vocab
+    slices are all-gathered: the ranks draw the same tokens).
     """
     _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
     num_blocks = gen_length // block_length

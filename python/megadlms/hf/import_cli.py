@@ -58,8 +58,7 @@ def import_hf(
     real_tokens = tok.get_vocab_size(with_added_tokens=True)
     mask_id, added = _mask_token(tok, mask_token)
     hf = read_hf_config(hf_dir)
-    # Either size may be larger: HF pads vocab_size, and added tokens can go past it. The real vocabulary is
-    # the larger (HF's own rows stay tokens, as its generate samples them); Megatron's padding is not.
+    # Either may be larger (HF pads vocab_size; added tokens go past it): HF's own rows stay tokens, as in HF.
     real = max(hf["vocab_size"], tok.get_vocab_size(with_added_tokens=True))
     vocab = padded_vocab_size(real, vocab_divisible_by)
     cfg = transformer_config_from_hf(hf, f"--hf {hf_dir}", seq_length=seq_length, attention=attention)

@@ -135,17 +135,11 @@ class TransformerConfig:
         """Fill the derived defaults (Megatron's rules) and check every field."""
         bad = Problems("TransformerConfig")
         bad.positive(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
-        bad.positive(self, "unpadded_vocab_size", required=False)
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
         if bad.items:  # the rules below need the sizes
             bad.raise_if_any()
-        if self.unpadded_vocab_size is not None:
-            bad.check(
-                self.unpadded_vocab_size <= self.vocab_size,
-                f"unpadded_vocab_size {self.unpadded_vocab_size} exceeds vocab_size {self.vocab_size}: "
-                "the embedding needs a row per token (pad vocab_size up, never down)",
-            )
+        _check_unpadded_vocab(self, bad)
         bad.check(
             self.seq_length <= self.max_position_embeddings,
             f"seq_length {self.seq_length} exceeds max_position_embeddings "
@@ -221,6 +215,16 @@ class TransformerConfig:
         if isinstance(kw.get("params_dtype"), str):
             kw["params_dtype"] = getattr(torch, kw["params_dtype"])
         return cls(**kw)
+
+
+def _check_unpadded_vocab(c: TransformerConfig, bad: Problems) -> None:
+    """The real vocabulary fits the rows: ``unpadded_vocab_size`` in 1..``vocab_size``."""
+    bad.positive(c, "unpadded_vocab_size", required=False)
+    if isinstance(c.unpadded_vocab_size, int) and c.unpadded_vocab_size > c.vocab_size:
+        bad.add(
+            f"unpadded_vocab_size {c.unpadded_vocab_size} exceeds vocab_size {c.vocab_size}: "
+            "the embedding needs a row per token (pad vocab_size up, never down)"
+        )
 
 
 def _check_moe(c: TransformerConfig, bad: Problems) -> None:
