@@ -38,6 +38,11 @@ class TransformerConfig:
     """Query heads (--num-attention-heads)."""
     vocab_size: int
     """Rows of the embedding / output layer (already padded by the caller if wanted)."""
+    unpadded_vocab_size: Optional[int] = None
+    """Real tokens: rows [unpadded_vocab_size, vocab_size) are Megatron's padding
+    (--make-vocab-size-divisible-by), never tokens. Training's softmax still runs over every
+    row (Megatron's); sampling and answer scoring leave the padding out. Recorded with the
+    model in checkpoints; None: every row is a token."""
     seq_length: int
     """Training sequence length (--seq-length)."""
     max_position_embeddings: Optional[int] = None
@@ -134,6 +139,7 @@ class TransformerConfig:
             self.max_position_embeddings = self.seq_length
         if bad.items:  # the rules below need the sizes
             bad.raise_if_any()
+        _check_unpadded_vocab(self, bad)
         bad.check(
             self.seq_length <= self.max_position_embeddings,
             f"seq_length {self.seq_length} exceeds max_position_embeddings "
@@ -209,6 +215,16 @@ class TransformerConfig:
         if isinstance(kw.get("params_dtype"), str):
             kw["params_dtype"] = getattr(torch, kw["params_dtype"])
         return cls(**kw)
+
+
+def _check_unpadded_vocab(c: TransformerConfig, bad: Problems) -> None:
+    """The real vocabulary fits the rows: ``unpadded_vocab_size`` in 1..``vocab_size``."""
+    bad.positive(c, "unpadded_vocab_size", required=False)
+    if isinstance(c.unpadded_vocab_size, int) and c.unpadded_vocab_size > c.vocab_size:
+        bad.add(
+            f"unpadded_vocab_size {c.unpadded_vocab_size} exceeds vocab_size {c.vocab_size}: "
+            "the embedding needs a row per token (pad vocab_size up, never down)"
+        )
 
 
 def _check_moe(c: TransformerConfig, bad: Problems) -> None:
