@@ -18,10 +18,15 @@ namespace cpu {
 namespace {
 
 constexpr int64_t kDwRows = 64;  // rows per weight-gradient partial
+// Below this many elements a call runs on the calling thread: waking the team costs more than
+// the work (cpu_run.cpp's block size).
+constexpr int64_t kParallelMin = int64_t(1) << 16;
 
+// f(r) for rows [0, rows) of `row_elems` elements each.
 template <class F>
-void parallel_rows(int64_t rows, F&& f) {
-  if (rows <= 1 || omp_get_max_threads() == 1 || omp_in_parallel()) {
+void parallel_rows(int64_t rows, int64_t row_elems, F&& f) {
+  if (rows <= 1 || rows * row_elems < kParallelMin || omp_get_max_threads() == 1 ||
+      omp_in_parallel()) {
     for (int64_t r = 0; r < rows; ++r) f(r);
     return;
   }
@@ -32,7 +37,7 @@ void parallel_rows(int64_t rows, F&& f) {
 template <class S>
 void rope_typed(const RopeParams& p) {
   const int64_t half = p.D / 2;
-  parallel_rows(p.B * p.S * p.H, [&](int64_t row) {
+  parallel_rows(p.B * p.S * p.H, p.D, [&](int64_t row) {
     const int64_t h = row % p.H, bs = row / p.H, s = bs % p.S, b = bs / p.S;
     const int64_t xo = b * p.xs[0] + s * p.xs[1] + h * p.xs[2], oo = row * p.D;
     const int64_t co = b * p.cs[0] + s * p.cs[1], so = b * p.ss[0] + s * p.ss[1];
@@ -49,7 +54,7 @@ void rope_typed(const RopeParams& p) {
 
 template <class S>
 void swiglu_fwd_typed(const SwigluParams& p) {
-  parallel_rows(p.M, [&](int64_t m) {
+  parallel_rows(p.M, 3 * p.F, [&](int64_t m) {
     const int64_t in = m * 2 * p.F, out = m * p.F;
     for (int64_t j = 0; j < p.F; ++j)
       put<S>(p.out, out + j, swiglu_value(get<S>(p.in, in + j), get<S>(p.in, in + p.F + j)));
@@ -58,7 +63,7 @@ void swiglu_fwd_typed(const SwigluParams& p) {
 
 template <class S>
 void swiglu_bwd_typed(const SwigluParams& p) {
-  parallel_rows(p.M, [&](int64_t m) {
+  parallel_rows(p.M, 5 * p.F, [&](int64_t m) {
     const int64_t in = m * 2 * p.F, go = m * p.F;
     for (int64_t j = 0; j < p.F; ++j) {
       float dg, du;
@@ -72,7 +77,7 @@ void swiglu_bwd_typed(const SwigluParams& p) {
 
 template <class S>
 void add_rmsnorm_fwd_typed(const AddNormFwdParams& p) {
-  parallel_rows(p.M, [&](int64_t m) {
+  parallel_rows(p.M, 4 * p.H, [&](int64_t m) {
     const int64_t row = m * p.H;
     double sum_sq = 0.0;
     for (int64_t j = 0; j < p.H; ++j) {
@@ -110,7 +115,7 @@ template <class S>
 void add_rmsnorm_bwd_typed(const AddNormBwdParams& p) {
   const int64_t blocks = (p.M + kDwRows - 1) / kDwRows;
   std::vector<float> partial(size_t(blocks * p.H), 0.f);
-  parallel_rows(blocks, [&](int64_t b) {
+  parallel_rows(blocks, kDwRows * 5 * p.H, [&](int64_t b) {
     add_rmsnorm_bwd_rows<S>(p, b * kDwRows, std::min(p.M, (b + 1) * kDwRows),
                             partial.data() + b * p.H);
   });

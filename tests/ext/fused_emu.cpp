@@ -44,8 +44,8 @@ static void each_thread_of_block(int threads, F&& body) {
 extern "C" int emu_rope(const void* x, void* out, const float* cos, const float* sin,
                         const int64_t* sizes, const int64_t* xs, const int64_t* cs,
                         const int64_t* ss, int dtype, int backward, int scalar, int64_t grid) {
-  RopeParams p{x, out, cos, sin, sizes[0], sizes[1], sizes[2], sizes[3], {}, {}, {}, dtype,
-               backward};
+  RopeParams p{x,        out, cos, sin, sizes[0], sizes[1], sizes[2],
+               sizes[3], {},  {},  {},  dtype,    backward};
   for (int d = 0; d < 4; ++d) p.xs[d] = xs[d];
   for (int d = 0; d < 3; ++d) p.cs[d] = cs[d], p.ss[d] = ss[d];
   const bool vec = !scalar && dev::rope_vectorizable(p);

@@ -49,7 +49,9 @@ def apply_rotary(
     ``fused``: the fused kernel where the device rule allows (ops/fusion.py: CUDA tensors);
     otherwise, and always on CPU, the unfused torch ops below, bitwise as they always were."""
     if fusion_applies(fused, x_BSND, cos, sin):
-        return fused_rotary(x_BSND, cos, sin)
+        # Angles that arrive in 16 bits (FSDP2's bf16 policy casts a unit's inputs, RotaryEmbedding's
+        # output among them) are widened exactly: the values the unfused ops would use. A no-op for fp32.
+        return fused_rotary(x_BSND, cos.float(), sin.float())
     x1, x2 = x_BSND.chunk(2, dim=-1)
     # With the cos/sin below this is the 2-D rotation of each pair (x1_i, x2_i).
     rotated = torch.cat((-x2, x1), dim=-1)
