@@ -225,7 +225,7 @@ assert i['cuda'] and i['nccl'], i; print(i, 'libnccl', n.version())"
     # is not hidden inside a larger cached segment.
     step memcheck 300 45 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
       --error-exitcode 1 --target-processes all "$PY" -m pytest -q -m "gpu and not slow and not profiler" \
-      tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py -p no:cacheprovider
+      tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py tests/ext/test_fused_gpu.py -p no:cacheprovider
   else
     skip memcheck "compute-sanitizer not on PATH (it comes with the CUDA toolkit)"
   fi

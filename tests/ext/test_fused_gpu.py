@@ -137,10 +137,13 @@ def _kernel_counts(step):
     }
 
 
+@pytest.mark.profiler
 def test_fused_step_launches_no_neg_and_fewer_cats():
     unfused, fused = _kernel_counts(_model_step(False)), _kernel_counts(_model_step(True))
-    assert unfused["neg"] > 0 and fused["neg"] == 0
-    assert fused["cat"] < unfused["cat"]
+    # the unfused rotary embedding of q and k, per layer: a neg each way (4) and a cat forward (2);
+    # other kernels of these kinds (if torch's own ops launch any) are the same in both steps
+    assert unfused["neg"] - fused["neg"] >= 2 * 4
+    assert unfused["cat"] - fused["cat"] >= 2 * 2
     # per layer: rope of q and k each way (4), swiglu each way (2), add_rmsnorm forward (1) and
     # backward (2: the rows, then the weight-gradient partials summed)
     assert fused["megadlm"] >= 2 * 9
