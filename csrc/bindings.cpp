@@ -479,6 +479,8 @@ py::dict backend_info() {
 
 void megadlm_register_nccl(py::module_& m);  // csrc/nccl/nccl_bindings.cpp
 
+void megadlm_register_fused(py::module_& m);  // csrc/fused_bindings.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace megadlm;
   m.doc() = "megadlm_ext compiled ops (see megadlm_ext/__init__.py for the documented API)";
@@ -513,4 +515,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Tests/benchmarks: drop cached device tables (not those held by captured CUDA graphs).");
 #endif
   megadlm_register_nccl(m);
+  megadlm_register_fused(m);
 }

@@ -350,3 +350,13 @@ def grouped_gemm(a, b, batch_sizes, *, trans_a=False, trans_b=False, out=None, a
             dst.copy_(dst.float() + res if accumulate else res)
             row += rows
     return out
+
+
+# The fused transformer ops' reference route (its own file: a different family of ops).
+from .reference_fused import (  # noqa: E402, F401
+    add_rmsnorm,
+    add_rmsnorm_backward,
+    rope,
+    swiglu,
+    swiglu_backward,
+)

@@ -229,7 +229,8 @@ step environment 60 10 bash -c environment
 step self-check 30 5 bash -c self_check
 
 # The kernel tests memcheck runs (compiled ops; no multi-process NCCL test).
-MEMCHECK_TESTS=(tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py tests/ext/test_grouped_gemm.py tests/ext/test_wgrad.py)
+MEMCHECK_TESTS=(tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py tests/ext/test_grouped_gemm.py
+  tests/ext/test_wgrad.py tests/ext/test_fused_gpu.py)
 
 if [[ $DRY -eq 1 ]]; then
   # What the real run would install, resolved offline (builds nothing, installs nothing).

@@ -3,40 +3,10 @@
 // thread. Lets CI check the chunking, the segment walk, the alignment heads/tails and
 // the 16-byte vector paths of the CUDA kernels without a GPU (tests/ext/test_cuda_emulation.py
 // builds this with g++ and calls emu_run through ctypes). Not part of the package.
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 
-#define __CUDACC__ 1
-#define __host__
-#define __device__
-#define __forceinline__ inline
-#define __restrict__
-struct alignas(16) float4 {
-  float x, y, z, w;
-};
-struct alignas(16) uint4 {
-  unsigned x, y, z, w;
-};
-inline float4 make_float4(float a, float b, float c, float d) {
-  return {a, b, c, d};
-}
-inline uint4 make_uint4(unsigned a, unsigned b, unsigned c, unsigned d) {
-  return {a, b, c, d};
-}
-struct Dim3 {
-  unsigned x;
-};
-static Dim3 threadIdx, blockIdx, blockDim, gridDim;
-inline float __fmul_rn(float a, float b) {
-  return a * b;
-}  // built with -ffp-contract=off
-inline float __fadd_rn(float a, float b) {
-  return a + b;
-}
-using std::fmaf;
-using std::isfinite;
-
+#include "cuda_shims.h"
 #include "megadlm/multi_tensor.h"
 #include "../../csrc/cuda/multi_tensor_kernels.cuh"
 

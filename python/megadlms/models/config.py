@@ -131,6 +131,17 @@ class TransformerConfig:
     distribute_saved_activations: bool = False
     """Save only this TP rank's 1/tp of each recomputed span's input (--distribute-saved-activations)."""
 
+    # Fused elementwise kernels (megadlms/ops; docs/model_and_objective.md, "Fused kernels"). Each
+    # runs on CUDA tensors when on; on CPU the unfused torch ops always run (a CPU run is bitwise
+    # the same with or without them). Speed and memory knobs: the numbers agree up to rounding.
+    apply_rope_fusion: bool = True
+    """Rotary embedding in one kernel each way (Megatron's name; --no-rope-fusion turns it off)."""
+    bias_swiglu_fusion: bool = True
+    """SwiGLU in one kernel each way, saving only the fc1 output (--no-bias-swiglu-fusion)."""
+    residual_rmsnorm_fusion: bool = True
+    """The attention residual add and pre_mlp_layernorm (RMSNorm) in one kernel each way
+    (--no-residual-rmsnorm-fusion; no Megatron equivalent). LayerNorm models run unfused."""
+
     def __post_init__(self) -> None:
         """Fill the derived defaults (Megatron's rules) and check every field."""
         bad = Problems("TransformerConfig")
