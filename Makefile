@@ -5,6 +5,8 @@
 #                  wrapper and parallel dimension (tests/tiers.py); the rest is marked slow
 #   make demo      install + preprocess the KJV corpus + train a small DLM on 2 CPU ranks + sample
 #   make cuda-check  compile every CUDA source with nvcc (no GPU needed)
+#   make glue-check  syntax-check the torch-facing CUDA glue and bindings as a CUDA build
+#                    compiles them (C++17, MEGADLM_WITH_CUDA; stubs in tools/cuda_stubs)
 #   make lint      ruff (lint + format check) and clang-format (check) — what CI runs
 #   make gpu-check   on a GPU machine, offline: build with CUDA, figures table, GPU tests,
 #                    memcheck under an 8-minute budget (tools/gpu_check.sh; installs nothing
@@ -30,7 +32,7 @@ PYTEST := env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -p tests.tiers
 STAMP := $(dir $(PY)).megadlms-installed
 BUILD_INPUTS := setup.py pyproject.toml $(shell find csrc megadlm_ext -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' -o -name '*.py' \) 2>/dev/null)
 
-.PHONY: install test test-fast demo bench cuda-check gpu-check lint format clean
+.PHONY: install test test-fast demo bench cuda-check glue-check gpu-check lint format clean
 
 $(PY):
 	python3 -m venv $(CURDIR)/.venv
@@ -75,6 +77,21 @@ format: $(PY)
 cuda-check:
 	cmake -S . -B build/cmake -DCMAKE_BUILD_TYPE=Release
 	cmake --build build/cmake -j $(MAX_JOBS)
+
+# The CUDA build's torch-facing translation units, which a CPU build never compiles: checked
+# here with g++ -fsyntax-only against the CPU wheel's headers, the CUDA toolkit's runtime
+# headers and tools/cuda_stubs (what both lack), in C++17 (torch 2.11's standard; newer
+# torch headers are system headers here, so their C++20 extensions do not warn).
+GLUE_TUS := $(wildcard csrc/glue/*.cpp) csrc/bindings.cpp csrc/nccl_bindings.cpp csrc/fused_bindings.cpp \
+            csrc/adam_bindings.cpp
+CUDA_INCLUDE ?= $(if $(CUDA_HOME),$(CUDA_HOME),/usr/local/cuda)/include
+glue-check: install
+	@inc="$$($(PY) -c "import torch, os, sysconfig; t = os.path.dirname(torch.__file__); \
+print(' '.join('-isystem ' + d for d in (t + '/include', t + '/include/torch/csrc/api/include', \
+sysconfig.get_paths()['include'])))")"; \
+	printf '%s\n' $(GLUE_TUS) | xargs -P $(MAX_JOBS) -I{} sh -c 'echo "glue-check {}" && \
+	g++ -std=c++17 -fsyntax-only -Wall -Wextra -Werror -DMEGADLM_WITH_CUDA -DTORCH_EXTENSION_NAME=_C \
+	-I csrc/include -I csrc '"$$inc"' -isystem tools/cuda_stubs -isystem $(CUDA_INCLUDE) {}'
 
 # No `install` prerequisite: on a GPU box the python that holds torch is used as it is
 # (the script finds it; GPU_CHECK_PY= picks one) and the script builds with all cores.

@@ -1,6 +1,6 @@
 """GPU benchmark of the extension: one table per section, every ratio measured in this run.
 
-    python benchmarks/bench_gpu.py                     # ops, ddp, mfu on one GPU
+    python benchmarks/bench_gpu.py                     # ops, ddp, fused, mfu on one GPU
     torchrun --nproc-per-node 2 benchmarks/bench_gpu.py --sections ddp,comm
     python benchmarks/bench_gpu.py --dry-run           # tiny sizes; runs on CPU too (CI)
 
@@ -17,6 +17,9 @@ Sections:
        world size 1 while nccl_ext still runs NCCL; the step times are still printed.
   comm (2+ ranks, torchrun) all-reduce bus bandwidth of nccl_ext vs torch NCCL over
        message sizes (busbw = bytes * 2 (n-1) / n / time, as nccl-tests defines it).
+  fused the model's fused elementwise paths (rotary embedding, SwiGLU, residual add + RMSNorm)
+       vs the unfused torch ops, forward and forward + backward, at MegaDLMs' 1.7B shapes
+       (benchmarks/bench_fused.py): speed-up, the fused forward's GB/s and kernels per call.
   mfu  model FLOPs utilisation of a ~1B-parameter bidirectional DLM step (bf16 params,
        masked-token cross-entropy, DDP + Adam) against the bf16 matmul ceiling measured
        here (8192^3 products on random data; --peak-tflops overrides it), target >= 0.40;
@@ -209,7 +212,7 @@ def _init_dist(device):
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
 
 
-def _model(device, size, dry):
+def _model(device, size, dry, fused=True):
     from megadlms.models import GPTModel, TransformerConfig
 
     if dry:
@@ -229,18 +232,22 @@ def _model(device, size, dry):
         position_embedding_type="rope",
         attention_dropout=0.0,
         hidden_dropout=0.0,
+        apply_rope_fusion=fused,
+        bias_swiglu_fusion=fused,
+        residual_rmsnorm_fusion=fused,
     )
     torch.manual_seed(0)
     with torch.device(device):  # parameters created on the device (1B params: no CPU detour)
         return cfg, GPTModel(cfg, attention="bidirectional")
 
 
-def _train_step_fn(device, size, mbs, backend, dry):
-    """A closure running one DLM training step; returns (fn, config, parameter count, optimizer)."""
+def _train_step_fn(device, size, mbs, backend, dry, fused=True):
+    """A closure running one DLM training step; returns (fn, config, parameter count, optimizer).
+    ``fused``: the model's fused elementwise kernels (their flags; GPU only)."""
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig, Float16Module
     from megadlms.optimizer import OptimizerConfig, get_optimizer
 
-    cfg, model = _model(device, size, dry)
+    cfg, model = _model(device, size, dry, fused)
     low = torch.bfloat16
     ddp = DistributedDataParallel(
         Float16Module(model, dtype=low),
@@ -388,12 +395,12 @@ def section_mfu(device, reps, dry, peak_tflops, mbs):
     emit("| activation recompute | off here (saved bytes per layer: benchmarks/activation_memory.py) |")
 
 
-SECTIONS = ("ops", "ddp", "comm", "mfu")
+SECTIONS = ("ops", "ddp", "comm", "fused", "mfu")
 
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sections", default="ops,ddp,mfu", help="comma list of: " + ", ".join(SECTIONS))
+    p.add_argument("--sections", default="ops,ddp,fused,mfu", help="comma list of: " + ", ".join(SECTIONS))
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--reps", type=int, default=20, help="timed runs per measurement (median)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes (CI / CPU check of this script)")
@@ -437,6 +444,13 @@ def main(argv=None):
         section_ddp(device, a.reps, a.dry_run)
     if "comm" in a.sections:
         section_comm(device, a.reps, a.dry_run)
+    if "fused" in a.sections:
+        from bench_fused import section_fused
+
+        _init_dist(device)
+        mbs = 1 if a.dry_run else a.mbs
+        step = lambda fused: _train_step_fn(device, "1b", mbs, "torch", a.dry_run, fused)[0]  # noqa: E731
+        section_fused(device, a.reps, a.dry_run, emit, _timer, step)
     if "mfu" in a.sections:
         section_mfu(device, max(3, a.reps // 4), a.dry_run, a.peak_tflops, 1 if a.dry_run else a.mbs)
     import torch.distributed as dist

@@ -480,6 +480,8 @@ py::dict backend_info() {
 void megadlm_register_nccl(py::module_& m);  // csrc/nccl/nccl_bindings.cpp
 void megadlm_register_adam(py::module_& m);  // csrc/adam_bindings.cpp
 
+void megadlm_register_fused(py::module_& m);  // csrc/fused_bindings.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace megadlm;
   m.doc() = "megadlm_ext compiled ops (see megadlm_ext/__init__.py for the documented API)";
@@ -515,4 +517,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
   megadlm_register_nccl(m);
   megadlm_register_adam(m);
+  megadlm_register_fused(m);
 }

@@ -16,7 +16,6 @@ import os
 import torch  # noqa: F401  (loads libtorch before _C)
 
 from . import reference as _ref
-from . import reference_adam as _ref_adam
 
 __version__ = "0.1.0"
 _log = logging.getLogger("megadlm_ext")
@@ -151,6 +150,55 @@ def grouped_gemm(a, b, batch_sizes, *, trans_a=False, trans_b=False, out=None, a
     )
 
 
+# ---- fused transformer ops (python/megadlms/ops wraps them in autograd Functions) ------------
+def _op(name: str):
+    impl = _impl()
+    if not hasattr(impl, name):  # a _C built before the op existed
+        raise RuntimeError(
+            f"megadlm_ext._C has no {name}: it was built from older sources; rebuild it "
+            "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)"
+        )
+    return getattr(impl, name)
+
+
+def rope(x, cos, sin, *, backward=False):
+    """Rotary embedding in one pass, Megatron's non-interleaved ("rotate half") form:
+    ``x * cos + cat(-x2, x1) * sin`` for ``x [B, S, heads, D]`` (any strides: a view of the
+    qkv projection is read in place) and fp32 ``cos``/``sin`` ``[B or 1, S, 1, D]``; math in
+    fp32, the result a new contiguous tensor of x's dtype. ``backward=True`` applies the
+    transpose of that map (the gradient; the inverse rotation when cos/sin repeat their halves,
+    as RotaryEmbedding's do). No cat, no neg, no cast of cos/sin."""
+    return _op("rope")(x, cos, sin, backward=backward)
+
+
+def swiglu(h):
+    """``silu(gate) * up`` of ``h [..., 2F] = [gate | up]`` (contiguous) in one pass; fp32
+    math, one rounding into h's dtype; returns ``[..., F]``."""
+    return _op("swiglu")(h)
+
+
+def swiglu_backward(h, grad_out):
+    """Gradient of :func:`swiglu` with respect to ``h`` (``[..., 2F]``, one pass, silu
+    recomputed from ``h``) given ``grad_out [..., F]`` (contiguous, h's dtype)."""
+    return _op("swiglu_backward")(h, grad_out)
+
+
+def add_rmsnorm(x, h, weight, eps):
+    """Residual add + RMSNorm in one pass: returns ``(sum, y, rstd)`` with ``sum = x + h``
+    (rounded to the dtype: the residual stream), ``y = sum * rstd * weight`` and the fp32
+    ``rstd = 1 / sqrt(mean(sum^2) + eps)`` per row ``[...]``. ``x``, ``h`` ``[..., H]`` and
+    ``weight [H]``: contiguous, one dtype, one device; statistics in fp32."""
+    return _op("add_rmsnorm")(x, h, weight, eps)
+
+
+def add_rmsnorm_backward(grad_sum, grad_y, sum, weight, rstd):  # noqa: A002 - the op's argument name
+    """Gradients of :func:`add_rmsnorm` given those of both outputs: returns ``(grad_x,
+    grad_weight)``; ``grad_x`` is also the gradient of ``h`` (``sum = x + h``). The weight
+    gradient is reduced over every row (CUDA: per-block fp32 partials summed by a second
+    kernel in a fixed order; deterministic)."""
+    return _op("add_rmsnorm_backward")(grad_sum, grad_y, sum, weight, rstd)
+
+
 def adamw_step(
     params, grads, exp_avgs, exp_avg_sqs, *, lr, beta1, beta2, eps, weight_decay, step, model_params=None
 ) -> None:
@@ -176,14 +224,7 @@ def adamw_step(
     CUDA graph replays the same step number). Bad arguments raise ValueError naming the list
     and index.
     """
-    impl = _impl()
-    fn = _ref_adam.adamw_step if impl is _ref else getattr(impl, "adamw_step", None)
-    if fn is None:  # a _C built before the op existed
-        raise RuntimeError(
-            "megadlm_ext._C has no adamw_step: it was built from older sources; rebuild it "
-            "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)"
-        )
-    fn(
+    _op("adamw_step")(
         params,
         grads,
         exp_avgs,

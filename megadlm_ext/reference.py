@@ -350,3 +350,15 @@ def grouped_gemm(a, b, batch_sizes, *, trans_a=False, trans_b=False, out=None, a
             dst.copy_(dst.float() + res if accumulate else res)
             row += rows
     return out
+
+
+# The reference routes of other families of ops, each in its own file: the fused AdamW step,
+# the fused transformer ops.
+from .reference_adam import adamw_step  # noqa: E402, F401
+from .reference_fused import (  # noqa: E402, F401
+    add_rmsnorm,
+    add_rmsnorm_backward,
+    rope,
+    swiglu,
+    swiglu_backward,
+)

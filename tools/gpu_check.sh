@@ -2,26 +2,35 @@
 # One-shot GPU check of megadlms (`make gpu-check`), made to run offline on a GPU box as
 # it is (its own python with torch, no package index) inside one total time budget
 # (default 8 minutes). Steps, most valuable first; each gets what is left of the budget
-# (up to its own cap) and is skipped, not started, when too little is left:
+# (up to its own cap) and is not started, but reported as "not reached", when too little
+# is left:
 #   1. environment: GPU, driver, nvcc, torch / CUDA / NCCL versions, tools found;
 #   2. build: the extension with CUDA, all cores, SASS for the GPUs present only
 #      (pip install --no-deps --no-build-isolation --no-index -e .: nothing is fetched);
-#   3. bench-gpu: the figures table (benchmarks/bench_gpu.py: ops vs a D2D copy of the
-#      same bytes and vs torch foreach, DDP step nccl_ext vs torch NCCL -- n/a on one
-#      GPU --, the ~1B DLM step's MFU against the measured bf16 matmul ceiling, memory);
-#      with 2+ GPUs the DDP step and a collective bandwidth sweep under torchrun;
-#   4. pytest-gpu: `pytest -m gpu` over the test files that hold GPU tests;
-#   5. memcheck: compute-sanitizer memcheck of the extension's kernel tests with
-#      PYTORCH_NO_CUDA_MEMORY_CACHING=1 (no profiler test: CUPTI and the sanitizer
-#      conflict); no compute-sanitizer on PATH is a SKIP.
-# Every step is logged; the summary has one PASS / FAIL / SKIP line per step, and the
-# exit status is non-zero if a step failed. Logs and summary.txt go to $OUT when set
-# (the device tool brings it back), else $LOG_DIR, else build/gpu-check.
+#   3. pytest-gpu: `pytest -m gpu` over the test files that hold GPU tests (a child process
+#      that used every CUDA object must exit 0: tests/training/test_cuda_exit.py);
+#   4. trainer: the real trainer (benchmarks/bench_trainer.py: MegaDLMs' 1.7B model, seq
+#      4096, bf16, mock data, one GPU): DDP, FSDP2 and FSDP2 ZeRO-2 at micro-batch 4, DDP at
+#      2: s/iter, TFLOP/s/GPU, MFU of the datasheet peak, memory, and each run's exit status;
+#   5. bench-gpu: the figures table (benchmarks/bench_gpu.py: the extension's ops, eager and
+#      kernel-only, the ~1B DLM step's MFU against the measured bf16 matmul ceiling);
+#   6. wrappers: FSDP2 against DDP on one GPU, where the difference goes
+#      (benchmarks/bench_wrappers.py, a profile by kernel family);
+#   7. memcheck: compute-sanitizer memcheck of the extension's kernel tests with
+#      PYTORCH_NO_CUDA_MEMORY_CACHING=1 (no profiler or CUDA-graph test: CUPTI conflicts
+#      with the sanitizer, and the uncached allocator cannot allocate under capture);
+#      no compute-sanitizer on PATH is a SKIP.
+# With 2+ GPUs bench-gpu-multi adds the DDP step and a collective sweep under torchrun.
+# The summary has one PASS / FAIL / SKIP line per step; the exit status is non-zero if a
+# step failed. What comes back from a lent GPU machine is at most 8 files, so under $OUT
+# there are three: summary.txt, figures.md (every benchmark table) and logs.tar.gz (each
+# step's log, re-archived after every step so a run cut short still returns what it did).
+# Without $OUT the logs stay as files in $LOG_DIR (default build/gpu-check).
 #
 #   tools/gpu_check.sh                 # needs a CUDA GPU
 #   tools/gpu_check.sh --budget 6      # total budget in minutes (default 8)
 #   tools/gpu_check.sh --dry-run       # no GPU: checks the script, the offline install
-#                                      # plan and bench_gpu.py on CPU (seconds, no build)
+#                                      # plan and the benchmarks on CPU (no build)
 # Environment: PY (python; default: the first of .venv/bin/python, python3 that imports
 # torch), GPU_CHECK_JOBS (build jobs, default nproc), MEGADLM_CUDA_ARCHS (default: the
 # visible GPUs' compute capabilities), SKIP_BUILD=1 (reuse the extension already built).
@@ -41,7 +50,7 @@ while [[ $# -gt 0 ]]; do
       shift
       ;;
     -h | --help)
-      sed -n '2,28p' "$0"
+      sed -n '2,38p' "$0"
       exit 0
       ;;
     *)
@@ -77,8 +86,18 @@ if [[ -z "${PY:-}" || ! "$DEVICES" =~ ^[0-9]+$ ]]; then
   echo "gpu_check.sh: no python with torch found (set PY=/path/to/python)" >&2
   exit 2
 fi
-LOG_DIR="${OUT:-${LOG_DIR:-$ROOT/build/gpu-check}}"
-mkdir -p "$LOG_DIR"
+# The results folder ($OUT, else $LOG_DIR): summary.txt, figures.md and, under $OUT, the logs
+# as one archive; the logs themselves are written to WORK.
+RESULTS="${OUT:-${LOG_DIR:-$ROOT/build/gpu-check}}"
+if [[ -n "${OUT:-}" ]]; then
+  WORK="$ROOT/build/gpu-check-logs"  # ours alone: emptied so the archive holds this run only
+  rm -rf "$WORK"
+else
+  WORK="$RESULTS"
+fi
+mkdir -p "$RESULTS" "$WORK"
+FIGURES="$RESULTS/figures.md"
+rm -f "$FIGURES" "$RESULTS/summary.txt" "$RESULTS/logs.tar.gz"
 export PYTHONPATH="$ROOT/python:$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 BUDGET_S=$(awk -v m="$BUDGET_MIN" 'BEGIN { printf "%d", m * 60 }')
 JOBS="${GPU_CHECK_JOBS:-$(nproc)}"  # the Makefile's MAX_JOBS=2 (shared CPU box) is not used here
@@ -88,20 +107,32 @@ FAILED=0
 
 left() { echo $((BUDGET_S - (SECONDS - START))); }
 
+# The summary and (under $OUT) the log archive, rewritten after every step.
+write_results() {
+  {
+    echo "gpu_check summary: $((SECONDS - START))s of a ${BUDGET_S}s budget, dry-run=$DRY, results in $RESULTS"
+    printf '%s\n' "${SUMMARY[@]}"
+  } >"$RESULTS/summary.txt"
+  if [[ "$WORK" != "$RESULTS" ]]; then tar -czf "$RESULTS/logs.tar.gz" -C "$WORK" . 2>/dev/null; fi
+  return 0
+}
+
 record() {
   SUMMARY+=("$1")
   echo "$1"
+  write_results
 }
 
 # step NAME CAP MIN CMD...: run CMD with a limit of min(CAP, budget left - 5 s), logged
-# to $LOG_DIR/NAME.log and echoed; not started (SKIP) when less than MIN s are left.
+# to $WORK/NAME.log and echoed; not started when less than MIN s are left (a SKIP that says
+# "not reached": the budget, not the step, ended it).
 step() {
   local name="$1" cap="$2" min="$3"
   shift 3
-  local avail limit log="$LOG_DIR/$name.log" t0=$SECONDS rc
+  local avail limit log="$WORK/$name.log" t0=$SECONDS rc
   avail=$(($(left) - 5))
   if [[ $avail -lt $min ]]; then
-    record "SKIP  $name: budget spent (${avail}s left, needs ${min}s; raise --budget)"
+    record "SKIP  $name: not reached, budget spent (${avail}s left, needs ${min}s; raise --budget)"
     return 0
   fi
   limit=$((cap < avail ? cap : avail))
@@ -112,8 +143,11 @@ step() {
   local took=$((SECONDS - t0))
   if [[ $rc -eq 0 ]]; then
     record "PASS  $name (${took}s)"
+  elif [[ ($rc -eq 124 || $rc -eq 137) && $limit -lt $cap ]]; then
+    # cut by what was left of the budget, not by its own cap: unfinished, not failed
+    record "SKIP  $name: not finished, the budget ended it after ${took}s (raise --budget) -- see $name.log"
   elif [[ $rc -eq 124 || $rc -eq 137 ]]; then
-    record "FAIL  $name: stopped at its ${limit}s limit (hang, or raise --budget) -- see $name.log"
+    record "FAIL  $name: stopped at its ${limit}s limit (hang?) -- see $name.log"
     FAILED=1
   else
     record "FAIL  $name: exit $rc (${took}s) -- see $name.log"
@@ -194,14 +228,22 @@ fi
 step environment 60 10 bash -c environment
 step self-check 30 5 bash -c self_check
 
+# The kernel tests memcheck runs (compiled ops; no multi-process NCCL test).
+MEMCHECK_TESTS=(tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py tests/ext/test_grouped_gemm.py
+  tests/ext/test_wgrad.py tests/ext/test_fused_gpu.py)
+
 if [[ $DRY -eq 1 ]]; then
   # What the real run would install, resolved offline (builds nothing, installs nothing).
   step install-plan 120 20 "${INSTALL[@]}" --dry-run
-  step bench-gpu-dry-run 180 20 "$PY" benchmarks/bench_gpu.py --dry-run --device cpu --reps 2
+  step bench-gpu-dry-run 180 20 "$PY" benchmarks/bench_gpu.py --dry-run --device cpu --reps 2 --out "$FIGURES"
+  # The real run's trainer and wrapper benchmarks, on a tiny model on the CPU (gloo).
+  step trainer-dry-run 120 20 "$PY" benchmarks/bench_trainer.py --tiny --rows ddp-mbs4 --iters 2 --out "$FIGURES"
+  step wrappers-dry-run 120 20 "$PY" benchmarks/bench_wrappers.py --device cpu --tiny --reps 1 --micro 2 \
+    --wrappers ddp+distopt,fsdp2 --out "$FIGURES"
   echo
-  echo "=== plan of a GPU run (budget ${BUDGET_S}s): build, cuda-build-check, bench-gpu" \
-    "[+ bench-gpu-multi at 2+ GPUs], pytest-gpu (${#GPU_TESTS[@]} files), memcheck"
-  for s in build cuda-build-check bench-gpu pytest-gpu memcheck; do skip "$s" "dry run (needs a GPU)"; done
+  echo "=== plan of a GPU run (budget ${BUDGET_S}s): build, cuda-build-check, pytest-gpu" \
+    "(${#GPU_TESTS[@]} files), trainer, bench-gpu [+ bench-gpu-multi at 2+ GPUs], wrappers, memcheck"
+  for s in build cuda-build-check pytest-gpu trainer bench-gpu wrappers memcheck; do skip "$s" "dry run (needs a GPU)"; done
   command -v compute-sanitizer >/dev/null 2>&1 || echo "note: compute-sanitizer not on PATH here: memcheck would SKIP"
 else
   if [[ "${SKIP_BUILD:-0}" == 1 ]]; then
@@ -212,29 +254,30 @@ else
   fi
   step cuda-build-check 60 10 "$PY" -c "import megadlm_ext as e, megadlm_ext.nccl as n; i = e.backend_info(); \
 assert i['cuda'] and i['nccl'], i; print(i, 'libnccl', n.version())"
-  step bench-gpu 240 60 "$PY" benchmarks/bench_gpu.py --out "$LOG_DIR/figures.md"
+  step pytest-gpu 240 45 "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}" -p no:cacheprovider -rfEs "${TIMEOUT_ARGS[@]}"
+  step trainer 300 90 "$PY" benchmarks/bench_trainer.py --rows ddp-mbs4,fsdp2-mbs4,fsdp2-zero2-mbs4,ddp-mbs2 \
+    --iters 6 --out "$FIGURES"
+  step bench-gpu 180 60 "$PY" benchmarks/bench_gpu.py --out "$FIGURES"
   if [[ "$NGPU" -ge 2 ]]; then
     step bench-gpu-multi 180 45 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" \
-      benchmarks/bench_gpu.py --sections ddp,comm --out "$LOG_DIR/figures-multi.md"
+      benchmarks/bench_gpu.py --sections ddp,comm --out "$FIGURES"
   else
     skip bench-gpu-multi "1 GPU: the collective sweep and DDP comparison need 2+ GPUs"
   fi
-  step pytest-gpu 240 45 "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}" -p no:cacheprovider "${TIMEOUT_ARGS[@]}"
+  step wrappers 150 60 "$PY" benchmarks/bench_wrappers.py --micro 2 --reps 2 --out "$FIGURES"
   if command -v compute-sanitizer >/dev/null 2>&1; then
     # No caching allocator: every tensor its own allocation, so an out-of-bounds access
-    # is not hidden inside a larger cached segment.
-    step memcheck 300 45 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
-      --error-exitcode 1 --target-processes all "$PY" -m pytest -q -m "gpu and not slow and not profiler" \
-      tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py -p no:cacheprovider
+    # is not hidden inside a larger cached segment. API errors are not counted as memory
+    # errors (a failed cudaStreamQuery is an answer, not a fault).
+    step memcheck 180 45 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
+      --error-exitcode 1 --report-api-errors no --target-processes all "$PY" -m pytest -q \
+      -m "gpu and not slow and not profiler and not cuda_graph" "${MEMCHECK_TESTS[@]}" -p no:cacheprovider
   else
     skip memcheck "compute-sanitizer not on PATH (it comes with the CUDA toolkit)"
   fi
 fi
 
-{
-  echo "gpu_check summary: $((SECONDS - START))s of a ${BUDGET_S}s budget, dry-run=$DRY, logs in $LOG_DIR"
-  printf '%s\n' "${SUMMARY[@]}"
-} >"$LOG_DIR/summary.txt"
+write_results
 echo
-echo "=== $(cat "$LOG_DIR/summary.txt")"
+echo "=== $(cat "$RESULTS/summary.txt")"
 exit $FAILED

@@ -17,7 +17,7 @@ import torch
 
 from megadlms.checkpoint import load_model_state, open_checkpoint, tokenizer_record
 from megadlms.data import TokenizerConfig
-from megadlms.diffusion import generate
+from megadlms.diffusion import generate, token_logits
 from megadlms.models import GPTModel, TransformerConfig
 
 
@@ -61,19 +61,24 @@ def load_for_inference(path: str, device: Optional[torch.device] = None, *, pref
 
     ckpt, common = open_checkpoint(path)
     # Model and tokenizer come from the checkpoint's own records, never from flag names.
+    tokenizer = TokenizerConfig.from_dict(tokenizer_record(common)).build()
     mcfg = common["model_config"]
-    model = GPTModel(TransformerConfig.from_dict(mcfg))
+    # The model knows its real vocabulary (the sampler and the scorers cut the padding rows by it);
+    # checkpoints older than that record get it from their tokenizer record.
+    cfg = {**mcfg, "unpadded_vocab_size": unpadded_vocab_size(tokenizer, common)}
+    model = GPTModel(TransformerConfig.from_dict(cfg))
     # No layout: one process reads the full tensors whatever tp / pp / ep / dp saved them.
     load_model_state(ckpt, model, model_config=mcfg, prefer_fp32_params=prefer_fp32_params)
-    tokenizer = TokenizerConfig.from_dict(tokenizer_record(common)).build()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return model.to(device).eval(), tokenizer, common
 
 
 def unpadded_vocab_size(tokenizer, common: dict) -> int:
-    """The vocabulary before Megatron's padding: --vocab-size when the run set it, else the
-    tokenizer's size (the rows past it pad the embedding and are never tokens)."""
-    return int(tokenizer_record(common).get("vocab_size") or tokenizer.vocab_size)
+    """The vocabulary before Megatron's padding (the rows past it are never tokens): as
+    recorded with the model (``model_config.unpadded_vocab_size``), else (checkpoints before
+    that record) --vocab-size when the run set it, else the tokenizer's size."""
+    recorded = (common.get("model_config") or {}).get("unpadded_vocab_size")
+    return int(recorded or tokenizer_record(common).get("vocab_size") or tokenizer.vocab_size)
 
 
 @torch.no_grad()
@@ -83,7 +88,8 @@ def _sample_causal(
     x = prompt
     for _ in range(gen_length):
         # No KV cache: the whole sequence is re-run for every token (a reference sampler, not a fast one).
-        logits = model(x)[:, -1].double()
+        # The real tokens only: Megatron's padding rows are cut before the softmax / argmax.
+        logits = token_logits(model, model(x)[:, -1]).double()
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             # On the CPU with a CPU generator: the same seed gives the same text on any device.
@@ -139,7 +145,6 @@ def generate_text(
             remasking=remasking,
             cfg_scale=cfg_scale,
             seed=seed,
-            vocab_size=unpadded_vocab_size(tokenizer, common),
         )
     return [tokenizer.detokenize(row[len(ids) :].tolist()) for row in out.cpu()]
 

@@ -231,8 +231,8 @@ def fsdp_world(rank, world):
         big = torch.cat(data[1:5])  # 4 micro-steps, each world*MICRO rows
         count = [0]
 
-        def counting_gather(*args, **kwargs):
-            count[0] += 1
+        def counting_gather(*args, _count=count, **kwargs):
+            _count[0] += 1
             return real_gather(*args, **kwargs)
 
         setattr(dist, gather_name, counting_gather)

@@ -3,7 +3,7 @@
 // CI checks the chunking, the walk over the AdamTensor table, the alignment heads/tails and
 // the 8-element vector path without a GPU (tests/ext/test_adam_emulation.py builds this
 // with g++ and calls it through ctypes). Not part of the package.
-#include "cuda_emu_shims.h"
+#include "cuda_shims.h"
 #include "megadlm/adam.h"
 #include "../../csrc/cuda/adam_kernels.cuh"
 

@@ -30,6 +30,11 @@ SHIMS = {
         [*_SO, "-O2", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unknown-pragmas", *_INC,
          os.path.join(ROOT, "tests", "ext", "adam_emu.cpp")],
     ),
+    "fused_emu.so": (
+        "test_fused_emulation.py",
+        [*_SO, "-O2", "-fno-strict-aliasing", "-ffp-contract=off", "-Wno-unknown-pragmas", *_INC,
+         os.path.join(ROOT, "tests", "ext", "fused_emu.cpp")],
+    ),
     "cublas_emu.so": (
         "test_grouped_gemm.py",
         [*_SO, "-O1", "-x", "c++", *_INC, "-I", os.path.join(ROOT, "csrc", "cuda"), "-I", CUDA_INCLUDE,

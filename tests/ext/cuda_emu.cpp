@@ -3,7 +3,10 @@
 // thread. Lets CI check the chunking, the segment walk, the alignment heads/tails and
 // the 16-byte vector paths of the CUDA kernels without a GPU (tests/ext/test_cuda_emulation.py
 // builds this with g++ and calls emu_run through ctypes). Not part of the package.
-#include "cuda_emu_shims.h"
+#include <cstdint>
+#include <cstring>
+
+#include "cuda_shims.h"
 #include "megadlm/multi_tensor.h"
 #include "../../csrc/cuda/multi_tensor_kernels.cuh"
 

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import tarfile
 
 import pytest
 import torch
@@ -85,7 +86,8 @@ def test_script_arguments_and_budget(tmp_path):
     r = _bash(SCRIPT, "--dry-run", "--budget", "0.05", env=_env(tmp_path), timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     summary = (tmp_path / "summary.txt").read_text()
-    assert "SKIP  environment: budget spent" in summary and "SKIP  bench-gpu-dry-run: budget spent" in summary
+    assert "SKIP  environment: not reached, budget spent" in summary
+    assert "SKIP  bench-gpu-dry-run: not reached, budget spent" in summary
     assert "PASS" not in summary and "FAIL" not in summary
 
 
@@ -102,14 +104,31 @@ def test_make_gpu_check_dry_run_offline(make_dry_run):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
     assert "pip install" not in r.stdout.split("=== [environment]")[0]  # no `make install` ran first
     summary = (tmp_path / "summary.txt").read_text()
-    for line in ("PASS  environment", "PASS  self-check", "PASS  install-plan", "PASS  bench-gpu-dry-run"):
-        assert line in summary, summary
-    for name in ("build", "cuda-build-check", "bench-gpu", "pytest-gpu", "memcheck"):
+    for step in (
+        "environment",
+        "self-check",
+        "install-plan",
+        "bench-gpu-dry-run",
+        "trainer-dry-run",
+        "wrappers-dry-run",
+    ):
+        assert f"PASS  {step}" in summary, summary
+    for name in ("build", "cuda-build-check", "pytest-gpu", "trainer", "bench-gpu", "wrappers", "memcheck"):
         assert f"SKIP  {name}: dry run" in summary, summary
+    # What a lent GPU machine sends back is at most 8 files: the logs travel as one archive.
+    written = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("make."))  # ours: make.*
+    assert written == ["figures.md", "logs.tar.gz", "summary.txt"]
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:
+        logs = {
+            m.name.lstrip("./"): tar.extractfile(m).read().decode() for m in tar.getmembers() if m.isfile()
+        }
     # the offline install plan names the project and nothing else to fetch
-    plan = (tmp_path / "install-plan.log").read_text()
+    plan = logs["install-plan.log"]
     assert "Would install megadlms" in plan, plan
-    bench = (tmp_path / "bench-gpu-dry-run.log").read_text()
+    figures = (tmp_path / "figures.md").read_text()
+    assert "## trainer throughput (tiny model" in figures and "| ddp-mbs4 | 4 | 16 |" in figures, figures
+    assert "## FSDP2 vs DDP, world size 1, cpu" in figures and "| fsdp2 |" in figures, figures
+    bench = logs["bench-gpu-dry-run.log"]
     for header in ("## ops (cpu", "## ddp step", "## mfu (", "## memory"):
         assert header in bench
     rows = {r.split(" | ")[1]: r for r in bench.splitlines() if r.startswith("| (a)")}

@@ -26,7 +26,15 @@ LEARNED_GELU = dict(
 
 
 def tiny_config(**kw) -> TransformerConfig:
-    base = dict(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=384, seq_length=48)
+    # The byte tokenizer's 259 ids padded to 384 rows, as a run records them.
+    base = dict(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        vocab_size=384,
+        unpadded_vocab_size=259,
+        seq_length=48,
+    )
     base.update(kw)
     return TransformerConfig(**base)
 

@@ -131,11 +131,15 @@ def test_import_cli_adds_mask_and_trains_as_dlm(tmp_path):
     assert main(["--hf", str(tmp_path / "hf"), "--output", str(tmp_path / "ck"), "--seq-length", "32"]) == 0
     common = json.load(open(tmp_path / "ck" / "iter_0000000" / "common.json"))
     assert common["tokenizer"]["mask_token"] == 257  # added after <|endoftext|> (256)
+    # The real vocabulary (HF's 259 rows) travels with the model; Megatron's padding to 384 is not a token.
+    assert (common["model_config"]["vocab_size"], common["model_config"]["unpadded_vocab_size"]) == (384, 259)
+    assert common["tokenizer"]["vocab_size"] == 259
     assert common["model_config"]["add_qkv_bias"] is True
     from megadlms.hf.import_cli import import_hf
 
     flags = import_hf(str(tmp_path / "hf"), str(tmp_path / "ck2"), seq_length=32)["flags"]
     argv = " ".join(flags).split()
+    assert argv[argv.index("--vocab-size") + 1] == "259"  # before padding, as Megatron's flag
     result = run(_train_flags(argv, tmp_path, iters=12))
     losses = list(result.losses.values())
     assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
@@ -165,7 +169,8 @@ def test_export_then_import_round_trips(tmp_path):
     ours = save_tiny(tmp_path / "ck", cfg)
     export_hf(str(tmp_path / "ck"), str(tmp_path / "hf"))
     hf_cfg = transformer_config_from_hf(read_hf_config(str(tmp_path / "hf")))
-    assert hf_cfg.vocab_size == 259  # the export holds the unpadded rows; the run re-pads them
+    # the export holds the unpadded rows (and says so); the run re-pads them
+    assert hf_cfg.vocab_size == hf_cfg.unpadded_vocab_size == 259
     again = GPTModel(type(cfg).from_dict({**hf_cfg.to_dict(), "vocab_size": 384}))
     report = init_from_hf(again, str(tmp_path / "hf"))
     assert report["mean_rows"] == list(range(259, 384))

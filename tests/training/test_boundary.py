@@ -126,6 +126,7 @@ def test_gradients_zeroed_once_per_step_and_checkpoint_records(tmp_path):
     }
     assert common["model_config"]["attention"] == "bidirectional"
     assert common["model_config"]["vocab_size"] == 384  # 259 ids padded to 128
+    assert common["model_config"]["unpadded_vocab_size"] == 259  # the real ones travel with the model
     # Loading needs no flag names: drop the run record and generate from the checkpoint alone.
     common["args"] = {}
     (tmp_path / "iter_0000004" / "common.json").write_text(json.dumps(common))

@@ -26,6 +26,7 @@ import os
 import pytest
 
 from megadlms.config import parse_config
+from tests.diffusion._padding import checkpoint_generates_real_tokens
 from tests.dist_utils import run_distributed
 
 TINY = (
@@ -86,6 +87,7 @@ def _one(rank, world, tmp):
         "single": _run(tmp, "single", []),
         "ep2_to_single": _run(tmp, "ep2_to_single", ["--load", os.path.join(tmp, "ep2ckpt")]),
         "pp2_ep2_to_single": _run(tmp, "pp2_ep2_to_single", ["--load", os.path.join(tmp, "pp2ep2")]),
+        "pp2_ep2_generate": checkpoint_generates_real_tokens(os.path.join(tmp, "pp2ep2")),
     }
 
 
@@ -134,6 +136,13 @@ def test_checkpoint_resumes_at_another_ep(worlds, name):
 def test_ep2_checkpoint_resumes_on_one_process(worlds):
     _, one = worlds
     _assert_curve(one["ep2_to_single"], one["single"], its=range(4, 6))
+
+
+def test_moe_pipeline_checkpoint_generates_real_tokens_only(worlds):
+    # The MoE model saved by pp2 x ep2, loaded on one process: it knows its real vocabulary from the
+    # checkpoint, and with its padding rows pinned above every token the sampler still draws real ones.
+    _, one = worlds
+    assert one["pp2_ep2_generate"] == {"rows": 384, "real": 259, "text": "x" * 8}
 
 
 def test_pipeline_with_expert_parallelism_matches_one_process(worlds):

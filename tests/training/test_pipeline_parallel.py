@@ -35,6 +35,7 @@ import os
 import pytest
 import torch
 
+from tests.diffusion._padding import checkpoint_generates_real_tokens
 from tests.dist_utils import run_distributed
 
 TINY = (
@@ -236,3 +237,6 @@ def test_generate_loads_the_pp_checkpoint_on_one_process(worlds, capsys):
     argv = ["--load", os.path.join(worlds["tmp"], "pp2ckpt"), "--prompt", "In the", "--gen-length", "8"]
     assert generate_main(argv + ["--steps", "4", "--block-length", "4"]) == 0
     assert capsys.readouterr().out.startswith("In the")
+    # Padding rows pinned above every token: only real tokens come out ('x', the best of them).
+    got = checkpoint_generates_real_tokens(os.path.join(worlds["tmp"], "pp2ckpt"))
+    assert got["real"] == 259 and got["text"] == "x" * 8

@@ -20,6 +20,7 @@ import os
 import pytest
 
 from megadlms.parallel.sharding import sharding_of
+from tests.diffusion._padding import checkpoint_generates_real_tokens
 from tests.dist_utils import run_distributed
 
 TINY = (
@@ -208,3 +209,6 @@ def test_generate_loads_the_tp_checkpoint_on_one_process(worlds, capsys):
     argv = ["--load", os.path.join(tmp, "tp2ckpt"), "--prompt", "In the", "--gen-length", "8"]
     assert generate_main(argv + ["--steps", "4", "--block-length", "4"]) == 0
     assert capsys.readouterr().out.startswith("In the")
+    # Padding rows pinned above every token: only real tokens come out ('x', the best of them).
+    got = checkpoint_generates_real_tokens(os.path.join(tmp, "tp2ckpt"))
+    assert got == {"rows": 384, "real": 259, "text": "x" * 8}

@@ -23,6 +23,7 @@ import argparse
 
 from .flags_ckpt23 import add_ckpt_choice_args
 from .flags_cp import add_cp_args
+from .flags_fusion import add_fusion_args
 from .flags_logs23 import add_logs23_args
 from .flags_model import add_flag, difflm_args, model_args, parallel_args, precision_args
 from .flags_moe import moe_args
@@ -426,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for add in (
         model_args,
+        add_fusion_args,
         difflm_args,
         parallel_args,
         precision_args,

@@ -163,7 +163,7 @@ def _model_inert_flags(g):
         help="Accepted for Megatron scripts (no effect).",
     )
     # Negative flags with positive dests (store_false): the inert value in megatron_compat is True.
-    for name in ("gelu", "dropout", "swiglu"):
+    for name in ("gelu", "dropout"):
         add_flag(
             g,
             f"--no-bias-{name}-fusion",

@@ -30,7 +30,6 @@ WITHOUT_EFFECT = (
     ),
     ("bias_gelu_fusion", "--no-bias-gelu-fusion", True, "no fused bias-GeLU kernel (speed only)"),
     ("bias_dropout_fusion", "--no-bias-dropout-fusion", True, "no fused bias-dropout kernel (speed only)"),
-    ("bias_swiglu_fusion", "--no-bias-swiglu-fusion", True, "no fused bias-SwiGLU kernel (speed only)"),
     (
         "rerun_mode",
         "--rerun-mode",

@@ -426,7 +426,8 @@ class RunConfig:
 
     def with_tokenizer(self, tokenizer, checkpoint_vocab: Optional[int] = None) -> RunConfig:
         """The config with the fields only the tokenizer knows filled in: the padded
-        ``model.vocab_size`` and ``diffusion.mask_token_id`` (called once, at build time).
+        ``model.vocab_size``, the real ``model.unpadded_vocab_size`` and
+        ``diffusion.mask_token_id`` (called once, at build time).
 
         ``checkpoint_vocab``: the padded vocabulary of the checkpoint being resumed. Padding
         depends on the tensor-parallel size, so a checkpoint from another tp may have more
@@ -440,7 +441,9 @@ class RunConfig:
             # Not a multiple of tp: the rows cannot be split here, so the ordinary padding (and the mismatch
             # error at load) stands.
             padded = checkpoint_vocab if checkpoint_vocab % tp == 0 else padded
-        model = dataclasses.replace(self.model, vocab_size=padded)
+        # The real size travels with the model (checkpoints record it): generation and answer scoring leave
+        # the padding rows out without the tokenizer at hand.
+        model = dataclasses.replace(self.model, vocab_size=padded, unpadded_vocab_size=vocab)
         vanilla = self.diffusion.model_running_mode == "vanilla"
         diffusion = dataclasses.replace(
             self.diffusion, mask_token_id=-1 if vanilla else tokenizer.mask_token_id

@@ -40,6 +40,10 @@ deterministic per-token NELBO and the perplexity bound exp(NELBO).
 
 Sampling (``generate``): LLaDA's semi-autoregressive low-confidence remasking sampler with
 optional Gumbel temperature (float64) and classifier-free guidance.
+
+Vocabulary (``vocab.py``): the loss and the validation NELBO keep Megatron's softmax over
+the padded vocabulary; the sampler and the answer likelihood see only the real tokens
+(``token_logits``: vocab-parallel slices gathered, padding rows cut).
 """
 
 from .config import MODEL_RUNNING_MODES, OBJECTIVES, P_MASK_MODES, DiffusionConfig
@@ -55,6 +59,7 @@ from .loss import (
 )
 from .noise import counter_uniform, forward_process, micro_batch_crop, varilen_length
 from .sampler import add_gumbel_noise, generate, get_num_transfer_tokens
+from .vocab import real_vocab_size, token_logits
 
 __all__ = [
     "DiffusionConfig",
@@ -78,4 +83,6 @@ __all__ = [
     "add_gumbel_noise",
     "conditional_log_likelihood",
     "answer_nll_draws",
+    "token_logits",
+    "real_vocab_size",
 ]

@@ -14,17 +14,21 @@ The draws are counter-based (seed, batch, row, position), so the estimate is rep
 and every (prompt, answer) of the same answer length sees the same masks (common random
 numbers: the choices of a multiple-choice question are compared under the same noise).
 
-This complements ``validation_nelbo`` (unconditional, every token maskable, t ~ U(0, 1)).
+This complements ``validation_nelbo`` (unconditional, every token maskable, t ~ U(0, 1)),
+which keeps training's softmax over the padded vocabulary; this estimator scores answers,
+so its softmax is over the real tokens only (``vocab.token_logits``): the same number
+whether or not the vocabulary was padded.
 """
 
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 
 from .noise import counter_uniform
+from .vocab import token_logits
 
 # noise.py's tags are 1..4; these streams must not alias them.
 TAG_LL_LENGTH = 5
@@ -52,14 +56,15 @@ def answer_masks(length: int, rows: int, batch: int, seed: int, device=None) -> 
     return rank < num[:, None]
 
 
-def _logits(model, x: torch.Tensor, prompt_len: int, mask_token_id: int, cfg_scale: float) -> torch.Tensor:
+def _logits(model, x: torch.Tensor, prompt_len: int, mask_token_id: int, cfg_scale: float, vocab_size):
+    """The real tokens' logits [b, S, U] (``token_logits``), guided when ``cfg_scale`` > 0."""
     if cfg_scale <= 0:
-        return model(x)
+        return token_logits(model, model(x), vocab_size)
     uncond = x.clone()
     # Classifier-free guidance: the unconditional copy has its prompt masked; both run in one forward.
     uncond[:, :prompt_len] = mask_token_id
     cond, unc = model(torch.cat([x, uncond])).chunk(2)
-    return unc + (cfg_scale + 1) * (cond - unc)
+    return token_logits(model, unc + (cfg_scale + 1) * (cond - unc), vocab_size)
 
 
 @torch.no_grad()
@@ -73,9 +78,14 @@ def answer_nll_draws(
     batch_size: int = 16,
     cfg_scale: float = 0.0,
     seed: int = 0,
+    vocab_size: Optional[int] = None,
 ) -> torch.Tensor:
     """float64 [mc_samples]: each draw's (L / l) * sum of masked answer CE; their mean
-    estimates -ELBO of log p(answer | prompt). ``model(ids [b, S]) -> logits [b, S, V]``."""
+    estimates -ELBO of log p(answer | prompt). ``model(ids [b, S]) -> logits [b, S, V]``.
+
+    The softmax is over the real tokens only: the first ``vocab_size`` rows (default: the
+    model's ``config.unpadded_vocab_size``), so Megatron's padding rows take no probability
+    and the score is the one of the same model without them (``megadlms.diffusion.vocab``)."""
     if mc_samples < 1 or batch_size < 1:
         raise ValueError(f"mc_samples ({mc_samples}) and batch_size ({batch_size}) must be >= 1")
     device = next(model.parameters()).device
@@ -95,7 +105,9 @@ def answer_nll_draws(
             x = seq.expand(rows, -1).clone()
             # x[:, P:] is a view, so the boolean assignment writes into x itself.
             x[:, P:][masked] = mask_token_id
-            logits = _logits(model, x, P, mask_token_id, cfg_scale)[:, P:]
+            logits = _logits(model, x, P, mask_token_id, cfg_scale, vocab_size)[:, P:]
+            if batch == 0:
+                _check_answer(answer_t, logits.shape[-1])
             ce = F.cross_entropy(
                 logits.float().reshape(-1, logits.shape[-1]), answer_t.repeat(rows), reduction="none"
             ).reshape(rows, L)
@@ -107,8 +119,18 @@ def answer_nll_draws(
     return torch.cat(out)
 
 
+def _check_answer(answer: torch.Tensor, real: int) -> None:
+    """A ValueError (not an index error deep in the CE) for an answer id that is no token."""
+    outside = (answer < 0) | (answer >= real)
+    if bool(outside.any()):
+        raise ValueError(
+            f"answer holds id {answer[outside][0].item()}, outside the model's {real} tokens "
+            f"(ids 0..{real - 1}; rows past them are Megatron's vocabulary padding)"
+        )
+
+
 def conditional_log_likelihood(model, prompt: Ids, answer: Ids, **kwargs) -> float:
     """LLaDA's estimate of log p(answer | prompt) (the ELBO; see the module docstring).
     Keyword arguments as :func:`answer_nll_draws` (mask_token_id, mc_samples, batch_size,
-    cfg_scale, seed)."""
+    cfg_scale, seed, vocab_size)."""
     return -answer_nll_draws(model, prompt, answer, **kwargs).mean().item()

@@ -16,6 +16,10 @@ dtype), so p(MASK) > 0 lowers a position's confidence exactly as in LLaDA's gene
 The one deliberate difference from LLaDA's reference: the [MASK] logit is set to -inf for
 the draw of x0 (only there), so a committed position can never hold [MASK] again
 (LLaDA's trained model never predicts it; a small model might, which would leave holes).
+
+Vocabulary: everything above runs on the logits of the real tokens (``vocab.token_logits``):
+Megatron's padding rows of the output layer are cut first, so they are never drawn and take
+no probability from the confidences (LLaDA's released models have no padding rows).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+
+from .vocab import real_vocab_size, token_logits
 
 REMASKING = ("low_confidence", "random")
 
@@ -97,8 +103,9 @@ def _denoise_step(
         logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
     else:
         logits = model(x)
-    if vocab_size is not None:
-        logits = logits[..., :vocab_size]
+    # The real tokens only (vocab-parallel slices gathered, Megatron's padding rows cut): no padding id can be
+    # drawn, and confidences are probabilities over the tokens, as the Hugging Face export computes them.
+    logits = token_logits(model, logits, vocab_size)
     if not 0 <= mask_token_id < logits.shape[-1]:
         raise ValueError(
             f"mask_token_id {mask_token_id} is outside the model's vocabulary of {logits.shape[-1]}"
@@ -148,16 +155,21 @@ def generate(
     ``model(x) -> logits [b, S, V]`` must be a bidirectional mask predictor. Randomness
     (temperature > 0 or random remasking) comes from ``generator`` or a generator seeded with
     ``seed`` (default 0), so a call is reproducible. The model is run in eval mode and its
-    training flag restored afterwards. ``vocab_size``: logits past it (Megatron's padding
-    rows, never tokens) are dropped, as the Hugging Face export drops those rows.
+    training flag restored afterwards.
+
+    Only real tokens are drawn: the logits are cut to the first ``vocab_size`` rows (default:
+    the model's recorded ``config.unpadded_vocab_size``) before any draw or softmax, as the
+    Hugging Face export drops Megatron's padding rows (``megadlms.diffusion.vocab``). Under
+    tensor parallelism every TP rank calls this with the same prompt and seed (the vocab
+    slices are all-gathered: the ranks draw the same tokens).
     """
     _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
     num_blocks = gen_length // block_length
-    # ``model`` is the plain model (unwrap wrappers with megadlms.distributed.unwrap_model);
-    # a model without a config is still checked against its logits below.
-    model_vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if model_vocab is not None and not 0 <= mask_token_id < model_vocab:
-        raise ValueError(f"mask_token_id {mask_token_id} is outside the model's vocabulary of {model_vocab}")
+    # The real vocabulary when the model (or the caller) knows it, else the output rows; a model that records
+    # neither is checked at its first logits (_denoise_step).
+    real = real_vocab_size(model, vocab_size) or getattr(getattr(model, "config", None), "vocab_size", None)
+    if real is not None and not 0 <= mask_token_id < real:
+        raise ValueError(f"mask_token_id {mask_token_id} is outside the model's vocabulary of {real}")
     device = prompt.device
     if generator is None:
         generator = torch.Generator(device=device).manual_seed(0 if seed is None else seed)

@@ -15,6 +15,11 @@ own ``--batch_size`` is accepted and has no effect: requests are scored one by o
 ``cfg_scale`` (0), ``seed`` (0), ``is_check_greedy`` (False: report is_greedy=False without
 the extra decode), ``gen_length`` / ``steps`` / ``block_length`` / ``temperature`` /
 ``remasking`` for generate_until, ``device``.
+
+Scores and generations are over the checkpoint's real vocabulary: the loaded model carries
+its ``unpadded_vocab_size`` and both the estimator and the sampler cut Megatron's padding
+rows by it (``megadlms.diffusion.token_logits``), so a padded run scores and generates as
+its Hugging Face export does.
 """
 
 from __future__ import annotations

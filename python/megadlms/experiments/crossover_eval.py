@@ -7,7 +7,8 @@
 * ``cloze_acc``: the share of cloze questions whose true continuation scores highest.
   AR: exact log p(choice | prompt). DLM: LLaDA's estimate of log p(choice | prompt), the one
   the lm-eval adapter reports (``conditional_log_likelihood``; all choices of a question
-  have equal length, so they are scored under the same masks).
+  have equal length, so they are scored under the same masks). Both softmaxes are over the
+  real tokens (Megatron's padding rows cut, ``token_logits``); the losses keep training's.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from megadlms.diffusion import DiffusionConfig, conditional_log_likelihood, validation_nelbo
+from megadlms.diffusion import DiffusionConfig, conditional_log_likelihood, token_logits, validation_nelbo
 
 from .crossover_data import ClozeItem
+
+SCORING = "cloze over the real vocabulary"
 
 
 def _row_batches(rows: torch.Tensor, batch_size: int):
@@ -58,7 +61,8 @@ def loss_per_token(
 def causal_choice_scores(model, item: ClozeItem) -> List[float]:
     """Exact log p(choice | prompt) of every choice under a causal model (one forward)."""
     x = torch.tensor([item.prompt + c for c in item.choices], dtype=torch.int64)
-    logp = torch.log_softmax(model(x[:, :-1]).double(), dim=-1)
+    # Over the real tokens, as the DLM's scorer: Megatron's padding rows take no probability.
+    logp = torch.log_softmax(token_logits(model, model(x[:, :-1])).double(), dim=-1)
     target = x[:, 1:]
     tok_lp = logp.gather(-1, target[..., None])[..., 0]
     P = len(item.prompt)
@@ -125,6 +129,9 @@ def evaluate_checkpoint(
 def _settings_key(kwargs: Dict) -> str:
     """A digest of everything the metrics depend on besides the weights."""
     h = hashlib.sha256()
+    # The scoring rule's version: metrics cached under an older rule (a cloze softmax over the padded
+    # rows) are computed again.
+    h.update(SCORING.encode())
     for k in sorted(kwargs):
         v = kwargs[k]
         h.update(k.encode())

@@ -10,13 +10,15 @@ examples/dlm_generation/dlm_inference.py does:
 
     AutoModelForCausalLM.from_pretrained(DIR, torch_dtype="auto", trust_remote_code=True)
 
-Vocabulary: ``vocab_size`` is the run's vocabulary before Megatron's padding (--vocab-size,
-else the tokenizer's size; MegaDLMs' hf_configs write 50289 for its GPT-NeoX tokenizer):
-the padding rows (whose number depends on --make-vocab-size-divisible-by and the tensor
-parallel size) are dropped, so dp and tp checkpoints of the same weights export the same
-files. Precision: ``--dtype auto`` (default) writes the weights as the run stored them (bf16
-for a --bf16 run: MegaDLMs' conversion writes the bf16 model weights too), so a direct
-export and one of a --ckpt-convert-format copy are identical; ``--dtype fp32`` writes a
+Vocabulary: ``vocab_size`` is the run's vocabulary before Megatron's padding (the model's
+recorded ``unpadded_vocab_size``: --vocab-size, else the tokenizer's size; MegaDLMs'
+hf_configs write 50289 for its GPT-NeoX tokenizer): the padding rows (whose number depends
+on --make-vocab-size-divisible-by and the tensor parallel size) are dropped, so dp and tp
+checkpoints of the same weights export the same files, and the export's logits are the
+ones megadlms' sampler and scorers cut theirs to (``megadlms.diffusion.vocab``).
+Precision: ``--dtype auto`` (default) writes the weights as the run stored them (bf16 for a
+--bf16 run: MegaDLMs' conversion writes the bf16 model weights too), so a direct export
+and one of a --ckpt-convert-format copy are identical; ``--dtype fp32`` writes a
 mixed-precision run's exact fp32 main parameters where the checkpoint has them (a
 conversion without optimizer state keeps only the bf16 weights).
 
@@ -37,7 +39,7 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from megadlms.checkpoint import open_checkpoint, tensor_shapes, tokenizer_record
-from megadlms.generate import load_for_inference, unpadded_vocab_size
+from megadlms.generate import load_for_inference
 from megadlms.models import TransformerConfig
 
 from .mapping import megadlms_to_hf
@@ -171,7 +173,9 @@ def export_hf(
     target, use_main, source = _weights_source(load, dtype)
     # The inference loader: any format, wrapper and dp, and the checkpoint's own tokenizer record.
     model, tokenizer, common = load_for_inference(load, torch.device("cpu"), prefer_fp32_params=use_main)
-    vocab = unpadded_vocab_size(tokenizer, common)
+    # The real vocabulary the loader gave the model: the one megadlms' own sampler cuts its logits to, so the
+    # export and megadlms.diffusion.generate choose from the same rows.
+    vocab = model.config.unpadded_vocab_size
     cfg = TransformerConfig.from_dict({**model.config.to_dict(), "vocab_size": vocab})
     os.makedirs(output, exist_ok=True)
     sd = {k: v.detach().to(target) for k, v in model.state_dict().items()}

@@ -58,12 +58,11 @@ def import_hf(
     real_tokens = tok.get_vocab_size(with_added_tokens=True)
     mask_id, added = _mask_token(tok, mask_token)
     hf = read_hf_config(hf_dir)
-    # Either size may be larger: HF pads vocab_size, and added tokens can go past it.
-    vocab = padded_vocab_size(
-        max(hf["vocab_size"], tok.get_vocab_size(with_added_tokens=True)), vocab_divisible_by
-    )
+    # Either may be larger (HF pads vocab_size; added tokens go past it): HF's own rows stay tokens, as in HF.
+    real = max(hf["vocab_size"], tok.get_vocab_size(with_added_tokens=True))
+    vocab = padded_vocab_size(real, vocab_divisible_by)
     cfg = transformer_config_from_hf(hf, f"--hf {hf_dir}", seq_length=seq_length, attention=attention)
-    cfg = type(cfg).from_dict({**cfg.to_dict(), "vocab_size": vocab})
+    cfg = type(cfg).from_dict({**cfg.to_dict(), "vocab_size": vocab, "unpadded_vocab_size": real})
     torch.manual_seed(0)  # rows beyond the HF vocabulary are set to the mean; the rest is copied
     model = GPTModel(cfg)
     report = init_from_hf(
@@ -80,7 +79,7 @@ def import_hf(
         tokenizer_type="HuggingFaceTokenizer",
         tokenizer_model=os.path.join(tok_dir, "tokenizer.json"),
         mask_token=mask_id,
-        vocab_size=vocab,
+        vocab_size=real,
     )
     ckpt = save_checkpoint(
         output,
@@ -95,7 +94,8 @@ def import_hf(
         "--tokenizer-type HuggingFaceTokenizer",
         f"--tokenizer-model {record.tokenizer_model}",
         f"--mask-token {mask_id}",
-        f"--vocab-size {vocab}",
+        # Before padding, as Megatron's flag: the run pads it (and keeps this checkpoint's rows).
+        f"--vocab-size {real}",
         f"--load {output} --finetune",
     ]
     if attention == "causal":

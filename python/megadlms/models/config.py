@@ -38,6 +38,11 @@ class TransformerConfig:
     """Query heads (--num-attention-heads)."""
     vocab_size: int
     """Rows of the embedding / output layer (already padded by the caller if wanted)."""
+    unpadded_vocab_size: Optional[int] = None
+    """Real tokens: rows [unpadded_vocab_size, vocab_size) are Megatron's padding
+    (--make-vocab-size-divisible-by), never tokens. Training's softmax still runs over every
+    row (Megatron's); sampling and answer scoring leave the padding out. Recorded with the
+    model in checkpoints; None: every row is a token."""
     seq_length: int
     """Training sequence length (--seq-length)."""
     max_position_embeddings: Optional[int] = None
@@ -126,6 +131,17 @@ class TransformerConfig:
     distribute_saved_activations: bool = False
     """Save only this TP rank's 1/tp of each recomputed span's input (--distribute-saved-activations)."""
 
+    # Fused elementwise kernels (megadlms/ops; docs/model_and_objective.md, "Fused kernels"). Each
+    # runs on CUDA tensors when on; on CPU the unfused torch ops always run (a CPU run is bitwise
+    # the same with or without them). Speed and memory knobs: the numbers agree up to rounding.
+    apply_rope_fusion: bool = True
+    """Rotary embedding in one kernel each way (Megatron's name; --no-rope-fusion turns it off)."""
+    bias_swiglu_fusion: bool = True
+    """SwiGLU in one kernel each way, saving only the fc1 output (--no-bias-swiglu-fusion)."""
+    residual_rmsnorm_fusion: bool = True
+    """The attention residual add and pre_mlp_layernorm (RMSNorm) in one kernel each way
+    (--no-residual-rmsnorm-fusion; no Megatron equivalent). LayerNorm models run unfused."""
+
     def __post_init__(self) -> None:
         """Fill the derived defaults (Megatron's rules) and check every field."""
         bad = Problems("TransformerConfig")
@@ -134,6 +150,7 @@ class TransformerConfig:
             self.max_position_embeddings = self.seq_length
         if bad.items:  # the rules below need the sizes
             bad.raise_if_any()
+        _check_unpadded_vocab(self, bad)
         bad.check(
             self.seq_length <= self.max_position_embeddings,
             f"seq_length {self.seq_length} exceeds max_position_embeddings "
@@ -209,6 +226,16 @@ class TransformerConfig:
         if isinstance(kw.get("params_dtype"), str):
             kw["params_dtype"] = getattr(torch, kw["params_dtype"])
         return cls(**kw)
+
+
+def _check_unpadded_vocab(c: TransformerConfig, bad: Problems) -> None:
+    """The real vocabulary fits the rows: ``unpadded_vocab_size`` in 1..``vocab_size``."""
+    bad.positive(c, "unpadded_vocab_size", required=False)
+    if isinstance(c.unpadded_vocab_size, int) and c.unpadded_vocab_size > c.vocab_size:
+        bad.add(
+            f"unpadded_vocab_size {c.unpadded_vocab_size} exceeds vocab_size {c.vocab_size}: "
+            "the embedding needs a row per token (pad vocab_size up, never down)"
+        )
 
 
 def _check_moe(c: TransformerConfig, bad: Problems) -> None:

@@ -279,6 +279,15 @@ class GPTModel(nn.Module):
         flat = logits.reshape(-1, logits.shape[-1]).float()
         return F.cross_entropy(flat, targets.reshape(-1), reduction="none").view(targets.shape)
 
+    def gather_vocab_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """This model's ``logits`` [..., V/tp] over the whole (padded) vocabulary [..., V]: the
+        TP ranks' vocab slices all-gathered in rank order (= vocab order), the same on every
+        rank; the logits themselves at tp = 1. For choosing tokens (the sampler), where every
+        rank must see every row; training never gathers (``token_cross_entropy``)."""
+        if self.tp.size == 1:
+            return logits
+        return mappings.gather_from_tp(logits, self.tp.group)
+
     def forward(
         self,
         input_ids: Optional[torch.Tensor] = None,

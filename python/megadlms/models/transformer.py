@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megadlms.ops import apply_rotary, residual_add_norm, swiglu
 from megadlms.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelContext
 from megadlms.parallel.context_parallel import ContextParallelPlan
 from megadlms.parallel.sharding import set_sharding
@@ -146,14 +147,6 @@ class RotaryEmbedding(nn.Module):
         return emb_BSD.cos()[:, :, None, :], emb_BSD.sin()[:, :, None, :]
 
 
-def apply_rotary(x_BSND: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + D/2) of every head by the position angle (Megatron bshd form)."""
-    x1, x2 = x_BSND.chunk(2, dim=-1)
-    # With the cos/sin below this is the 2-D rotation of each pair (x1_i, x2_i).
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x_BSND * cos.to(x_BSND.dtype) + rotated * sin.to(x_BSND.dtype)
-
-
 class SelfAttention(nn.Module):
     """Multi-head / grouped-query self-attention through F.scaled_dot_product_attention.
 
@@ -181,6 +174,7 @@ class SelfAttention(nn.Module):
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
         self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.apply_rope_fusion = config.apply_rope_fusion  # CUDA tensors only (ops/fusion.py)
         dt = config.params_dtype
         N, G, D = config.num_attention_heads, config.num_query_groups, self.head_dim
         # G groups of [N/G query heads | k | v]: whole groups per rank under a contiguous TP split, which is
@@ -235,8 +229,8 @@ class SelfAttention(nn.Module):
             q_BSND = self.q_layernorm(q_BSND)
             k_BSGD = self.k_layernorm(k_BSGD)
         if rotary is not None:
-            q_BSND = apply_rotary(q_BSND, *rotary)
-            k_BSGD = apply_rotary(k_BSGD, *rotary)
+            q_BSND = apply_rotary(q_BSND, *rotary, fused=self.apply_rope_fusion)
+            k_BSGD = apply_rotary(k_BSGD, *rotary, fused=self.apply_rope_fusion)
         dropout_p = self.attention_dropout if self.training else 0.0
         q, k, v = q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2)
         if isinstance(doc_mask, ContextParallelPlan):  # context parallelism: K/V gathered over cp
@@ -286,6 +280,7 @@ class MLP(nn.Module):
     def __init__(self, config: TransformerConfig, *, tp: TensorParallelContext = NO_TENSOR_PARALLEL) -> None:
         super().__init__()
         self.swiglu = config.swiglu
+        self.bias_swiglu_fusion = config.bias_swiglu_fusion  # CUDA tensors only (ops/fusion.py)
         fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
         dt = config.params_dtype
         bias = config.add_bias_linear
@@ -313,8 +308,7 @@ class MLP(nn.Module):
         h_BSF = self.linear_fc1(x_BSH)  # [B, S, Fl] (x2 with swiglu)
         if self.swiglu:
             # Locally [gate | up] of the SAME F/tp features, which the two-block sharding guarantees.
-            gate, up = h_BSF.chunk(2, dim=-1)
-            h_BSF = F.silu(gate) * up
+            h_BSF = swiglu(h_BSF, fused=self.bias_swiglu_fusion)
         else:
             h_BSF = F.gelu(h_BSF)
         return self.linear_fc2(h_BSF)
@@ -363,13 +357,18 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
         self.mlp = build_mlp(config, layer_number, tp)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)
+        # RMSNorm models on CUDA tensors only (ops/fusion.py); the dropout stays torch's, before it.
+        self.residual_rmsnorm_fusion = config.residual_rmsnorm_fusion
 
     def forward(
         self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, doc_mask=None
     ) -> torch.Tensor:
         attn = self.self_attention(self.input_layernorm(x_BSH), rotary, doc_mask)
-        x_BSH = x_BSH + self._dropout(attn)
-        return x_BSH + self._dropout(self.mlp(self.pre_mlp_layernorm(x_BSH)))
+        # x + drop(attn) and pre_mlp_layernorm of it, in one kernel where fused
+        x_BSH, normed_BSH = residual_add_norm(
+            x_BSH, self._dropout(attn), self.pre_mlp_layernorm, fused=self.residual_rmsnorm_fusion
+        )
+        return x_BSH + self._dropout(self.mlp(normed_BSH))
 
     def _dropout(self, x_BSH: torch.Tensor) -> torch.Tensor:
         if not self.training or self.hidden_dropout.p == 0:

@@ -22,6 +22,10 @@ row's completion does not depend on the other rows (greedy and deterministic set
 Sampling at temperature T draws from softmax(logits / T) after the top-p filter (MegaDLMs'
 order); Gumbel-max in float64 (LLaDA) with ``generator`` or one seeded with ``seed``, so
 a call is reproducible. [MASK] is excluded from the draw (as ``megadlms-generate``).
+
+Vocabulary: an export holds only the real tokens' rows (``megadlms-export-hf`` drops
+Megatron's padding rows), so every logit here is a token; megadlms' own sampler cuts its
+logits to the same rows, and both choose the same tokens.
 """
 
 from __future__ import annotations

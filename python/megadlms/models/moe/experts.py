@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadlms.ops.grouped_gemm import grouped_matmul
+from megadlms.ops.swiglu import swiglu
 from megadlms.parallel.sharding import set_sharding
 
 
@@ -74,6 +75,7 @@ class GroupedMLP(nn.Module):
     def __init__(self, config, num_local_experts: int, gradient_accumulation_fusion: bool = False) -> None:
         super().__init__()
         self.swiglu = config.swiglu
+        self.bias_swiglu_fusion = config.bias_swiglu_fusion  # CUDA tensors only (ops/fusion.py)
         F_, H = config.moe_ffn_hidden_size, config.hidden_size
         kw = dict(bias=config.add_bias_linear, dtype=config.params_dtype, fusion=gradient_accumulation_fusion)
         fc1_out = F_ * (2 if self.swiglu else 1)
@@ -83,8 +85,7 @@ class GroupedMLP(nn.Module):
     def forward(self, rows_RH: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         h = self.linear_fc1(rows_RH, tokens_per_expert)
         if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
+            h = swiglu(h, fused=self.bias_swiglu_fusion)
         else:
             h = F.gelu(h)
         return self.linear_fc2(h, tokens_per_expert)

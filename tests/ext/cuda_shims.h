@@ -1,8 +1,8 @@
-// Shims that let g++ compile the CUDA kernels' device code (csrc/cuda/*.cuh) as host
-// code: blocks and threads become loops over blockIdx / threadIdx set by the caller, the
-// vector types and the rounding intrinsics are plain C++. Shared by the emulations
-// (cuda_emu.cpp, adam_emu.cpp); build with -ffp-contract=off so that the plain operators
-// round like the device intrinsics. Not part of the package.
+// Shims that let g++ compile the CUDA kernels' device code for a host emulation (blocks and
+// threads run as loops on one CPU thread): CUDA's qualifiers become nothing or `inline`, its
+// vector types plain structs, threadIdx / blockIdx / blockDim / gridDim globals the emulation
+// sets before each call, and the round-to-nearest intrinsics plain operators (build with
+// -ffp-contract=off). Included first by tests/ext/cuda_emu.cpp and tests/ext/fused_emu.cpp.
 #pragma once
 
 #include <cmath>

@@ -1,0 +1,3 @@
+// Stub for `make glue-check` (tools/cuda_stubs/README.md): the handle type CUDAContextLight.h names.
+#pragma once
+typedef struct cusolverDnContext* cusolverDnHandle_t;
