@@ -90,6 +90,7 @@ def test_one_launch_per_eager_call():
     assert torch.equal(out, torch.cat(ts))
 
 
+@pytest.mark.cuda_graph
 def test_graph_capture_and_replay_outlive_the_table():
     """Ops on a table captured once, replayed on new values; the graph keeps working after
     the table is deleted and the lists' cache is cleared (its device copies are kept)."""
@@ -128,6 +129,7 @@ def test_graph_capture_and_replay_outlive_the_table():
     del junk
 
 
+@pytest.mark.cuda_graph
 def test_table_first_used_under_capture():
     """A table whose first call is captured is uploaded outside the graph: an eager call
     before any replay reads the right segments."""
@@ -168,6 +170,7 @@ def test_non_default_stream_orders_after_producer():
     assert abs(float(norm) - (64 * 4096 * 9.0) ** 0.5) < 1e-2
 
 
+@pytest.mark.cuda_graph
 def test_cuda_table_in_a_module_global_at_exit():
     """Freed during interpreter finalization, before the CUDA runtime unloads: exit 0."""
     code = (
