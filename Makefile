@@ -83,7 +83,7 @@ cuda-check:
 # headers and tools/cuda_stubs (what both lack), in C++17 (torch 2.11's standard; newer
 # torch headers are system headers here, so their C++20 extensions do not warn).
 GLUE_TUS := $(wildcard csrc/glue/*.cpp) csrc/bindings.cpp csrc/nccl_bindings.cpp csrc/fused_bindings.cpp \
-            csrc/adam_bindings.cpp
+  csrc/tensor_table.cpp csrc/adam_bindings.cpp
 CUDA_INCLUDE ?= $(if $(CUDA_HOME),$(CUDA_HOME),/usr/local/cuda)/include
 glue-check: install
 	@inc="$$($(PY) -c "import torch, os, sysconfig; t = os.path.dirname(torch.__file__); \

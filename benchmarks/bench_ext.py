@@ -2,6 +2,7 @@
 
     python benchmarks/bench_ext.py                    # CPU, torch's default thread count
     python benchmarks/bench_ext.py --device cuda      # GPU (CUDA build of megadlm_ext)
+    python benchmarks/bench_ext.py --cases cd --threads 1 --repeats 101   # list vs TensorTable
 
 One table; each row is a ratio measured in this run (medians of --repeats timings,
 ops interleaved so machine noise hits all of them alike):
@@ -13,6 +14,11 @@ ops interleaved so machine noise hits all of them alike):
   bf16 sources into an fp32 buffer vs one contiguous fp32.add_(bf16) of the same bytes
   (and, stricter, vs an all-fp32 add_ of the same element count); l2_norm vs
   torch._foreach_norm + torch.linalg.vector_norm.
+A second table times each op on a list and on a megadlm_ext.TensorTable of the same tensors
+(the per-call parse of the list against the table's cached segment table): (c) 10,000
+one-element fp32 tensors, (d) 10,000 fp32 tensors of 256-4096 elements. Quietest numbers:
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_ext.py --cases cd --threads 1 --repeats 101
 """
 
 from __future__ import annotations
@@ -174,12 +180,52 @@ def bench_case(case: str, device, repeats: int, gen):
     return rows, mb
 
 
+TABLE_CASES = {"c": "(c) 10k one-element tensors", "d": "(d) 10k tensors, 256-4096 el."}
+
+
+def bench_table_case(case: str, device, repeats: int, gen):
+    """Each op on a list and on a megadlm_ext.TensorTable of it (fp32): the host's per-call
+    parse of the list against the table's cached segment table. Rows: (case, op, list s,
+    table s, target)."""
+    n = 10_000
+    sizes = [1] * n if case == "c" else torch.randint(256, 4097, (n,), generator=gen).tolist()
+    ts = [torch.randn(k, generator=gen).to(device) for k in sizes]
+    table = megadlm_ext.TensorTable(ts)
+    flat = torch.empty(table.flat_numel, device=device)
+    ops = {
+        "flatten(out=)": (lambda: megadlm_ext.flatten(ts, flat), lambda: megadlm_ext.flatten(table, flat)),
+        "accumulate_into": (
+            lambda: megadlm_ext.accumulate_into(flat, ts),
+            lambda: megadlm_ext.accumulate_into(flat, table),
+        ),
+        "unflatten": (lambda: megadlm_ext.unflatten(flat, ts), lambda: megadlm_ext.unflatten(flat, table)),
+        "scale_": (lambda: megadlm_ext.scale_(ts, 1.0000001), lambda: megadlm_ext.scale_(table, 1.0000001)),
+        "l2_norm": (lambda: megadlm_ext.l2_norm(ts), lambda: megadlm_ext.l2_norm(table)),
+        "has_nonfinite": (lambda: megadlm_ext.has_nonfinite(ts), lambda: megadlm_ext.has_nonfinite(table)),
+    }
+    fns = {(op, kind): fn for op, pair in ops.items() for kind, fn in zip(("list", "table"), pair)}
+    t = measure(fns, device, repeats)
+    # equal results (cheap, outside the timings)
+    assert torch.equal(megadlm_ext.l2_norm(ts), megadlm_ext.l2_norm(table))
+    assert torch.equal(megadlm_ext.flatten(table, flat), torch.cat(ts))
+    target = "<= 150 us and >= 5x" if case == "c" and device.type == "cpu" else ""
+    return [(TABLE_CASES[case], op, t[op, "list"], t[op, "table"], target) for op in ops]
+
+
+def print_table_rows(rows) -> None:
+    head = ("case", "op", "list us", "table us", "list / table", "target")
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---" for _ in head) + "|")
+    for case, op, lst, tab, target in rows:
+        print(f"| {case} | {op} | {lst * 1e6:.1f} | {tab * 1e6:.1f} | {lst / tab:.1f}x | {target} |")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--repeats", type=int, default=9, help="timed runs per op (median reported)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    p.add_argument("--cases", default="ab", help="subset of 'ab'")
+    p.add_argument("--cases", default="abcd", help="subset of 'abcd' (c, d: list vs TensorTable)")
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,8 +244,16 @@ def main(argv=None):
     )
     rows = []
     for case in args.cases:
-        r, mb = bench_case(case, device, args.repeats, gen)
-        rows += r
+        if case in "ab":
+            r, mb = bench_case(case, device, args.repeats, gen)
+            rows += r
+    table_rows = []
+    for case in args.cases:
+        if case in TABLE_CASES:
+            table_rows += bench_table_case(case, device, args.repeats, gen)
+    if not rows:
+        print_table_rows(table_rows)
+        return
     head = ("case", "op vs baseline", "ours ms", "base ms", "ratio", "target", "ours GB/s")
     print("| " + " | ".join(head) + " |")
     print("|" + "|".join("---" for _ in head) + "|")
@@ -212,6 +266,9 @@ def main(argv=None):
         "ratio = baseline time / our time (> 1: we are faster; vs the copy ceiling: fraction of "
         "its bandwidth)"
     )
+    if table_rows:
+        print()
+        print_table_rows(table_rows)
 
 
 if __name__ == "__main__":

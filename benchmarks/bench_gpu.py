@@ -5,12 +5,16 @@
     python benchmarks/bench_gpu.py --dry-run           # tiny sizes; runs on CPU too (CI)
 
 Sections:
-  ops  each op on (a) 10,000 small tensors and (b) 200 large ones: ours vs a
-       device-to-device copy that moves the bytes the op moves (an op that only reads n
-       bytes is compared with a copy of n/2 bytes: n/2 read + n/2 written; ratio = our
-       bandwidth / copy bandwidth, target >= 0.85) and vs torch's foreach equivalent
-       (ratio = speed-up; target >= 3 on 10k tensors); "launches" counts the extension's
-       kernels per call (profiler).
+  ops  each op on (a) 10,000 small tensors and (b) 200 large ones, side by side: eager on
+       the list (parsed every call), eager on a megadlm_ext.TensorTable of it (built once),
+       and kernel-only (the table op captured into a CUDA graph and replayed; has_nonfinite:
+       nonfinite_flag, the bool's host sync is not capturable). "table / kernel" is the host
+       overhead left on a table (target <= 1.25). vs copy: kernel bandwidth (CPU: the table
+       op's) against a device-to-device copy that moves the bytes the op moves (an op that
+       only reads n bytes is compared with a copy of n/2 bytes: n/2 read + n/2 written;
+       target >= 0.85); vs foreach: torch's foreach equivalent over the table op (speed-up;
+       target >= 3 on 10k tensors); "launches" counts the extension's kernels per table call
+       (profiler).
   ddp  one training step (forward, backward, grad sync, optimizer) of our DDP with
        --comm-backend nccl_ext vs the torch NCCL backend (ratio = torch / ours; target
        >= 1). On one rank the ratio is "n/a": torch's backend skips the collective at
@@ -114,17 +118,41 @@ def _cases(device, dry):
     }
 
 
+def _kernel_seconds(device, fn, reps):
+    """Median time of fn()'s kernels alone: fn captured once into a CUDA graph (after a warm-up
+    on a side stream, which also uploads the segment tables), then replayed. None off GPU."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    seconds = _timer(device, graph.replay, reps)
+    del graph
+    return seconds
+
+
 def _op_rows(ts, device, reps):
-    """(op, ours_s, bytes the op moves (read + written), foreach name, foreach_s, launches)."""
+    """Per op: eager time on the list and on a TensorTable of it, kernel-only time (the table
+    op replayed from a CUDA graph), the bytes it moves, torch's foreach equivalent, launches."""
     numel = sum(t.numel() for t in ts)
     flat = torch.empty(numel, device=device)
     views = list(flat.split([t.numel() for t in ts]))
     bf = [t.bfloat16() for t in ts]
+    table, bf_table = ext.TensorTable(ts), ext.TensorTable(bf)
     b4 = 4 * numel
+    # (op, list call, table call, graph-capturable table call, bytes, foreach name, foreach call)
     ops = [
         (
             "flatten",
             lambda: ext.flatten(ts, flat),
+            lambda: ext.flatten(table, flat),
+            None,
             2 * b4,
             "_foreach_copy_",
             lambda: torch._foreach_copy_(views, ts),
@@ -132,6 +160,8 @@ def _op_rows(ts, device, reps):
         (
             "accumulate_into bf16->fp32",
             lambda: ext.accumulate_into(flat, bf),
+            lambda: ext.accumulate_into(flat, bf_table),
+            None,
             b4 // 2 + 2 * b4,  # bf16 read, fp32 read + written
             "_foreach_add_",
             lambda: torch._foreach_add_(views, bf),
@@ -139,6 +169,8 @@ def _op_rows(ts, device, reps):
         (
             "scale_",
             lambda: ext.scale_(ts, 1.0000001),
+            lambda: ext.scale_(table, 1.0000001),
+            None,
             2 * b4,
             "_foreach_mul_",
             lambda: torch._foreach_mul_(ts, 1.0000001),
@@ -146,6 +178,8 @@ def _op_rows(ts, device, reps):
         (
             "l2_norm",
             lambda: ext.l2_norm(ts),
+            lambda: ext.l2_norm(table),
+            None,
             b4,  # read only
             "_foreach_norm+norm",
             lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(ts))),
@@ -153,15 +187,28 @@ def _op_rows(ts, device, reps):
         (
             "has_nonfinite",
             lambda: ext.has_nonfinite(ts),
+            lambda: ext.has_nonfinite(table),
+            lambda: ext.nonfinite_flag(table),  # the bool needs a host sync: not capturable
             b4,
             "isfinite(_foreach_norm)",
             lambda: bool(torch.stack(torch._foreach_norm(ts)).isfinite().all()),
         ),
     ]
-    return [
-        (name, _timer(device, ours, reps), nbytes, fname, _timer(device, fe, reps), _launches(device, ours))
-        for name, ours, nbytes, fname, fe in ops
-    ]
+    rows = []
+    for name, on_list, on_table, kernel_fn, nbytes, fname, fe in ops:
+        rows.append(
+            {
+                "op": name,
+                "list": _timer(device, on_list, reps),
+                "table": _timer(device, on_table, reps),
+                "kernel": _kernel_seconds(device, kernel_fn or on_table, reps),
+                "bytes": nbytes,
+                "foreach_name": fname,
+                "foreach": _timer(device, fe, reps),
+                "launches": _launches(device, on_table),
+            }
+        )
+    return rows
 
 
 def _copy_seconds(device, nbytes, reps, cache):
@@ -174,21 +221,30 @@ def _copy_seconds(device, nbytes, reps, cache):
 
 
 def section_ops(device, reps, dry):
-    emit(f"\n## ops ({device.type}; vs copy = our GB/s / GB/s of a D2D copy moving the same bytes)")
     emit(
-        "| case | op | bytes moved | ours ms | ours GB/s | copy GB/s | vs copy | foreach | foreach ms "
-        "| vs foreach | launches |"
+        f"\n## ops ({device.type}; eager on the list and on a TensorTable of it, kernel = the table op "
+        "replayed from a CUDA graph; vs copy = kernel GB/s (CPU: table) / GB/s of a D2D copy moving "
+        "the same bytes; targets: table / kernel <= 1.25, vs copy >= 0.85)"
     )
-    emit("|---|---|---|---|---|---|---|---|---|---|---|")
+    emit(
+        "| case | op | bytes moved | list ms | table ms | kernel ms | table / kernel | table vs list "
+        "| copy GB/s | vs copy | foreach | foreach ms | vs foreach | launches |"
+    )
+    emit("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case, ts in _cases(device, dry).items():
         cache = {}
-        for name, ours_s, nbytes, fname, fe_s, launches in _op_rows(ts, device, reps):
-            copy_bw = nbytes / _copy_seconds(device, nbytes, reps, cache)
-            bw = nbytes / ours_s
+        for r in _op_rows(ts, device, reps):
+            copy_bw = r["bytes"] / _copy_seconds(device, r["bytes"], reps, cache)
+            kernel, table = r["kernel"], r["table"]
+            bw = r["bytes"] / (kernel if kernel is not None else table)
+            kernel_ms = "-" if kernel is None else f"{kernel * 1e3:.3f}"
+            over_kernel = "-" if kernel is None else f"{table / kernel:.2f}x"
+            launches = "-" if r["launches"] is None else r["launches"]
             emit(
-                f"| {case} | {name} | {nbytes / 1e6:.1f} MB | {ours_s * 1e3:.3f} | {bw / 1e9:.1f} | "
-                f"{copy_bw / 1e9:.1f} | {bw / copy_bw:.2f}x | {fname} | {fe_s * 1e3:.3f} | "
-                f"{fe_s / ours_s:.2f}x | {'-' if launches is None else launches} |"
+                f"| {case} | {r['op']} | {r['bytes'] / 1e6:.1f} MB | {r['list'] * 1e3:.3f} | "
+                f"{table * 1e3:.3f} | {kernel_ms} | {over_kernel} | {r['list'] / table:.2f}x | "
+                f"{copy_bw / 1e9:.1f} | {bw / copy_bw:.2f}x | {r['foreach_name']} | "
+                f"{r['foreach'] * 1e3:.3f} | {r['foreach'] / table:.2f}x | {launches} |"
             )
 
 

@@ -1,7 +1,8 @@
 // pybind11 module megadlm_ext._C: the host API of every op. Each op validates its
 // arguments (tensor_list.h: ValueError naming the argument and index), fills a segment
 // table in a thread-local arena, releases the GIL and runs the CPU launcher or, for
-// CUDA tensors in CUDA builds, the CUDA glue on torch's current stream.
+// CUDA tensors in CUDA builds, the CUDA glue on torch's current stream. Given a
+// TensorTable instead of a list, an op hands over to tensor_table.cpp (no parsing).
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
@@ -11,6 +12,7 @@
 
 #include "megadlm/kernels.h"
 #include "tensor_list.h"
+#include "tensor_table.h"
 
 #ifdef MEGADLM_WITH_CUDA
 #include "glue/glue.h"
@@ -20,55 +22,6 @@ namespace py = pybind11;
 
 namespace megadlm {
 namespace {
-
-const at::Tensor& as_tensor(PyObject* o, const char* name) {
-  if (!THPVariable_Check(o))
-    value_error(std::string(name) + " must be a tensor, got " + Py_TYPE(o)->tp_name);
-  return THPVariable_Unpack(o);
-}
-
-enum class Dir { ListToFlat, FlatToList, InPlace, ReadOnly };
-
-// Fill the arena's segment table from the parsed items; returns the element total.
-int64_t build_segments(const std::vector<Item>& items, const std::vector<int64_t>* offsets,
-                       char* flat, int32_t flat_dtype, Dir dir, std::vector<Segment>& segs) {
-  segs.clear();
-  int64_t total = 0;
-  for (size_t i = 0; i < items.size(); ++i) {
-    const Item& it = items[i];
-    if (!it.numel) continue;
-    char* f = flat ? flat + (*offsets)[i] * dtype_size(flat_dtype) : nullptr;
-    Segment s{};
-    s.start = total;
-    switch (dir) {
-      case Dir::ListToFlat:
-        s.src = it.ptr;
-        s.dst = f;
-        s.src_dtype = it.dtype;
-        s.dst_dtype = flat_dtype;
-        break;
-      case Dir::FlatToList:
-        s.src = f;
-        s.dst = it.ptr;
-        s.src_dtype = flat_dtype;
-        s.dst_dtype = it.dtype;
-        break;
-      case Dir::InPlace:
-        s.src = it.ptr;
-        s.dst = it.ptr;
-        s.src_dtype = s.dst_dtype = it.dtype;
-        break;
-      case Dir::ReadOnly:
-        s.src = it.ptr;
-        s.dst = nullptr;
-        s.src_dtype = s.dst_dtype = it.dtype;
-        break;
-    }
-    segs.push_back(s);
-    total += it.numel;
-  }
-  return total;
-}
 
 // Run an elementwise op (no result) on `device`.
 void run_elementwise(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total,
@@ -88,24 +41,15 @@ void run_elementwise(OpKind op, c10::Device device, const std::vector<Segment>& 
 
 at::Tensor flatten(py::handle tensors, py::handle out_obj, py::handle offsets_obj, double scale,
                    py::handle dtype_obj) {
+  if (TensorTable* t = as_table(tensors))
+    return table_flatten(*t, out_obj, offsets_obj, scale, dtype_obj);
   Arena& a = arena();
   const bool has_out = !out_obj.is_none();
   c10::optional<at::ScalarType> dtype;
-  if (!dtype_obj.is_none()) {
-    if (!THPDtype_Check(dtype_obj.ptr())) value_error("dtype must be a torch.dtype or None");
-    dtype = reinterpret_cast<THPDtype*>(dtype_obj.ptr())->scalar_type;
-    dtype_code(*dtype, "dtype argument");
-  }
   at::Tensor out;
+  parse_flatten_out(out_obj.ptr(), dtype_obj.ptr(), out, dtype);
   c10::optional<c10::Device> dev;
-  if (has_out) {
-    out = as_tensor(out_obj.ptr(), "out");
-    check_flat("out", out);
-    if (dtype && *dtype != out.scalar_type())
-      value_error(std::string("dtype=") + c10::toString(*dtype) +
-                  " disagrees with out.dtype=" + c10::toString(out.scalar_type()));
-    dev = out.device();
-  }
+  if (has_out) dev = out.device();
   const c10::Device device = parse_list("tensors", tensors.ptr(), a.items, dev, "out");
   const int64_t need =
       parse_offsets(offsets_obj.ptr(), a.items, has_out ? out.numel() : -1, "out", a.offsets);
@@ -134,6 +78,8 @@ at::Tensor flatten(py::handle tensors, py::handle out_obj, py::handle offsets_ob
 
 void to_list(OpKind op, py::handle flat_obj, py::handle tensors, py::handle offsets_obj,
              double scale) {
+  if (TensorTable* t = as_table(tensors))
+    return table_to_list(op, flat_obj, *t, offsets_obj, scale);
   Arena& a = arena();
   const at::Tensor& flat = as_tensor(flat_obj.ptr(), "flat");
   check_flat("flat", flat);
@@ -157,6 +103,7 @@ void accumulate_into(py::handle flat, py::handle tensors, py::handle offsets, do
 }
 
 void scale_(py::handle tensors, double factor) {
+  if (TensorTable* t = as_table(tensors)) return table_scale(*t, factor);
   Arena& a = arena();
   const c10::Device device = parse_list("tensors", tensors.ptr(), a.items, c10::nullopt, "");
   check_distinct("tensors", a.items);
@@ -173,9 +120,9 @@ c10::Device reduce_setup(py::handle tensors, int64_t& total) {
 }
 
 // One reduction of the list into a 0-d tensor on its device: the CUDA kernel's result (no
-// host sync), or `from_cpu` applied to the CPU pass's result.
-template <typename FromCpu>
-at::Tensor reduce(py::handle tensors, OpKind op, FromCpu from_cpu) {
+// host sync), or the CPU pass's result as a tensor.
+at::Tensor reduce(py::handle tensors, OpKind op) {
+  if (TensorTable* t = as_table(tensors)) return table_reduce(*t, op);
   int64_t total = 0;
   const c10::Device device = reduce_setup(tensors, total);
   const auto& segs = arena().segs;
@@ -192,22 +139,17 @@ at::Tensor reduce(py::handle tensors, OpKind op, FromCpu from_cpu) {
     py::gil_scoped_release nogil;
     result = cpu::run(op, segs.data(), int64_t(segs.size()), total, 1.0f);
   }
-  return from_cpu(result);
+  return cpu_reduction_result(op, result);
 }
 
 at::Tensor l2_norm(py::handle tensors) {
-  return reduce(tensors, kSumSquares, [](const CpuResult& r) {
-    return at::scalar_tensor(float(std::sqrt(r.sum_squares)),
-                             at::TensorOptions().dtype(at::kFloat));
-  });
+  return reduce(tensors, kSumSquares);
 }
 
 // 0-d int32 tensor on the list's device: 1 if any element is NaN/Inf. No host sync on
 // CUDA (the flag stays on the device until the caller reads it).
 at::Tensor nonfinite_flag(py::handle tensors) {
-  return reduce(tensors, kNonFinite, [](const CpuResult& r) {
-    return at::scalar_tensor(int32_t(r.nonfinite), at::TensorOptions().dtype(at::kInt));
-  });
+  return reduce(tensors, kNonFinite);
 }
 
 bool has_nonfinite(py::handle tensors) {
@@ -486,6 +428,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace megadlm;
   m.doc() = "megadlm_ext compiled ops (see megadlm_ext/__init__.py for the documented API)";
   m.def("backend_info", &backend_info);
+  register_tensor_table(m);
   m.def("flatten", &flatten, py::arg("tensors"), py::arg("out") = py::none(), py::kw_only(),
         py::arg("offsets") = py::none(), py::arg("scale") = 1.0, py::arg("dtype") = py::none());
   m.def("unflatten", &unflatten, py::arg("flat"), py::arg("tensors"), py::kw_only(),

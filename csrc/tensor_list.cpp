@@ -5,12 +5,19 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 namespace megadlm {
 
 void value_error(const std::string& msg) {
   throw pybind11::value_error(msg);
+}
+
+const at::Tensor& as_tensor(PyObject* o, const char* name) {
+  if (!THPVariable_Check(o))
+    value_error(std::string(name) + " must be a tensor, got " + Py_TYPE(o)->tp_name);
+  return THPVariable_Unpack(o);
 }
 
 int32_t dtype_code(at::ScalarType st, const std::string& what) {
@@ -158,9 +165,7 @@ int64_t parse_offsets(PyObject* obj, const std::vector<Item>& items, int64_t fla
     if (o < 0)
       value_error("offsets[" + std::to_string(i) + "] = " + std::to_string(o) + " is negative");
     if (flat_numel >= 0 && o + m > flat_numel)
-      value_error("tensors[" + std::to_string(i) + "] (" + std::to_string(m) +
-                  " elements at offset " + std::to_string(o) + ") runs past the end of " +
-                  flat_name + " (" + std::to_string(flat_numel) + " elements)");
+      past_end_error(items, offsets, flat_numel, flat_name);
     need = std::max(need, o + m);
     if (m == 0) continue;
     if (prev != SIZE_MAX && o < prev_end) sorted = false;
@@ -184,6 +189,33 @@ int64_t parse_offsets(PyObject* obj, const std::vector<Item>& items, int64_t fla
   return need;
 }
 
+void past_end_error(const std::vector<Item>& items, const std::vector<int64_t>& offsets,
+                    int64_t flat_numel, const char* flat_name) {
+  for (size_t i = 0; i < items.size(); ++i) {
+    const int64_t o = offsets[i], m = items[i].numel;
+    if (o + m > flat_numel)
+      value_error("tensors[" + std::to_string(i) + "] (" + std::to_string(m) +
+                  " elements at offset " + std::to_string(o) + ") runs past the end of " +
+                  flat_name + " (" + std::to_string(flat_numel) + " elements)");
+  }
+  value_error(std::string("past_end_error: no tensor runs past the end of ") + flat_name);
+}
+
+void parse_flatten_out(PyObject* out_obj, PyObject* dtype_obj, at::Tensor& out,
+                       c10::optional<at::ScalarType>& dtype) {
+  if (dtype_obj != Py_None) {
+    if (!THPDtype_Check(dtype_obj)) value_error("dtype must be a torch.dtype or None");
+    dtype = reinterpret_cast<THPDtype*>(dtype_obj)->scalar_type;
+    dtype_code(*dtype, "dtype argument");
+  }
+  if (out_obj == Py_None) return;
+  out = as_tensor(out_obj, "out");
+  check_flat("out", out);
+  if (dtype && *dtype != out.scalar_type())
+    value_error(std::string("dtype=") + c10::toString(*dtype) +
+                " disagrees with out.dtype=" + c10::toString(out.scalar_type()));
+}
+
 void check_no_alias(const char* flat_name, const at::Tensor& flat, const std::vector<Item>& items) {
   if (flat.numel() == 0) return;
   const uintptr_t f0 = uintptr_t(flat.data_ptr()), f1 = f0 + uintptr_t(flat.nbytes());
@@ -198,6 +230,11 @@ void check_no_alias(const char* flat_name, const at::Tensor& flat, const std::ve
 }
 
 void check_distinct(const char* name, const std::vector<Item>& items) {
+  const std::string msg = shared_memory_message(name, items);
+  if (!msg.empty()) value_error(msg);
+}
+
+std::string shared_memory_message(const char* name, const std::vector<Item>& items) {
   auto& spans = arena().spans;
   spans.clear();
   bool sorted = true;  // tensors carved from one buffer in order: no sort needed
@@ -212,10 +249,59 @@ void check_distinct(const char* name, const std::vector<Item>& items) {
     if (spans[k].first < spans[k - 1].first + uintptr_t(a.numel * dtype_size(a.dtype))) {
       const int64_t i = std::min(spans[k - 1].second, spans[k].second);
       const int64_t j = std::max(spans[k - 1].second, spans[k].second);
-      value_error(std::string(name) + "[" + std::to_string(i) + "] and " + name + "[" +
-                  std::to_string(j) + "] share memory: in-place ops need distinct tensors");
+      return std::string(name) + "[" + std::to_string(i) + "] and " + name + "[" +
+             std::to_string(j) + "] share memory: in-place ops need distinct tensors";
     }
   }
+  return std::string();
+}
+
+int64_t build_segments(const std::vector<Item>& items, const std::vector<int64_t>* offsets,
+                       char* flat, int32_t flat_dtype, Dir dir, std::vector<Segment>& segs) {
+  segs.clear();
+  segs.reserve(items.size());
+  int64_t total = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const Item& it = items[i];
+    if (!it.numel) continue;
+    char* f = flat ? flat + (*offsets)[i] * dtype_size(flat_dtype) : nullptr;
+    Segment s{};
+    s.start = total;
+    switch (dir) {
+      case Dir::ListToFlat:
+        s.src = it.ptr;
+        s.dst = f;
+        s.src_dtype = it.dtype;
+        s.dst_dtype = flat_dtype;
+        break;
+      case Dir::FlatToList:
+        s.src = f;
+        s.dst = it.ptr;
+        s.src_dtype = flat_dtype;
+        s.dst_dtype = it.dtype;
+        break;
+      case Dir::InPlace:
+        s.src = it.ptr;
+        s.dst = it.ptr;
+        s.src_dtype = s.dst_dtype = it.dtype;
+        break;
+      case Dir::ReadOnly:
+        s.src = it.ptr;
+        s.dst = nullptr;
+        s.src_dtype = s.dst_dtype = it.dtype;
+        break;
+    }
+    segs.push_back(s);
+    total += it.numel;
+  }
+  return total;
+}
+
+at::Tensor cpu_reduction_result(OpKind op, const CpuResult& r) {
+  if (op == kSumSquares)
+    return at::scalar_tensor(float(std::sqrt(r.sum_squares)),
+                             at::TensorOptions().dtype(at::kFloat));
+  return at::scalar_tensor(int32_t(r.nonfinite), at::TensorOptions().dtype(at::kInt));
 }
 
 Arena& arena() {

@@ -1,7 +1,8 @@
 // Parsing and validation of the ops' Python arguments (tensor lists, offsets, flat
 // buffers) into a segment table. Every error is a ValueError naming the argument and
 // the tensor index; nothing is allocated on the hot path after warm-up (thread-local
-// arenas are reused).
+// arenas are reused). Shared by the list path (bindings.cpp) and TensorTable
+// (tensor_table.cpp), so both refuse the same inputs with the same messages.
 #pragma once
 
 #include <torch/extension.h>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "megadlm/kernels.h"
 #include "megadlm/multi_tensor.h"
 
 namespace megadlm {
@@ -22,6 +24,9 @@ struct Item {
 
 // Raise a Python ValueError (pybind11 maps it) with `msg`.
 [[noreturn]] void value_error(const std::string& msg);
+
+// The tensor behind `o`; ValueError naming `name` if it is not one.
+const at::Tensor& as_tensor(PyObject* o, const char* name);
 
 // DType code of a scalar type; ValueError naming `what` if unsupported.
 int32_t dtype_code(at::ScalarType st, const std::string& what);
@@ -43,11 +48,35 @@ void check_flat(const char* name, const at::Tensor& flat);
 int64_t parse_offsets(PyObject* obj, const std::vector<Item>& items, int64_t flat_numel,
                       const char* flat_name, std::vector<int64_t>& offsets);
 
+// ValueError naming the first tensor whose range [offsets[i], +numel) runs past the end of a
+// flat buffer of `flat_numel` elements (called once the caller knows one does).
+[[noreturn]] void past_end_error(const std::vector<Item>& items,
+                                 const std::vector<int64_t>& offsets, int64_t flat_numel,
+                                 const char* flat_name);
+
+// flatten's `out` and `dtype` arguments: `out` (left undefined for None) must be a flat
+// buffer agreeing with `dtype`; `dtype` (left empty for None) must be supported.
+void parse_flatten_out(PyObject* out_obj, PyObject* dtype_obj, at::Tensor& out,
+                       c10::optional<at::ScalarType>& dtype);
+
 // ValueError if any tensor's bytes overlap the flat buffer's.
 void check_no_alias(const char* flat_name, const at::Tensor& flat, const std::vector<Item>& items);
 
 // ValueError if two tensors of the list share memory (in-place writes into the list).
 void check_distinct(const char* name, const std::vector<Item>& items);
+// The message check_distinct raises, or "" when the tensors are distinct.
+std::string shared_memory_message(const char* name, const std::vector<Item>& items);
+
+// Which way an op moves data between the list and a flat buffer.
+enum class Dir { ListToFlat, FlatToList, InPlace, ReadOnly };
+
+// Fill `segs` from the parsed items (empty tensors dropped; `flat`/`offsets` unused for
+// InPlace/ReadOnly); returns the element total.
+int64_t build_segments(const std::vector<Item>& items, const std::vector<int64_t>* offsets,
+                       char* flat, int32_t flat_dtype, Dir dir, std::vector<Segment>& segs);
+
+// The 0-d result tensor (CPU) of a CPU reduction: fp32 norm (kSumSquares) or int32 flag.
+at::Tensor cpu_reduction_result(OpKind op, const CpuResult& r);
 
 // Thread-local scratch reused across calls (no allocation once warm).
 struct Arena {

@@ -4,7 +4,9 @@ Every op has two routes: the compiled one (``megadlm_ext._C``) and a plain-PyTor
 reference (:mod:`megadlm_ext.reference`) with the same contract and checks.
 ``force_reference()`` / ``MEGADLM_EXT_FORCE_REFERENCE=1`` pick the reference
 (tests compare the two). If the compiled module is missing the reference route is
-used and a warning is logged once; ``backend_info()["compiled"]`` says which.
+used and a warning is logged once; ``backend_info()["compiled"]`` says which. Every op
+taking a tensor list also takes a :class:`TensorTable` (a list validated once, for
+tensors that persist across steps).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ except ImportError as exc:  # not built: reference route only
 
 _force_reference = os.environ.get("MEGADLM_EXT_FORCE_REFERENCE", "0") == "1"
 _warned = False
+if _C is not None:
+    _ref.register_table_type(_C.TensorTable)  # the reference ops take compiled tables too
 
 
 def _impl():
@@ -42,6 +46,58 @@ def _impl():
             _warned = True
         return _ref
     return _C
+
+
+def _route(tensors):
+    """(the route to run, the tensor-list argument for it). A reference table on the compiled
+    route is replaced by its compiled twin (built once, then kept with it)."""
+    impl = _impl()
+    if impl is _C and type(tensors) is _ref.TensorTable:
+        if tensors._twin is None:
+            tensors._twin = _C.TensorTable(tensors.tensors, offsets=tensors.offsets)
+        tensors = tensors._twin
+    return impl, tensors
+
+
+class _TableType(type):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, _ref.TABLE_TYPES)
+
+
+class TensorTable(metaclass=_TableType):
+    """``TensorTable(tensors, *, offsets=None)``: a tensor list validated once, for tensors that
+    persist across steps (parameters, main-grad buffers, optimizer state).
+
+    Pass it wherever an op takes ``tensors`` (flatten, unflatten, accumulate_into, scale_,
+    l2_norm, has_nonfinite, nonfinite_flag): the results are bitwise the list's, and on a known
+    table an op does O(1) host work -- no list parsing; the segment table of each flat buffer
+    (same address, dtype and length) is built on first use and cached in the table, and on CUDA
+    so is its device copy, so an eager call is one kernel launch (see docs/extension.md).
+
+    ``tensors`` is checked once as the list path checks it (contiguous, float32 / bfloat16 /
+    float16, one device; ``unflatten`` and ``scale_`` still refuse tensors that share memory).
+    ``offsets`` (None: packed) are the tensors' element offsets in every flat buffer the table
+    is used with; the ops then take ``offsets=None``. The table holds the tensors and their
+    storages, so nothing it points at is freed under it.
+
+    What it assumes: the tensors keep their memory while the table is used -- no ``.data =``,
+    ``set_``, ``resize_`` or ``untyped_storage().resize_`` on them (the table would go on using
+    the old memory; in-place writes such as ``copy_``, ``zero_``, ``mul_`` are fine).
+    ``validate()`` checks that in O(n) and raises a ValueError naming the first tensor that
+    moved; ``matches(tensors)`` says whether a list holds exactly this table's tensor objects
+    (an O(n) pointer comparison), for callers that rebuild a table when their list changes.
+
+    Attributes: ``tensors`` (tuple), ``offsets`` (list or None), ``device``, ``numel`` (elements
+    of all tensors), ``flat_numel`` (elements a flat buffer needs); ``len(table)``.
+
+    This constructor returns the compiled ``megadlm_ext._C.TensorTable``, or the reference
+    route's :class:`megadlm_ext.reference.TensorTable` when the compiled module is missing or
+    :func:`force_reference` is on; ``isinstance(t, megadlm_ext.TensorTable)`` holds for both,
+    and each route's ops take either.
+    """
+
+    def __new__(cls, tensors, *, offsets=None):
+        return _impl().TensorTable(tensors, offsets=offsets)
 
 
 @contextlib.contextmanager
@@ -75,39 +131,49 @@ def backend_info() -> dict:
 
 
 def flatten(tensors, out=None, *, offsets=None, scale=1.0, dtype=None):
-    """Copy ``tensors`` (cast, times ``scale``) into one flat buffer at ``offsets``; return it."""
-    return _impl().flatten(tensors, out, offsets=offsets, scale=scale, dtype=dtype)
+    """Copy ``tensors`` (cast, times ``scale``) into one flat buffer at ``offsets``; return it.
+
+    ``tensors`` (here and in every op below): a list / tuple of tensors or a
+    :class:`TensorTable` (whose own offsets apply: pass ``offsets=None``)."""
+    impl, tensors = _route(tensors)
+    return impl.flatten(tensors, out, offsets=offsets, scale=scale, dtype=dtype)
 
 
 def unflatten(flat, tensors, *, offsets=None, scale=1.0) -> None:
     """``tensors[i][:] = scale * flat[offsets[i]:offsets[i]+numel]`` (cast), in place."""
-    return _impl().unflatten(flat, tensors, offsets=offsets, scale=scale)
+    impl, tensors = _route(tensors)
+    return impl.unflatten(flat, tensors, offsets=offsets, scale=scale)
 
 
 def accumulate_into(flat, tensors, *, offsets=None, scale=1.0) -> None:
     """``flat[offsets[i]:...] += scale * tensors[i]`` with fp32 arithmetic, in place."""
-    return _impl().accumulate_into(flat, tensors, offsets=offsets, scale=scale)
+    impl, tensors = _route(tensors)
+    return impl.accumulate_into(flat, tensors, offsets=offsets, scale=scale)
 
 
 def scale_(tensors, factor) -> None:
     """Multiply every tensor by ``factor`` in place."""
-    return _impl().scale_(tensors, factor)
+    impl, tensors = _route(tensors)
+    return impl.scale_(tensors, factor)
 
 
 def l2_norm(tensors):
     """Global L2 norm over all tensors, accumulated in fp32; a 0-d fp32 tensor."""
-    return _impl().l2_norm(tensors)
+    impl, tensors = _route(tensors)
+    return impl.l2_norm(tensors)
 
 
 def has_nonfinite(tensors) -> bool:
     """True if any element of any tensor is NaN or +-Inf."""
-    return bool(_impl().has_nonfinite(tensors))
+    impl, tensors = _route(tensors)
+    return bool(impl.has_nonfinite(tensors))
 
 
 def nonfinite_flag(tensors):
     """0-d int32 tensor on the tensors' device, 1 if any element is NaN or +-Inf. Unlike
     :func:`has_nonfinite` it does not sync the host: read it when the answer is needed."""
-    return _impl().nonfinite_flag(tensors)
+    impl, tensors = _route(tensors)
+    return impl.nonfinite_flag(tensors)
 
 
 def wgrad_accumulate(main_grad, grad_output, input, *, alpha=1.0) -> None:

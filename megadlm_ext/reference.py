@@ -1,6 +1,7 @@
 """Plain-PyTorch reference route of every megadlm_ext op.
 
-Same contract and the same input checks as the compiled route (csrc/tensor_list.cpp);
+Same contract and the same input checks as the compiled route (csrc/tensor_list.cpp),
+TensorTable included (csrc/tensor_table.cpp);
 tests force both routes and compare them. Numerics: values are cast to fp32,
 scaled, combined in fp32 and rounded once into the destination dtype, which is
 what the fused kernels do.
@@ -111,7 +112,98 @@ def check_distinct(tensors) -> None:
             )
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    """Address of a tensor's first element, read through its storage (0 when unallocated)."""
+    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size() if t.numel() else 0
+
+
+class TensorTable:
+    """The reference route's ``TensorTable`` (``megadlm_ext.TensorTable`` builds this one when
+    the compiled module is missing or ``force_reference`` is on): the compiled class's
+    contract in plain Python. The ops below take it (or a compiled table) wherever they take
+    a list; they re-check its tensors on every call, as this route does for a list.
+    """
+
+    def __init__(self, tensors, *, offsets=None):
+        tensors = check_list("tensors", tensors)
+        offs = resolve_offsets(tensors, offsets, None, "the flat buffer")
+        self._tensors = tuple(tensors)
+        self._offsets = None if offsets is None else offs
+        # the storages too, as the compiled table holds them (a .data = swap frees nothing)
+        self._storages = [t.untyped_storage() for t in tensors]
+        self._seen = [(_storage_ptr(t), t.numel(), t.dtype) for t in tensors]
+        self._device = tensors[0].device if tensors else torch.device("cpu")
+        self._numel = sum(t.numel() for t in tensors)
+        self._flat_numel = max((o + t.numel() for o, t in zip(offs, tensors)), default=0)
+        self._twin = None  # the compiled table of the same tensors (megadlm_ext builds it)
+
+    tensors = property(lambda self: self._tensors, doc="The tensors (a tuple).")
+    offsets = property(lambda self: None if self._offsets is None else list(self._offsets))
+    device = property(lambda self: self._device, doc="The tensors' device.")
+    numel = property(lambda self: self._numel, doc="Elements of all tensors.")
+    flat_numel = property(lambda self: self._flat_numel, doc="Elements a flat buffer needs.")
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        extra = ", offsets" if self._offsets is not None else ""
+        return f"TensorTable({len(self)} tensors, {self._numel} elements, {self._device}{extra})"
+
+    def validate(self) -> None:
+        """ValueError naming the first tensor whose memory, size, dtype or layout changed."""
+        for i, (t, (ptr, n, dtype)) in enumerate(zip(self._tensors, self._seen)):
+            if t.dtype != dtype:
+                why = f"is now {t.dtype}, was {dtype}"
+            elif t.numel() != n:
+                why = f"has {t.numel()} elements, had {n}"
+            elif t.device != self._device:
+                why = f"is now on {t.device}, was on {self._device}"
+            elif not t.is_contiguous():
+                why = "is no longer contiguous"
+            elif n and _storage_ptr(t) != ptr:
+                why = f"data moved from 0x{ptr:x} to 0x{_storage_ptr(t):x}"
+            else:
+                continue
+            raise ValueError(
+                f"TensorTable.validate: tensors[{i}] {why} since the table was built (its storage was "
+                "replaced or reallocated: .data =, set_, resize_); build a new TensorTable from the "
+                "current tensors"
+            )
+
+    def matches(self, tensors) -> bool:
+        """True iff ``tensors`` is a list/tuple of exactly this table's tensor objects, in order."""
+        return (
+            isinstance(tensors, (list, tuple))
+            and len(tensors) == len(self._tensors)
+            and all(a is b for a, b in zip(tensors, self._tensors))
+        )
+
+
+TABLE_TYPES: tuple = (TensorTable,)
+
+
+def register_table_type(cls) -> None:
+    """Let the ops below take tables of ``cls`` too (megadlm_ext registers the compiled class)."""
+    global TABLE_TYPES
+    if cls not in TABLE_TYPES:
+        TABLE_TYPES = (*TABLE_TYPES, cls)
+
+
+def _unpack(tensors, offsets):
+    """(list, offsets) of a tensor-list argument that may be a TensorTable of either route."""
+    if not isinstance(tensors, TABLE_TYPES):
+        return tensors, offsets
+    if offsets is not None:
+        raise ValueError(
+            "offsets must be None with a TensorTable: the table carries its own "
+            "(TensorTable(tensors, offsets=...))"
+        )
+    return list(tensors.tensors), tensors.offsets
+
+
 def flatten(tensors, out=None, *, offsets=None, scale=1.0, dtype=None) -> torch.Tensor:
+    tensors, offsets = _unpack(tensors, offsets)
     tensors = check_list("tensors", tensors, device=None if out is None else out.device)
     if out is not None:
         check_flat("out", out)
@@ -142,6 +234,7 @@ def flatten(tensors, out=None, *, offsets=None, scale=1.0, dtype=None) -> torch.
 
 
 def unflatten(flat, tensors, *, offsets=None, scale=1.0) -> None:
+    tensors, offsets = _unpack(tensors, offsets)
     check_flat("flat", flat)
     tensors = check_list("tensors", tensors, device=flat.device)
     offs = resolve_offsets(tensors, offsets, flat.numel())
@@ -156,6 +249,7 @@ def unflatten(flat, tensors, *, offsets=None, scale=1.0) -> None:
 
 
 def accumulate_into(flat, tensors, *, offsets=None, scale=1.0) -> None:
+    tensors, offsets = _unpack(tensors, offsets)
     check_flat("flat", flat)
     tensors = check_list("tensors", tensors, device=flat.device)
     offs = resolve_offsets(tensors, offsets, flat.numel())
@@ -170,6 +264,7 @@ def accumulate_into(flat, tensors, *, offsets=None, scale=1.0) -> None:
 
 
 def scale_(tensors, factor) -> None:
+    tensors, _ = _unpack(tensors, None)
     tensors = check_list("tensors", tensors)
     check_distinct(tensors)
     for t in tensors:
@@ -178,6 +273,7 @@ def scale_(tensors, factor) -> None:
 
 
 def l2_norm(tensors) -> torch.Tensor:
+    tensors, _ = _unpack(tensors, None)
     tensors = check_list("tensors", tensors)
     dev = tensors[0].device if tensors else torch.device("cpu")
     acc = torch.zeros((), dtype=torch.float32, device=dev)
@@ -188,6 +284,7 @@ def l2_norm(tensors) -> torch.Tensor:
 
 
 def nonfinite_flag(tensors) -> torch.Tensor:
+    tensors, _ = _unpack(tensors, None)
     tensors = check_list("tensors", tensors)
     device = tensors[0].device if tensors else torch.device("cpu")
     flags = [(~torch.isfinite(t)).any() for t in tensors if t.numel()]
@@ -196,6 +293,7 @@ def nonfinite_flag(tensors) -> torch.Tensor:
 
 
 def has_nonfinite(tensors) -> bool:
+    tensors, _ = _unpack(tensors, None)
     tensors = check_list("tensors", tensors)
     return any(t.numel() and not bool(torch.isfinite(t).all()) for t in tensors)
 

@@ -90,8 +90,9 @@ fi
 # as one archive; the logs themselves are written to WORK.
 RESULTS="${OUT:-${LOG_DIR:-$ROOT/build/gpu-check}}"
 if [[ -n "${OUT:-}" ]]; then
-  WORK="$ROOT/build/gpu-check-logs"  # ours alone: emptied so the archive holds this run only
-  rm -rf "$WORK"
+  # A folder of this run's own (two runs at once must not share one), removed at exit.
+  WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-logs.XXXXXX")"
+  trap 'rm -rf "$WORK"' EXIT
 else
   WORK="$RESULTS"
 fi

@@ -80,10 +80,22 @@ struct F16 {
 #endif
 };
 
+// Segments of at most this many elements take a plain loop where the general path's
+// setup (a memmove call) costs more than the work.
+constexpr int64_t kTiny = 16;
+
 // dst = src * scale (cast). Same-dtype unscaled copies are a memcpy.
 template <typename S, typename D>
 void copy_n(const typename S::T* src, typename D::T* dst, int64_t n, float scale) {
   if (std::is_same<S, D>::value && scale == 1.0f) {
+    if constexpr (std::is_same<S, D>::value) {
+      // Tiny segments (a table of one-element tensors): a loop beats the call to memmove.
+      // src == dst (kScale) or disjoint: a forward copy of the bits either way.
+      if (n <= kTiny) {
+        for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+        return;
+      }
+    }
     std::memmove(dst, src, size_t(n) * sizeof(typename S::T));  // kScale: src == dst
     return;
   }
@@ -135,6 +147,17 @@ void accumulate_n(const typename S::T* src, typename D::T* dst, int64_t n, float
 // Sum of squares in fp32 (several independent lanes, then summed in double).
 template <typename S>
 double sum_squares_n(const typename S::T* src, int64_t n) {
+  if (n < 8) {
+    // No 8-lane block: below, every lane but acc[0] stays 0 and the result is the double
+    // of acc[0], the in-order fp32 sum of the squares. The same sum, bitwise, without
+    // setting up and folding the lanes (most of the cost of a one-element tensor).
+    float a = 0.0f;
+    for (int64_t k = 0; k < n; ++k) {
+      const float v = S::get(src + k);
+      a += v * v;
+    }
+    return double(a);
+  }
   int64_t i = 0;
   double total = 0.0;
 #if MEGADLM_CPU_SIMD
@@ -188,41 +211,41 @@ bool nonfinite_n(const typename S::T* src, int64_t n) {
   return any != 0;
 }
 
-template <typename F>
-void dispatch_src(int32_t dt, F&& f) {
-  if (dt == kF32)
-    f(F32{});
-  else if (dt == kBF16)
-    f(BF16{});
+// Apply `op` to `n` elements starting at element `off` of segment `sg`, whose (source,
+// destination) types are S, D (reductions use S only).
+template <typename S, typename D>
+void apply_typed(OpKind op, const Segment& sg, int64_t off, int64_t n, float scale,
+                 CpuResult& res) {
+  const auto* src = static_cast<const typename S::T*>(sg.src) + off;
+  if (op == kSumSquares) {
+    res.sum_squares += sum_squares_n<S>(src, n);
+    return;
+  }
+  if (op == kNonFinite) {
+    res.nonfinite = res.nonfinite || nonfinite_n<S>(src, n);
+    return;
+  }
+  auto* dst = static_cast<typename D::T*>(sg.dst) + off;
+  if (op == kAccumulate)
+    accumulate_n<S, D>(src, dst, n, scale);
+  else if (op == kCopyStreaming)
+    copy_n_streaming<S, D>(src, dst, n, scale);
   else
-    f(F16{});
+    copy_n<S, D>(src, dst, n, scale);
 }
 
-// Apply `op` to `n` elements starting at element `off` of segment `sg`.
+// The dtype dispatch: apply_typed of each (source, destination) pair, indexed by
+// pair_code. One indirect call per segment, all of the work inlined behind it (a table of
+// one-element tensors pays this per element, so no closure or nested dispatch).
+using ApplyFn = void (*)(OpKind, const Segment&, int64_t, int64_t, float, CpuResult&);
+inline constexpr ApplyFn kApply[9] = {
+    apply_typed<F32, F32>,  apply_typed<F32, BF16>,  apply_typed<F32, F16>,
+    apply_typed<BF16, F32>, apply_typed<BF16, BF16>, apply_typed<BF16, F16>,
+    apply_typed<F16, F32>,  apply_typed<F16, BF16>,  apply_typed<F16, F16>};
+
 inline void apply(OpKind op, const Segment& sg, int64_t off, int64_t n, float scale,
                   CpuResult& res) {
-  dispatch_src(sg.src_dtype, [&](auto s) {
-    using S = decltype(s);
-    const auto* src = static_cast<const typename S::T*>(sg.src) + off;
-    if (op == kSumSquares) {
-      res.sum_squares += sum_squares_n<S>(src, n);
-      return;
-    }
-    if (op == kNonFinite) {
-      res.nonfinite = res.nonfinite || nonfinite_n<S>(src, n);
-      return;
-    }
-    dispatch_src(sg.dst_dtype, [&](auto d) {
-      using D = decltype(d);
-      auto* dst = static_cast<typename D::T*>(sg.dst) + off;
-      if (op == kAccumulate)
-        accumulate_n<S, D>(src, dst, n, scale);
-      else if (op == kCopyStreaming)
-        copy_n_streaming<S, D>(src, dst, n, scale);
-      else
-        copy_n<S, D>(src, dst, n, scale);
-    });
-  });
+  kApply[pair_code(sg.src_dtype, sg.dst_dtype)](op, sg, off, n, scale, res);
 }
 
 // Process global elements [begin, end) of the table.

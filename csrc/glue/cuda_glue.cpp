@@ -15,7 +15,9 @@
 // used while a stream is being captured into a CUDA graph are never evicted: the graph's
 // kernels keep reading them on every replay. An entry first seen under capture is
 // uploaded outside the graph (a synchronous copy on a side stream, capture mode relaxed
-// for this thread), so eager calls and other graphs that hit it read a filled table.
+// for this thread), so eager calls and other graphs that hit it read a filled table. The
+// upload and that ordering live in device_tables.cpp, shared with the device tables a
+// TensorTable owns (no lookup at all).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -26,6 +28,7 @@
 #include <memory>
 #include <mutex>
 
+#include "device_tables.h"
 #include "glue.h"
 
 namespace megadlm {
@@ -38,39 +41,8 @@ constexpr int64_t kMaxBytes = int64_t(64) << 20;
 struct Entry {
   int device;
   int64_t nseg;
-  at::Tensor host;  // pinned bytes of the table (never modified after insertion)
-  at::Tensor device_table;
-  c10::cuda::CUDAStream alloc_stream;
-  bool graph = false;              // used under graph capture: kept for the graph's lifetime
-  std::shared_ptr<void> uploaded;  // event after the upload on alloc_stream (null: synchronous)
+  DeviceCopy copy;  // `host` is the comparison copy, never modified after insertion
 };
-
-// Event recorded on `stream` after the upload (timing-free), destroyed with its entry.
-std::shared_ptr<void> record_upload(const c10::cuda::CUDAStream& stream) {
-  cudaEvent_t ev = nullptr;
-  C10_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
-  C10_CUDA_CHECK(cudaEventRecord(ev, stream.stream()));
-  return std::shared_ptr<void>(ev, [](void* e) { (void)cudaEventDestroy(cudaEvent_t(e)); });
-}
-
-// Relaxed capture mode for this thread while alive (only when `on`): pinned allocations,
-// a side-stream copy and host syncs are then allowed while another stream captures.
-struct RelaxCapture {
-  explicit RelaxCapture(bool on) : on_(on) {
-    if (on_) C10_CUDA_CHECK(cudaThreadExchangeStreamCaptureMode(&mode_));
-  }
-  ~RelaxCapture() {
-    if (on_) (void)cudaThreadExchangeStreamCaptureMode(&mode_);
-  }
-  bool on_;
-  cudaStreamCaptureMode mode_ = cudaStreamCaptureModeRelaxed;
-};
-
-// A stream of `device` other than `busy` (the capturing one) for the out-of-graph upload.
-c10::cuda::CUDAStream side_stream(c10::Device device, const c10::cuda::CUDAStream& busy) {
-  c10::cuda::CUDAStream s = c10::cuda::getStreamFromPool(false, device.index());
-  return s == busy ? c10::cuda::getStreamFromPool(false, device.index()) : s;
-}
 
 std::mutex g_mu;
 // Most recently used first. Allocated once and never destroyed, as PyTorch does with its own
@@ -85,7 +57,7 @@ int64_t g_hits = 0, g_misses = 0;
 
 bool same(const Entry& e, int device, const std::vector<Segment>& segs) {
   if (e.device != device || e.nseg != int64_t(segs.size())) return false;
-  const auto* t = static_cast<const Segment*>(e.host.data_ptr());
+  const auto* t = static_cast<const Segment*>(e.copy.host.data_ptr());
   const Segment &a = t[0], &b = segs[0], &c = t[e.nseg - 1], &d = segs.back();
   if (a.src != b.src || a.dst != b.dst || c.src != d.src || c.dst != d.dst || c.start != d.start)
     return false;
@@ -96,7 +68,7 @@ void evict_locked() {
   auto it = g_entries.end();
   while ((g_entries.size() > kMaxEntries || g_bytes > kMaxBytes) && it != g_entries.begin()) {
     --it;
-    if (it->graph) continue;
+    if (it->copy.graph) continue;
     g_bytes -= it->nseg * int64_t(sizeof(Segment));
     it = g_entries.erase(it);  // a still-running kernel is covered by record_stream
   }
@@ -106,51 +78,21 @@ void evict_locked() {
 // returned tensor keeps it alive until the caller's launch is queued.
 at::Tensor device_table(c10::Device device, const std::vector<Segment>& segs,
                         const c10::cuda::CUDAStream& stream) {
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  C10_CUDA_CHECK(cudaStreamIsCapturing(stream.stream(), &capture));
-  const bool capturing = capture != cudaStreamCaptureStatusNone;
+  const bool capturing = is_capturing(stream);
   std::lock_guard<std::mutex> lock(g_mu);
   for (auto it = g_entries.begin(); it != g_entries.end(); ++it) {
     if (!same(*it, device.index(), segs)) continue;
     g_entries.splice(g_entries.begin(), g_entries, it);
     Entry& e = g_entries.front();
-    if (e.alloc_stream != stream && e.uploaded) {
-      // The upload ran on alloc_stream: order this stream after it (a host wait under
-      // capture, where an outside event cannot be waited on; only at capture time).
-      if (capturing) {
-        RelaxCapture relax(true);
-        C10_CUDA_CHECK(cudaEventSynchronize(cudaEvent_t(e.uploaded.get())));
-      } else {
-        C10_CUDA_CHECK(cudaStreamWaitEvent(stream.stream(), cudaEvent_t(e.uploaded.get()), 0));
-      }
-    }
-    if (capturing)
-      e.graph = true;
-    else if (e.alloc_stream != stream)
-      e.device_table.record_stream(stream);
+    prepare_read(e.copy, stream, capturing);
     ++g_hits;
-    return e.device_table;
+    return e.copy.dev;
   }
   ++g_misses;
-  const int64_t nbytes = int64_t(segs.size() * sizeof(Segment));
-  RelaxCapture relax(capturing);  // a first sight of a list under capture
-  at::Tensor host = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
-  std::memcpy(host.data_ptr(), segs.data(), size_t(nbytes));
-  at::Tensor dev = at::empty({nbytes}, at::TensorOptions().dtype(at::kByte).device(device));
-  std::shared_ptr<void> uploaded;
-  if (capturing) {
-    // Not a memcpy node of the graph: filled now, for eager calls and every graph alike.
-    const c10::cuda::CUDAStream side = side_stream(device, stream);
-    C10_CUDA_CHECK(cudaMemcpyAsync(dev.data_ptr(), host.data_ptr(), size_t(nbytes),
-                                   cudaMemcpyHostToDevice, side.stream()));
-    C10_CUDA_CHECK(cudaStreamSynchronize(side.stream()));
-  } else {  // ordered on `stream` before the kernel; torch keeps `host` until the copy ran
-    dev.copy_(host, /*non_blocking=*/true);
-    uploaded = record_upload(stream);
-  }
-  g_entries.push_front(
-      Entry{device.index(), int64_t(segs.size()), host, dev, stream, capturing, uploaded});
-  g_bytes += nbytes;
+  g_entries.push_front(Entry{device.index(), int64_t(segs.size()),
+                             upload_segments(device, segs, stream, capturing)});
+  at::Tensor dev = g_entries.front().copy.dev;  // eviction below may drop the entry itself
+  g_bytes += int64_t(segs.size() * sizeof(Segment));
   evict_locked();
   return dev;
 }
@@ -160,22 +102,30 @@ at::Tensor device_table(c10::Device device, const std::vector<Segment>& segs,
 at::Tensor cuda_run(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total,
                     float scale) {
   c10::cuda::CUDAGuard guard(device);
+  if (total == 0 && op != kSumSquares && op != kNonFinite) return at::Tensor();
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
+  // Held until the launch is queued (stream order then protects the bytes).
+  const at::Tensor table_keep = segs.empty() ? at::Tensor() : device_table(device, segs, stream);
+  const Segment* table =
+      segs.empty() ? nullptr : static_cast<const Segment*>(table_keep.data_ptr());
+  return cuda_launch(op, device, table, int64_t(segs.size()),
+                     uniform_pair(segs.data(), int64_t(segs.size())), total, scale);
+}
+
+at::Tensor cuda_launch(OpKind op, c10::Device device, const Segment* table, int64_t nseg,
+                       int32_t pair, int64_t total, float scale) {
+  c10::cuda::CUDAGuard guard(device);
   const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(device.index());
   const auto on_dev = at::TensorOptions().device(device);
   at::Tensor out;
   if (op == kSumSquares) out = at::empty({}, on_dev.dtype(at::kFloat));
   if (op == kNonFinite) out = at::empty({}, on_dev.dtype(at::kInt));
   if (total == 0 && !out.defined()) return out;
-
-  // Held until the launch is queued (stream order then protects the bytes).
-  const at::Tensor table_keep = segs.empty() ? at::Tensor() : device_table(device, segs, stream);
-  const Segment* table =
-      segs.empty() ? nullptr : static_cast<const Segment*>(table_keep.data_ptr());
   at::Tensor workspace;
   if (const int64_t wb = cuda::workspace_bytes(op))
     workspace = at::empty({wb}, on_dev.dtype(at::kByte));
-  cuda::run(op, uniform_pair(segs.data(), int64_t(segs.size())), table, int64_t(segs.size()), total,
-            scale, workspace.defined() ? workspace.data_ptr() : nullptr,
+  cuda::run(op, pair, table, nseg, total, scale,
+            workspace.defined() ? workspace.data_ptr() : nullptr,
             out.defined() ? out.data_ptr() : nullptr, stream.stream());
   return out;
 }
@@ -188,7 +138,7 @@ std::tuple<int64_t, int64_t, int64_t> table_cache_stats() {
 void clear_table_cache() {
   std::lock_guard<std::mutex> lock(g_mu);
   for (auto it = g_entries.begin(); it != g_entries.end();) {
-    if (it->graph) {
+    if (it->copy.graph) {
       ++it;
       continue;
     }

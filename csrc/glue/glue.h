@@ -1,10 +1,13 @@
 // Torch-facing CUDA glue (compiled only in CUDA builds, -DMEGADLM_WITH_CUDA): turns a
-// segment table into a device table and calls the raw-pointer launchers of
-// csrc/cuda on torch's current stream; hosts the NCCL communicator class.
+// segment table into a device table (a content cache for lists, an owned copy for
+// TensorTables) and calls the raw-pointer launchers of csrc/cuda on torch's current
+// stream; hosts the NCCL communicator class.
 #pragma once
 
 #include <torch/extension.h>
 
+#include <memory>
+#include <mutex>
 #include <tuple>
 #include <vector>
 
@@ -18,6 +21,22 @@ namespace glue {
 // kNonFinite a 0-d int32 flag, both on the device (no host sync here).
 at::Tensor cuda_run(OpKind op, c10::Device device, const std::vector<Segment>& segs, int64_t total,
                     float scale);
+
+// Launch `op` over a segment table already on the device (`table`, `nseg` segments whose
+// uniform pair is `pair`) on `device`'s current stream; the result as for cuda_run. The
+// caller keeps `table` alive until this returns (stream order protects it after that).
+at::Tensor cuda_launch(OpKind op, c10::Device device, const Segment* table, int64_t nseg,
+                       int32_t pair, int64_t total, float scale);
+
+// The device copy of a segment table owned by its user (a TensorTable's BuiltTable):
+// freed with its owner, but kept for good once a captured CUDA graph reads it (the graph
+// may be replayed after the owner is gone). See device_tables.cpp.
+struct DeviceTable;
+// cuda_run over `segs` (uniform pair `pair`) reading the owner's device copy `*dev`,
+// uploaded at the first call (under `mu`): no lookup and no upload after that.
+at::Tensor cuda_run_owned(OpKind op, c10::Device device, const std::vector<Segment>& segs,
+                          int32_t pair, int64_t total, float scale, std::mutex& mu,
+                          std::shared_ptr<DeviceTable>& dev);
 
 // The device segment-table cache (see cuda_glue.cpp): (hits, misses, entries); clear
 // drops every entry not held by a captured CUDA graph. For tests and benchmarks.

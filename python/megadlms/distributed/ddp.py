@@ -152,6 +152,12 @@ class DistributedDataParallel(torch.nn.Module):
             self.buffers_.append(buf)
             self.buckets.extend(buf.buckets)
         self.param_names = names
+        # Whole-buffer ops (the 1/dp scale of a view bucket, its NaN check, scale_gradients) run
+        # on TensorTables built once: the buffers live as long as the wrapper and are only ever
+        # written in place (zero_(), the kernels, the collectives), which is what a table needs.
+        self._buffers_table = ext.TensorTable([b.grad_data for b in self.buffers_])
+        for bucket in self.buckets:
+            bucket.grad_table = ext.TensorTable([bucket.grad_data])
         self._grid_comms(cfg, parallel)
         self._bucket_of = {p: b for b in self.buckets for p in b.params}
         self._sync_enabled = True
@@ -305,7 +311,7 @@ class DistributedDataParallel(torch.nn.Module):
         # A view bucket's grads came straight from autograd (no fold to scale them), so the
         # factor is applied here, once, over the whole bucket after its last micro-batch.
         if bucket.grad_view and group.fold_scale != 1.0:
-            ext.scale_([bucket.grad_data], group.fold_scale)  # 1/dp before a SUM collective
+            ext.scale_(bucket.grad_table, group.fold_scale)  # 1/dp before a SUM collective
         if self.ddp_config.use_distributed_optimizer:
             lo, hi = self._shard_range(bucket)
             # In place: the output is this rank's slice of the input, so the reduced shard lands
@@ -348,7 +354,7 @@ class DistributedDataParallel(torch.nn.Module):
         """Queue this rank's NaN/Inf check of ``bucket`` before its collective as a device flag
         (no host sync inside backward: buckets keep overlapping); ``_agree_on_nan`` reads the
         flags once after the step. Raising here would leave the other ranks waiting."""
-        self._nan_flags.append((bucket, ext.nonfinite_flag([bucket.grad_data])))
+        self._nan_flags.append((bucket, ext.nonfinite_flag(bucket.grad_table)))
 
     def _agree_on_nan(self) -> None:
         """One flag all-reduce after the step's collectives (``nan_check.agree_on_nan``): a
@@ -423,7 +429,7 @@ class DistributedDataParallel(torch.nn.Module):
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every grad buffer (hence ``main_grad`` and a published ``param.grad``)."""
-        ext.scale_([b.grad_data for b in self.buffers_], scaling_factor)
+        ext.scale_(self._buffers_table, scaling_factor)
 
     def zero_grad_buffer(self) -> None:
         """Zero the grad buffers (param.grad: the zeroed view, or None); call before each

@@ -97,6 +97,9 @@ class Bucket:
     # ddp_groups.ReduceGroup set by the wrapper: dense (dp) or expert (expert_dp) reduction,
     # its communicators and its fold scale
     reduce_group: object = None
+    # megadlm_ext.TensorTable of [grad_data], set by the wrapper: the whole-bucket ops (scale,
+    # NaN check) without parsing a list each step
+    grad_table: object = None
 
     def shard_range(self, dp_rank: int, dp_size: int) -> Tuple[int, int]:
         """[start, end) of this rank's shard, in bucket elements."""

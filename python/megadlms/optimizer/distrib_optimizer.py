@@ -16,7 +16,8 @@ Phases of one step:
      overflow check (all-reduced), global norm = sqrt(all-reduce of local squared norms),
      clip, AdamW on the pieces.
   3. the updated pieces are cast into the DDP param buffer with one ``megadlm_ext.flatten``
-     call per bucket, then every bucket is all-gathered in place into the param buffer,
+     call per bucket (on a ``TensorTable`` of the bucket's pieces built at construction: no
+     per-step parsing), then every bucket is all-gathered in place into the param buffer,
      which the model parameters view (``overlap_param_gather``: launched here, waited for
      by forward pre-hooks bucket by bucket).
 
@@ -100,6 +101,11 @@ class ShardedBufferLayout:
                         self.entries.append(Entry(names[p], p, piece.float().clone(), owns_main=True))
                     self.pieces.append((bucket, a, a - off, b - a))
         self._names = names
+        # This rank's shard of each piece's gradient: made once, so collect_grads hands the
+        # optimizer the same tensors every step (their TensorTable is then kept: grad_tables.py).
+        self._grad_views = [bucket.grad_data[a : a + n] for bucket, a, _, n in self.pieces]
+        self.grads_persist = False  # set by collect_grads
+        self._cast_tables = self._build_cast_tables()
 
     def _shard_comm(self, bucket):
         """The ranks ``bucket`` is sharded over (expert buckets: the expert-dp group)."""
@@ -114,20 +120,24 @@ class ShardedBufferLayout:
         return [(fqn, p) for p, fqn in self._names.items()]  # registration order, as elsewhere
 
     def collect_grads(self) -> List[torch.Tensor]:
+        """Each piece's main grad; ``grads_persist`` afterwards: all of them are the buffer
+        views themselves (no copy)."""
         grads = []
-        for e, (bucket, a, _, n) in zip(self.entries, self.pieces):
-            g = bucket.grad_data[a : a + n]
+        persist = True
+        for e, view in zip(self.entries, self._grad_views):
             if self.decoupled_grads:
                 # bf16 main grads: the buffer's shard itself (upcast per piece by the step);
                 # fp32 main grads from a 16-bit buffer (--fp16): an fp32 copy, as without it
-                g = g if self.keep_buffer_grads or g.dtype == torch.float32 else g.float()
+                g = view if self.keep_buffer_grads or view.dtype == torch.float32 else view.float()
                 e.main.decoupled_grad = g
-                grads.append(g)
-                continue
-            # fp32 buffer: a view, no copy. bf16/fp16 buffer: an fp32 copy, since the optimizer
-            # math (unscale, clip, AdamW) runs in fp32.
-            e.main.grad = g if g.dtype == torch.float32 else g.float()
-            grads.append(e.main.grad)
+            else:
+                # fp32 buffer: a view, no copy. bf16/fp16 buffer: an fp32 copy, since the optimizer
+                # math (unscale, clip, AdamW) runs in fp32.
+                g = view if view.dtype == torch.float32 else view.float()
+                e.main.grad = g
+            grads.append(g)
+            persist = persist and g is view
+        self.grads_persist = persist
         return grads
 
     def norm_and_clip_tensors(self, grads):
@@ -149,7 +159,11 @@ class ShardedBufferLayout:
         self.comm.all_reduce(t, "sum")
         return bool(t.item() > 0)
 
-    def copy_main_to_model(self) -> None:
+    def _build_cast_tables(self) -> list:
+        """(bucket, TensorTable of the fp32 main pieces at their offsets in the bucket) for every
+        bucket with separate main params. The pieces and the param buffers live as long as the
+        optimizer and are only written in place (the step, load_state_dict's copy_), so each
+        table is built once."""
         by_bucket: Dict[int, list] = {}
         for e, (bucket, a, _, _) in zip(self.entries, self.pieces):
             if not e.owns_main:
@@ -157,8 +171,11 @@ class ShardedBufferLayout:
             by_bucket.setdefault(id(bucket), [bucket, [], []])  # index: unique only per chunk
             by_bucket[id(bucket)][1].append(e.main)
             by_bucket[id(bucket)][2].append(a)
-        for bucket, mains, offsets in by_bucket.values():
-            ext.flatten(mains, bucket.param_data, offsets=offsets)  # cast fp32 -> param dtype
+        return [(bucket, ext.TensorTable(mains, offsets=offs)) for bucket, mains, offs in by_bucket.values()]
+
+    def copy_main_to_model(self) -> None:
+        for bucket, mains in self._cast_tables:
+            ext.flatten(mains, bucket.param_data)  # cast fp32 -> param dtype, one call per bucket
         # Right after the cast: with overlap_param_gather the gathers then run during the next
         # forward, each waited for by its first reader.
         self.wrapper.start_param_sync()

@@ -11,7 +11,8 @@ live is delegated to a layout object (composition, not an inheritance chain):
 * :class:`DTensorLayout` — FSDP2: the (fp32, sharded) DTensor params are the main params.
 
 Step: grads -> main grads; fp16: unscale, check overflow (skip step, update the loss
-scale); global grad norm (``megadlm_ext.l2_norm``, plus one all-reduce of squares when
+scale); global grad norm (``megadlm_ext.l2_norm`` on a TensorTable of the grads, kept across
+steps when they are DDP buffer views: grad_tables.py; plus one all-reduce of squares when
 sharded, and one over the model-parallel group over a TP grid: ``grid.py``); a
 non-finite norm skips the step; clip; inner torch AdamW/SGD step on the main
 params; copy main -> model params (cast; all-gather for the distributed optimizer).
@@ -31,6 +32,7 @@ import megadlm_ext as ext
 from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
+from .grad_tables import GradTables
 from .grid import GridReductions
 from .precision_adam import PrecisionAwareAdamW, inner_optimizer
 
@@ -60,6 +62,7 @@ class ReplicaLayout:
     # copy) in main.decoupled_grad (MixedPrecisionOptimizer sets this).
     decoupled_grads = False
     keep_buffer_grads = False  # main_grads_dtype bf16: no fp32 copy of a bf16 grad buffer
+    grads_persist = False  # set by collect_grads
 
     def __init__(
         self,
@@ -84,29 +87,38 @@ class ReplicaLayout:
         return [(e.fqn, e.param) for e in self.entries]
 
     def collect_grads(self) -> List[torch.Tensor]:
-        """Point every main param's .grad at the reduced gradient (fp32 view or copy)."""
+        """Point every main param's .grad at the reduced gradient (fp32 view or copy).
+
+        Sets ``grads_persist``: every grad handed over is a DDP buffer's ``main_grad`` view
+        itself (no copy, no new view object), so the same tensors come back next step and the
+        optimizer keeps their TensorTable (grad_tables.py)."""
         grads = []
         self._in_norm = []
+        persist = True
         for e in self.entries:
             g = self.wrapper.main_grad(e.param) if self.wrapper is not None else e.param.grad
             if g is None:
                 e.main.grad = None
                 continue
+            view = getattr(e.param, "main_grad", None)
             self._in_norm.append(self.grid.counts_in_norm(e.param, replicated=True))
             if self.decoupled_grads:
                 # main_grads_dtype fp32 with a 16-bit buffer (--fp16): fp32 copies, as without it
                 g = g if self.keep_buffer_grads or g.dtype == torch.float32 else g.float()
-                e.main.decoupled_grad = g.view(e.main.shape)
-                grads.append(e.main.decoupled_grad)
+                e.main.decoupled_grad = _shaped(g, e.main.shape)
+                got = e.main.decoupled_grad
             elif e.main is e.param:
                 # Our DDP already left the reduced view in param.grad: reassign only when it is another
                 # tensor. torch.optim needs grad dtype == param dtype, hence the cast (fp32 buffer).
                 if e.param.grad is None or e.param.grad.data_ptr() != g.data_ptr():
                     e.param.grad = g if g.dtype == e.param.dtype else g.to(e.param.dtype)
-                grads.append(e.param.grad)
+                got = e.param.grad
             else:
-                e.main.grad = (g if g.dtype == torch.float32 else g.float()).view(e.main.shape)
-                grads.append(e.main.grad)
+                e.main.grad = _shaped(g if g.dtype == torch.float32 else g.float(), e.main.shape)
+                got = e.main.grad
+            grads.append(got)
+            persist = persist and view is not None and got is view
+        self.grads_persist = persist
         return grads
 
     def norm_and_clip_tensors(self, grads):
@@ -141,6 +153,11 @@ class ReplicaLayout:
             e.main.data.copy_(e.param.detach())
 
 
+def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
+    """``t`` viewed as ``shape``: ``t`` itself when it has it (the same object every step)."""
+    return t if t.shape == shape else t.view(shape)
+
+
 def full_plain(t):
     """A full plain tensor from a plain tensor or a DTensor."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t
@@ -150,6 +167,7 @@ class DTensorLayout:
     """FSDP2: parameters are fp32 DTensors sharded by fully_shard; they are the main params."""
 
     sharded = True
+    grads_persist = False  # fully_shard hands over new gradient tensors every step
 
     def __init__(
         self, named_params: Dict[torch.nn.Parameter, str], comm, grid: Optional[GridReductions] = None
@@ -275,6 +293,9 @@ class MixedPrecisionOptimizer:
         else:
             self.grad_scaler = None
         self.step_count = 0
+        # TensorTables of the step's grad lists (grad_tables.py), kept across steps while the
+        # layout hands over the same buffer views (layout.grads_persist)
+        self._grad_tables = GradTables()
 
     def _global_groups(self):
         decay, no_decay = [], []
@@ -303,23 +324,27 @@ class MixedPrecisionOptimizer:
         grads = self.layout.collect_grads()
         if self.grad_scaler is not None:
             unscale = 1.0 / self.grad_scaler.scale if grad_unscale is None else grad_unscale
+            table = self._grad_tables.get("grads", grads)  # one parse of the list, if any
             # on the fp32 main grads, before the overflow check (it needs unscaled values)
-            ext.scale_(grads, unscale)
+            ext.scale_(table, unscale)
             # One vote for all ranks: a skip on some ranks only would leave the others alone in
             # the norm's all-reduce below.
-            found_inf = self.layout.any_rank(ext.has_nonfinite(grads))
+            found_inf = self.layout.any_rank(ext.has_nonfinite(table))
             self.grad_scaler.update(found_inf)
             if found_inf:
                 return False, float("inf")
         norm_tensors, clip_tensors = self.layout.norm_and_clip_tensors(grads)
         grad_norm = get_grad_norm_fp32(
-            norm_tensors, self.layout.all_reduce_sum(), device=getattr(self.layout, "device", None)
+            self._grad_tables.get("norm", norm_tensors),
+            self.layout.all_reduce_sum(),
+            device=getattr(self.layout, "device", None),
         )
         # The norm is the same number on every rank after its sums, so all ranks skip together.
         if not math.isfinite(grad_norm):
             return False, grad_norm
         if self.config.clip_grad > 0:
-            clip_grads_with_norm_(clip_tensors, self.config.clip_grad, grad_norm)
+            clip = self._grad_tables.get("clip", clip_tensors)
+            clip_grads_with_norm_(clip, self.config.clip_grad, grad_norm)
         self.inner.step()
         self.step_count += 1
         # Distributed optimizer: this also launches the param all-gather, which overlaps the
@@ -355,6 +380,8 @@ class MixedPrecisionOptimizer:
             e.main.grad = None
             e.main.decoupled_grad = None
             e.param.grad = None
+        if not getattr(self.layout, "grads_persist", False):
+            self._grad_tables.clear()  # the step's copies go now, not at the next step
         if self.wrapper is not None:
             self.wrapper.zero_grad_buffer()
 
