@@ -12,7 +12,8 @@
 #   4. trainer: the real trainer (benchmarks/bench_trainer.py: MegaDLMs' 1.7B model, seq
 #      4096, bf16, mock data, one GPU): DDP, FSDP2 and FSDP2 ZeRO-2 at micro-batch 4, DDP at
 #      2: s/iter, TFLOP/s/GPU, MFU of the datasheet peak, memory, and each run's exit status;
-#   5. bench-gpu: the figures table (benchmarks/bench_gpu.py: the extension's ops, eager and
+#   5. optimizer: AdamW on 1.41B params, torch foreach / fused and ours against the memory floor
+#      (benchmarks/bench_optimizer.py); bench-gpu: the figures table (benchmarks/bench_gpu.py: the extension's ops, eager and
 #      kernel-only, the ~1B DLM step's MFU against the measured bf16 matmul ceiling);
 #   6. wrappers: FSDP2 against DDP on one GPU, where the difference goes
 #      (benchmarks/bench_wrappers.py, a profile by kernel family);
@@ -231,7 +232,7 @@ step self-check 30 5 bash -c self_check
 
 # The kernel tests memcheck runs (compiled ops; no multi-process NCCL test).
 MEMCHECK_TESTS=(tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py tests/ext/test_grouped_gemm.py
-  tests/ext/test_wgrad.py tests/ext/test_fused_gpu.py)
+  tests/ext/test_wgrad.py tests/ext/test_fused_gpu.py tests/ext/test_adamw.py tests/ext/test_table_gpu.py)
 
 if [[ $DRY -eq 1 ]]; then
   # What the real run would install, resolved offline (builds nothing, installs nothing).
@@ -243,8 +244,10 @@ if [[ $DRY -eq 1 ]]; then
     --wrappers ddp+distopt,fsdp2 --out "$FIGURES"
   echo
   echo "=== plan of a GPU run (budget ${BUDGET_S}s): build, cuda-build-check, pytest-gpu" \
-    "(${#GPU_TESTS[@]} files), trainer, bench-gpu [+ bench-gpu-multi at 2+ GPUs], wrappers, memcheck"
-  for s in build cuda-build-check pytest-gpu trainer bench-gpu wrappers memcheck; do skip "$s" "dry run (needs a GPU)"; done
+    "(${#GPU_TESTS[@]} files), trainer, optimizer, bench-gpu [+ bench-gpu-multi at 2+ GPUs], wrappers, memcheck"
+  for s in build cuda-build-check pytest-gpu trainer optimizer bench-gpu wrappers memcheck; do
+    skip "$s" "dry run (needs a GPU)"
+  done
   command -v compute-sanitizer >/dev/null 2>&1 || echo "note: compute-sanitizer not on PATH here: memcheck would SKIP"
 else
   if [[ "${SKIP_BUILD:-0}" == 1 ]]; then
@@ -258,6 +261,7 @@ assert i['cuda'] and i['nccl'], i; print(i, 'libnccl', n.version())"
   step pytest-gpu 240 45 "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}" -p no:cacheprovider -rfEs "${TIMEOUT_ARGS[@]}"
   step trainer 300 90 "$PY" benchmarks/bench_trainer.py --rows ddp-mbs4,fsdp2-mbs4,fsdp2-zero2-mbs4,ddp-mbs2 \
     --iters 6 --out "$FIGURES"
+  step optimizer 90 30 "$PY" benchmarks/bench_optimizer.py --out "$FIGURES"
   step bench-gpu 180 60 "$PY" benchmarks/bench_gpu.py --out "$FIGURES"
   if [[ "$NGPU" -ge 2 ]]; then
     step bench-gpu-multi 180 45 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" \
