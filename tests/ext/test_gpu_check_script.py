@@ -113,7 +113,16 @@ def test_make_gpu_check_dry_run_offline(make_dry_run):
         "wrappers-dry-run",
     ):
         assert f"PASS  {step}" in summary, summary
-    for name in ("build", "cuda-build-check", "pytest-gpu", "trainer", "optimizer", "bench-gpu", "wrappers", "memcheck"):
+    for name in (
+        "build",
+        "cuda-build-check",
+        "pytest-gpu",
+        "trainer",
+        "optimizer",
+        "bench-gpu",
+        "wrappers",
+        "memcheck",
+    ):
         assert f"SKIP  {name}: dry run" in summary, summary
     # What a lent GPU machine sends back is at most 8 files: the logs travel as one archive.
     written = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("make."))  # ours: make.*
