@@ -62,7 +62,7 @@ def _worker(rank, world):
         model = _sharded(cfg, groups)
         out[name] = {
             "norm": params_norm(model, torch.device("cpu"), groups),
-            "count": train._logical_params([model], groups),
+            "count": train._logical_params([model], groups, torch.device("cpu")),
             "local": sum(p.numel() for p in model.parameters()),
             "reference": _reference(cfg),
         }
