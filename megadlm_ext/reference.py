@@ -28,8 +28,9 @@ def _overlaps(a, b) -> bool:
     return a is not None and b is not None and a[0] < b[1] and b[0] < a[1]
 
 
-def check_list(name: str, tensors, *, device=None) -> list:
-    """Validate a tensor-list argument; return it as a list."""
+def check_list(name: str, tensors, *, device=None, device_owner: str = "the flat buffer") -> list:
+    """Validate a tensor-list argument (every tensor on ``device`` when given, which
+    ``device_owner`` names in the message; else on the device of element 0); return it as a list."""
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
         raise ValueError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
     tensors = list(tensors)
@@ -45,7 +46,7 @@ def check_list(name: str, tensors, *, device=None) -> list:
                 "pass t.contiguous() (in-place ops need the original contiguous storage)"
             )
         if device is not None and t.device != device:
-            raise ValueError(f"{name}[{i}] is on {t.device} but the flat buffer is on {device}")
+            raise ValueError(f"{name}[{i}] is on {t.device} but {device_owner} is on {device}")
         if device is None and t.device != first:
             raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {first}")
         if t.device.type not in ("cpu", "cuda"):

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .reference import SUPPORTED_DTYPES
+from .reference import SUPPORTED_DTYPES, check_list
 
 NAMES = ("params", "grads", "exp_avgs", "exp_avg_sqs", "model_params")
 _DTYPES = {  # list -> (allowed dtypes, what the message says they must be)
@@ -38,29 +38,7 @@ def _fail(msg: str):
 
 def _check_list(name: str, tensors, device: Optional[torch.device]) -> list:
     """A tensor-list argument, checked as the compiled route's parse_list does."""
-    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
-        raise ValueError(f"{name} must be a list or tuple of tensors, got {type(tensors).__name__}")
-    tensors = list(tensors)
-    for i, t in enumerate(tensors):
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{name}[{i}] is a {type(t).__name__}, not a tensor")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"{name}[{i}] has dtype {t.dtype}; supported: float32, bfloat16, float16")
-        if not t.is_contiguous():
-            raise ValueError(
-                f"{name}[{i}] is not contiguous (strides {tuple(t.stride())}); "
-                "pass t.contiguous() (in-place ops need the original contiguous storage)"
-            )
-        if device is not None and t.device != device:
-            raise ValueError(f"{name}[{i}] is on {t.device} but params[0] is on {device}")
-        if device is None and t.device != tensors[0].device:
-            raise ValueError(f"{name}[{i}] is on {t.device} but {name}[0] is on {tensors[0].device}")
-        if t.device.type not in ("cpu", "cuda"):
-            raise ValueError(
-                f"{name}[{i}] is on {t.device}; megadlm_ext runs on cpu tensors "
-                "(and cuda tensors in CUDA builds)"
-            )
-    return tensors
+    return check_list(name, tensors, device=device, device_owner="params[0]")
 
 
 def _check_dtype(name: str, tensors: list) -> None:

@@ -15,6 +15,8 @@ import torch
 import megadlm_ext
 from megadlms.optimizer import OptimizerConfig, PrecisionAwareAdamW, get_optimizer
 
+from .nets import SmallNet
+
 LR, WD, BETAS, EPS, STEPS = 1e-2, 0.1, (0.9, 0.999), 1e-8, 6
 SHAPES = [(64, 33), (33,), (7,), (0,), (1000,)]
 
@@ -120,22 +122,13 @@ def test_state_access_is_unchanged_by_the_fused_route():
 
 
 # ------------------------------------------------------------------ fused_adam="megadlm", fp32 state
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(6, 12)
-        self.norm = torch.nn.LayerNorm(12)
-        self.fc2 = torch.nn.Linear(12, 3)
-
-    def forward(self, x):
-        return self.fc2(self.norm(torch.relu(self.fc1(x))))
 
 
 def _build(fused, seed=0, distopt=False):
     from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig, Float16Module
 
     torch.manual_seed(seed)
-    model = Float16Module(_Net(), dtype=torch.bfloat16)
+    model = Float16Module(SmallNet(), dtype=torch.bfloat16)
     ddp = DistributedDataParallel(
         model,
         DistributedDataParallelConfig(

@@ -13,21 +13,12 @@ import torch
 from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig, Float16Module
 from megadlms.optimizer import OptimizerConfig, get_optimizer
 
-
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(6, 12)
-        self.norm = torch.nn.LayerNorm(12)
-        self.fc2 = torch.nn.Linear(12, 3)
-
-    def forward(self, x):
-        return self.fc2(self.norm(torch.relu(self.fc1(x))))
+from .nets import SmallNet
 
 
 def _build(fused, distopt, device="cpu", seed=0):
     torch.manual_seed(seed)
-    model = Float16Module(_Net().to(device), dtype=torch.bfloat16)
+    model = Float16Module(SmallNet().to(device), dtype=torch.bfloat16)
     ddp_cfg = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=distopt, bucket_size=40
     )

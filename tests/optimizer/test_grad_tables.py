@@ -15,17 +15,7 @@ from megadlms.distributed import DistributedDataParallel, DistributedDataParalle
 from megadlms.optimizer import OptimizerConfig, get_optimizer
 from megadlms.optimizer.grad_tables import GradTables
 
-
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(6, 12)
-        self.norm = torch.nn.LayerNorm(12)
-        self.fc2 = torch.nn.Linear(12, 3)
-
-    def forward(self, x):
-        return self.fc2(self.norm(torch.relu(self.fc1(x))))
-
+from .nets import SmallNet
 
 # name -> (model dtype or None, DDP config kwargs or None for a plain module, optimizer kwargs,
 #          whether the grads the optimizer sees are the buffer views themselves)
@@ -83,7 +73,7 @@ class _Lists(GradTables):
 @pytest.mark.parametrize("setup", sorted(SETUPS))
 def test_steps_bitwise_equal_to_lists_and_tables_kept_when_views(setup):
     torch.manual_seed(0)
-    base = _Net()
+    base = SmallNet()
     ours, opt = _build(setup, base)
     lists, opt_lists = _build(setup, base)
     opt_lists._grad_tables = _Lists()
@@ -108,7 +98,7 @@ def test_steps_bitwise_equal_to_lists_and_tables_kept_when_views(setup):
 def test_tables_rebuilt_when_the_grads_change():
     """A parameter without a gradient this step: another list, another table; never the old one."""
     torch.manual_seed(0)
-    ddp = DistributedDataParallel(_Net())
+    ddp = DistributedDataParallel(SmallNet())
     opt = get_optimizer(OptimizerConfig(lr=1e-2, clip_grad=0.05), ddp)
     _step(ddp, opt, 0)
     first = opt._grad_tables._tables["norm"]
@@ -132,7 +122,7 @@ def test_tables_rebuilt_when_the_grads_change():
 
 def test_distributed_optimizer_cast_tables_built_once():
     torch.manual_seed(0)
-    model = Float16Module(_Net(), dtype=torch.bfloat16)
+    model = Float16Module(SmallNet(), dtype=torch.bfloat16)
     ddp = DistributedDataParallel(
         model,
         DistributedDataParallelConfig(
@@ -156,7 +146,7 @@ def test_distributed_optimizer_cast_tables_built_once():
 
 
 def test_ddp_whole_buffer_tables():
-    ddp = DistributedDataParallel(_Net(), DistributedDataParallelConfig(bucket_size=100))
+    ddp = DistributedDataParallel(SmallNet(), DistributedDataParallelConfig(bucket_size=100))
     assert ddp._buffers_table.matches([b.grad_data for b in ddp.buffers_])
     for bucket in ddp.buckets:
         assert bucket.grad_table.matches([bucket.grad_data])

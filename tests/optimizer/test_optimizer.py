@@ -18,6 +18,8 @@ from megadlms.optimizer import (
     get_optimizer,
 )
 
+from .nets import SmallNet
+
 
 def test_dynamic_scaler_hand_simulated():
     s = DynamicGradScaler(2.0**32, 1.0, growth_interval=3, hysteresis=2)
@@ -55,17 +57,6 @@ def test_clip_matches_torch(max_norm):
         torch.testing.assert_close(o, p.grad, rtol=1e-6, atol=1e-7)
 
 
-class _Net(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(6, 12)
-        self.norm = torch.nn.LayerNorm(12)
-        self.fc2 = torch.nn.Linear(12, 3)
-
-    def forward(self, x):
-        return self.fc2(self.norm(torch.relu(self.fc1(x))))
-
-
 def _reference_adamw(model, lr, wd):
     decay = [p for n, p in model.named_parameters() if p.dim() > 1 and not n.endswith(".bias")]
     no_decay = [p for n, p in model.named_parameters() if p.dim() == 1 or n.endswith(".bias")]
@@ -76,7 +67,7 @@ def _reference_adamw(model, lr, wd):
 
 def test_adamw_steps_match_torch_and_weight_decay_groups():
     torch.manual_seed(0)
-    model = _Net()
+    model = SmallNet()
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(
         model, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=50)
@@ -108,7 +99,7 @@ def test_adamw_steps_match_torch_and_weight_decay_groups():
 @pytest.mark.parametrize("distopt", [False, True])
 def test_fp16_skips_overflow_and_backs_off(distopt):
     torch.manual_seed(0)
-    base = _Net()
+    base = SmallNet()
     model = Float16Module(copy.deepcopy(base), dtype=torch.float16)
     ddp = DistributedDataParallel(
         model, DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=distopt)
@@ -167,7 +158,7 @@ class _named(torch.nn.Module):
 
 def test_state_dict_round_trip_and_mismatch_message():
     torch.manual_seed(0)
-    model = Float16Module(_Net(), dtype=torch.bfloat16)
+    model = Float16Module(SmallNet(), dtype=torch.bfloat16)
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     cfg = OptimizerConfig(lr=1e-2, bf16=True)
     opt = get_optimizer(cfg, ddp)
@@ -182,7 +173,7 @@ def test_state_dict_round_trip_and_mismatch_message():
     for fqn, st in sd["state"].items():
         assert set(st) == {"exp_avg", "exp_avg_sq", "fp32_param"}
         assert st["exp_avg"].shape == dict(model.module.named_parameters())[fqn].shape
-    model2 = Float16Module(_Net(), dtype=torch.bfloat16)
+    model2 = Float16Module(SmallNet(), dtype=torch.bfloat16)
     model2.load_state_dict(model.state_dict())
     ddp2 = DistributedDataParallel(model2, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     opt2 = get_optimizer(cfg, ddp2)
@@ -207,10 +198,10 @@ def test_state_dict_round_trip_and_mismatch_message():
 
 
 def test_get_optimizer_validation():
-    ddp = DistributedDataParallel(_Net())
+    ddp = DistributedDataParallel(SmallNet())
     with pytest.raises(ValueError, match="use_distributed_optimizer"):
         get_optimizer(OptimizerConfig(lr=1.0, use_distributed_optimizer=True), ddp)
-    frozen = _Net().requires_grad_(False)
+    frozen = SmallNet().requires_grad_(False)
     with pytest.raises(ValueError, match="no trainable parameters"):
         get_optimizer(OptimizerConfig(lr=1.0), frozen)
 
@@ -218,7 +209,7 @@ def test_get_optimizer_validation():
 def test_distributed_optimizer_single_rank_matches_torch():
     """No process group: the distributed optimizer's shard is the whole model."""
     torch.manual_seed(0)
-    model = _Net()
+    model = SmallNet()
     ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(
         model,
@@ -249,10 +240,10 @@ def test_distributed_optimizer_single_rank_matches_torch():
 
 
 def test_reload_model_params_refreshes_fp32_main():
-    model = Float16Module(_Net(), dtype=torch.bfloat16)
+    model = Float16Module(SmallNet(), dtype=torch.bfloat16)
     ddp = DistributedDataParallel(model, DistributedDataParallelConfig(grad_reduce_in_fp32=True))
     opt = get_optimizer(OptimizerConfig(lr=1e-2, bf16=True), ddp)
-    new = _Net()
+    new = SmallNet()
     model.load_state_dict(new.state_dict())  # weights loaded after the optimizer
     opt.reload_model_params()
     for fqn, st in opt.state_dict()["state"].items():
