@@ -12,6 +12,7 @@ without the GIL.
 
 import _thread
 import ctypes
+import signal
 import subprocess
 import sys
 import threading
@@ -133,9 +134,16 @@ def test_init_timeout_aborts_with_a_clear_error(fake, lib):
 
 def test_init_is_interruptible(fake, lib):
     lib.fake_set_init_polls(-1)
-    threading.Timer(0.2, _thread.interrupt_main).start()
-    with pytest.raises(KeyboardInterrupt):
-        make(fake, lib, timeout=30.0)
+    # Python's own Ctrl-C handler, whatever the launcher left: a process started in the
+    # background by a shell without job control inherits SIGINT ignored, Python then installs
+    # no handler, and interrupt_main does nothing (the init would wait out its 30 s).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, _thread.interrupt_main).start()
+        with pytest.raises(KeyboardInterrupt):
+            make(fake, lib, timeout=30.0)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert lib.fake_aborts() == 1
 
 
