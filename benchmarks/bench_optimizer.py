@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [os.path.join(ROOT, "python"), ROOT]
+sys.path[:0] = [os.path.join(ROOT, "python"), ROOT, os.path.join(ROOT, "benchmarks")]
 
 import torch  # noqa: E402
+from bench_gpu import _timer  # noqa: E402  (one timer for every GPU benchmark)
 
 import megadlm_ext as ext  # noqa: E402
 from megadlms.optimizer import PrecisionAwareAdamW  # noqa: E402
@@ -127,36 +126,11 @@ VARIANTS = {
 }
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_seconds(device, fn, reps, warmup):
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def copy_bandwidth(device, reps, dry):
     """Bytes per second of ``dst.copy_(src)`` (bytes read + written)."""
     n = (1 << 20) if dry else (1 << 28)  # 4 MiB / 1 GiB of fp32
     src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
-    sec = median_seconds(device, lambda: dst.copy_(src), reps, warmup=2)
+    sec = _timer(device, lambda: dst.copy_(src), reps, warmup=2)
     return 2 * n * 4 / sec
 
 
@@ -172,7 +146,7 @@ def run(device, reps, dry, names=None):
         torch.manual_seed(0)
         ps = _params(shps, device, gdt)
         step = build(ps)
-        times[name] = median_seconds(device, step, reps, warmup=2)
+        times[name] = _timer(device, step, reps, warmup=2)
         del step, ps
         if device.type == "cuda":
             torch.cuda.empty_cache()

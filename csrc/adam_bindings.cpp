@@ -163,8 +163,7 @@ void adamw_step(py::handle params, py::handle grads, py::handle exp_avgs, py::ha
 #ifdef MEGADLM_WITH_CUDA
   if (device.is_cuda()) return glue::cuda_adamw(device, a.table, total, d, s);
 #endif
-  throw std::runtime_error("adamw_step: params are on " + device.str() +
-                           "; megadlm_ext was built without CUDA: rebuild with MEGADLM_EXT_CUDA=1");
+  unsupported_device("adamw_step: params", device);
 }
 
 }  // namespace

@@ -242,14 +242,7 @@ void wgrad_accumulate(py::handle main_grad, py::handle grad_output, py::handle i
 #ifdef MEGADLM_WITH_CUDA
   if (mg.device().is_cuda()) return glue::cuda_wgrad_accumulate(mg, go, x, float(alpha));
 #endif
-  throw std::runtime_error("wgrad_accumulate: main_grad is on " + mg.device().str() +
-                           "; this build of megadlm_ext runs cpu tensors" +
-#ifdef MEGADLM_WITH_CUDA
-                           " and cuda tensors"
-#else
-                           " only (rebuild with MEGADLM_EXT_CUDA=1 for cuda)"
-#endif
-  );
+  unsupported_device("wgrad_accumulate: main_grad", mg.device());
 }
 
 // ---- grouped GEMM (MoE experts) ------------------------------------------------------------
@@ -393,14 +386,7 @@ at::Tensor grouped_gemm(py::handle a_obj, py::handle b_obj, py::handle bs_obj, b
     return out;
   }
 #endif
-  throw std::runtime_error("grouped_gemm: a is on " + a.device().str() +
-                           "; this build of megadlm_ext runs cpu tensors" +
-#ifdef MEGADLM_WITH_CUDA
-                           " and cuda tensors"
-#else
-                           " only (rebuild with MEGADLM_EXT_CUDA=1 for cuda)"
-#endif
-  );
+  unsupported_device("grouped_gemm: a", a.device());
 }
 
 py::dict backend_info() {

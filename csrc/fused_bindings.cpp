@@ -80,14 +80,7 @@ void run_on(c10::Device device, const char* op, C&& cpu, G&& gpu) {
 #else
   (void)gpu;
 #endif
-  throw std::runtime_error(std::string(op) + ": the tensors are on " + device.str() +
-                           "; this build of megadlm_ext runs cpu tensors" +
-#ifdef MEGADLM_WITH_CUDA
-                           " and cuda tensors"
-#else
-                           " only (rebuild with MEGADLM_EXT_CUDA=1 for cuda)"
-#endif
-  );
+  unsupported_device(std::string(op) + ": the tensors", device);
 }
 
 // ---- rotary embedding ------------------------------------------------------------------------

@@ -20,6 +20,17 @@ const at::Tensor& as_tensor(PyObject* o, const char* name) {
   return THPVariable_Unpack(o);
 }
 
+void unsupported_device(const std::string& what, const c10::Device& device) {
+  throw std::runtime_error(what + " is on " + device.str() +
+                           "; this build of megadlm_ext runs cpu tensors" +
+#ifdef MEGADLM_WITH_CUDA
+                           " and cuda tensors"
+#else
+                           " only (rebuild with MEGADLM_EXT_CUDA=1 for cuda)"
+#endif
+  );
+}
+
 int32_t dtype_code(at::ScalarType st, const std::string& what) {
   switch (st) {
     case at::kFloat: return kF32;

@@ -25,6 +25,10 @@ struct Item {
 // Raise a Python ValueError (pybind11 maps it) with `msg`.
 [[noreturn]] void value_error(const std::string& msg);
 
+// RuntimeError: `what` (e.g. "grouped_gemm: a") is on `device`, which this build cannot run;
+// the message names the devices the build runs (and how to add cuda to a CPU build).
+[[noreturn]] void unsupported_device(const std::string& what, const c10::Device& device);
+
 // The tensor behind `o`; ValueError naming `name` if it is not one.
 const at::Tensor& as_tensor(PyObject* o, const char* name);
 

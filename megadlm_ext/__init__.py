@@ -189,6 +189,17 @@ def wgrad_accumulate(main_grad, grad_output, input, *, alpha=1.0) -> None:
     return _impl().wgrad_accumulate(main_grad, grad_output, input, alpha=alpha)
 
 
+def _op(name: str):
+    """The route's ``name``; a clear error when the compiled module predates the op."""
+    impl = _impl()
+    if not hasattr(impl, name):  # a _C built before the op existed
+        raise RuntimeError(
+            f"megadlm_ext._C has no {name}: it was built from older sources; rebuild it "
+            "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)"
+        )
+    return getattr(impl, name)
+
+
 def grouped_gemm(a, b, batch_sizes, *, trans_a=False, trans_b=False, out=None, accumulate=False, alpha=1.0):
     """Grouped GEMM of the MoE experts: one call for all groups (experts), the rows of ``a``
     grouped in order, ``batch_sizes[g]`` rows for group g (a 1-D int64 cpu tensor, sum = rows
@@ -205,28 +216,12 @@ def grouped_gemm(a, b, batch_sizes, *, trans_a=False, trans_b=False, out=None, a
     GEMMs in C++ (16-bit operands upcast); CUDA: a loop of cublasGemmEx (fp32 compute) on
     torch's current stream. Bad arguments raise ValueError naming the tensor.
     """
-    impl = _impl()
-    if not hasattr(impl, "grouped_gemm"):  # a _C built before the op existed
-        raise RuntimeError(
-            "megadlm_ext._C has no grouped_gemm: it was built from older sources; rebuild it "
-            "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)"
-        )
-    return impl.grouped_gemm(
+    return _op("grouped_gemm")(
         a, b, batch_sizes, trans_a=trans_a, trans_b=trans_b, out=out, accumulate=accumulate, alpha=alpha
     )
 
 
 # ---- fused transformer ops (python/megadlms/ops wraps them in autograd Functions) ------------
-def _op(name: str):
-    impl = _impl()
-    if not hasattr(impl, name):  # a _C built before the op existed
-        raise RuntimeError(
-            f"megadlm_ext._C has no {name}: it was built from older sources; rebuild it "
-            "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)"
-        )
-    return getattr(impl, name)
-
-
 def rope(x, cos, sin, *, backward=False):
     """Rotary embedding in one pass, Megatron's non-interleaved ("rotate half") form:
     ``x * cos + cat(-x2, x1) * sin`` for ``x [B, S, heads, D]`` (any strides: a view of the

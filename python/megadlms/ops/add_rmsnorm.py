@@ -68,7 +68,7 @@ def residual_add_norm(
         if fusion_applies(True, x, h, weight):
             if x.dtype == h.dtype == weight.dtype:
                 eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps  # nn.RMSNorm's default
-                return _FusedAddRMSNorm.apply(x, h, weight, float(eps))
+                return fused_add_rmsnorm(x, h, weight, eps)
             decline_once(
                 "fused residual add + RMSNorm",
                 f"activations {x.dtype} / {h.dtype}, norm weight {weight.dtype} (the kernel takes one dtype)",

@@ -337,7 +337,7 @@ class MixedPrecisionOptimizer:
         grad_norm = get_grad_norm_fp32(
             self._grad_tables.get("norm", norm_tensors),
             self.layout.all_reduce_sum(),
-            device=getattr(self.layout, "device", None),
+            device=self.layout.device,
         )
         # The norm is the same number on every rank after its sums, so all ranks skip together.
         if not math.isfinite(grad_norm):
@@ -380,7 +380,7 @@ class MixedPrecisionOptimizer:
             e.main.grad = None
             e.main.decoupled_grad = None
             e.param.grad = None
-        if not getattr(self.layout, "grads_persist", False):
+        if not self.layout.grads_persist:
             self._grad_tables.clear()  # the step's copies go now, not at the next step
         if self.wrapper is not None:
             self.wrapper.zero_grad_buffer()
