@@ -46,6 +46,19 @@ class Problems:
             elif not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 self.items.append(f"{name} must be a positive integer, got {value!r}")
 
+    def member(self, obj, name: str, enum_cls, *, optional: bool = False) -> None:
+        """Field ``name`` of ``obj`` becomes the member of ``enum_cls`` its value names (a config
+        accepts the member or its value string); an unknown value is a problem listing the
+        choices. ``optional``: None is allowed and kept."""
+        value = getattr(obj, name)
+        if value is None and optional:
+            return
+        try:
+            object.__setattr__(obj, name, enum_cls(value))  # frozen dataclasses too
+        except ValueError:
+            choices = tuple(m.value for m in enum_cls)
+            self.items.append(f"{name} must be one of {choices}, got {value!r}")
+
     def raise_if_any(self) -> None:
         if self.items:
             raise ConfigError(self.owner, self.items)

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 from megadlms.checkpoint import load_model_state, open_checkpoint, tokenizer_record
+from megadlms.common.enums import AttnMaskType
 from megadlms.data import TokenizerConfig
 from megadlms.diffusion import generate, token_logits
 from megadlms.models import GPTModel, TransformerConfig
@@ -127,7 +128,7 @@ def generate_text(
         )
     # Samples differ only through the RNG: one batch of identical prompts.
     prompt_t = torch.tensor([ids] * num_samples, dtype=torch.int64, device=device)
-    if common["model_config"].get("attention") == "causal":
+    if common["model_config"].get("attention") == AttnMaskType.CAUSAL:
         if not ids:
             # Left-to-right needs a last position to predict from; a DLM denoises from all-[MASK] instead.
             raise ValueError("a causal (vanilla) model needs a non-empty --prompt")

@@ -78,7 +78,7 @@ def tokenizer_problems(config: RunConfig) -> List[str]:
     """The tokenizer builds, and a diffusion run has a mask token."""
     try:
         tokenizer = config.data.tokenizer.build()
-        if config.diffusion.model_running_mode != "vanilla":
+        if config.diffusion.diffusion:
             tokenizer.mask  # noqa: B018 - raises (naming the fix) when the tokenizer has none
     except (OSError, ValueError, RuntimeError) as exc:
         return [flag_message(str(exc))]

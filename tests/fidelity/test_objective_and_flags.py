@@ -9,7 +9,7 @@ import torch
 
 from megadlms.config import build_parser, parse_config
 from megadlms.diffusion import DiffusionConfig, forward_process, micro_batch_crop, objective_inputs
-from megadlms.diffusion.loss import loss_token_count
+from megadlms.diffusion import loss_token_count
 
 BASE = (
     "--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 16 --micro-batch-size 1 "

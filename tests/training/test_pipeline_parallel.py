@@ -119,8 +119,30 @@ def _eight_rank_world(rank, world, tmp):
     return {"pp2_tp2_dp2": _run(PP2 + TP2 + DISTOPT + B8)}
 
 
+def _library_first_step(argv):
+    """Iteration 1's lm loss through the library on one process: ``compute_loss`` on each of
+    the trainer's micro-batches (its model, data and crops), summed over the global N."""
+    from megadlms.config import parse_config
+    from megadlms.diffusion import compute_loss, loss_token_count, micro_batch_crop
+    from megadlms.distributed import unwrap_model
+    from megadlms.training.train import Trainer
+    from megadlms.training.validation import to_device
+
+    trainer = Trainer(parse_config(TINY + ["--make-vocab-size-divisible-by", "128"] + argv, world_size=1))
+    model, cfg, n = unwrap_model(trainer.model), trainer.config.diffusion, trainer.num_micro
+    it = iter(trainer.train_loader)
+    micro = [to_device(next(it), trainer.device) for _ in range(n)]
+    S = micro[0]["labels"].shape[1]
+    crops = [micro_batch_crop(cfg, 0, i, n, S) for i in range(n)]
+    total = sum(float(loss_token_count(b, c, cfg)) for b, c in zip(micro, crops))
+    with torch.no_grad():
+        losses = [compute_loss(model, b, cfg, 0, c).loss_sum for b, c in zip(micro, crops)]
+    return {"crops": crops, "loss": float(sum(float(x) for x in losses)) / total}
+
+
 def _one_process_world(rank, world, tmp):
     return {
+        "library": _library_first_step([]),
         "single": _run(_save(tmp, "single")),
         "single_b8": _run(B8),
         "single_untied": _run(UNTIED),
@@ -168,6 +190,16 @@ def test_loss_curve_matches_one_process(worlds, world, name, ref):
     assert res.evals[5] == pytest.approx(want.evals[5], rel=REL)
     for rank_result in worlds[world][1:]:  # every rank reports the same numbers
         assert rank_result[name].losses == res.losses
+
+
+def test_library_loss_is_the_pp2_trainers(worlds):
+    """One objective: ``compute_loss`` (the library, one process, the plain model) gives the
+    loss the 2-rank pp=2 trainer reports for its first step (the last stage scores with the
+    same function), with MegaDLMs' objective (text[1:L]) and its per-micro-batch crop draws."""
+    lib = worlds["one"]["library"]
+    assert len(lib["crops"]) == 4
+    assert worlds["two"][0]["pp2"].losses[1] == pytest.approx(lib["loss"], rel=1e-6, abs=0)
+    assert worlds["one"]["single"].losses[1] == pytest.approx(lib["loss"], rel=1e-6, abs=0)
 
 
 def test_final_weights_match_one_process(worlds):

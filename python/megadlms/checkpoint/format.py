@@ -87,7 +87,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module in self._MODULES or (module, name) in self._NAMES:
             return super().find_class(module, name)
         # dtypes pickle as torch.<name>; admit those names only when they really are dtypes.
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        if module == torch.__name__ and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(
             f"checkpoint metadata refers to {module}.{name}, which is not "

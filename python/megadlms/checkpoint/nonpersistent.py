@@ -23,6 +23,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from megadlms.common.enums import NonPersistentCkptType
+
 from .paths import LATEST_FILE, read_latest_iteration
 
 _log = logging.getLogger("megadlms.checkpoint")
@@ -35,9 +37,9 @@ def non_persistent_root(ck, base: Optional[str]) -> Optional[str]:
     """Root of ``ck``'s non-persistent checkpoints (``base``: --save when saving, the root being
     resumed from when loading); None when --non-persistent-ckpt-type is not given."""
     kind = ck.non_persistent_ckpt_type
-    if kind == "local":
+    if kind == NonPersistentCkptType.LOCAL:
         return ck.non_persistent_local_ckpt_dir
-    if kind == "global":
+    if kind == NonPersistentCkptType.GLOBAL:
         if ck.non_persistent_global_ckpt_dir:
             return ck.non_persistent_global_ckpt_dir
         return os.path.join(base, SUBDIR) if base else None
@@ -61,7 +63,7 @@ def save_kind(ck, iteration: int) -> Optional[str]:
 def check_local_storage(ck) -> None:
     """``local`` checkpoints live on one node's storage: refuse a world spanning nodes (the
     ranks of other nodes could neither write the shared commit nor read it back)."""
-    if ck.non_persistent_ckpt_type != "local":
+    if ck.non_persistent_ckpt_type != NonPersistentCkptType.LOCAL:
         return
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))

@@ -27,6 +27,7 @@ try:
 except ImportError:  # torch < 2.4: no FSDP2 either
     DTensor, distribute_tensor = (), None
 
+from megadlms.common.enums import CkptFormat
 from megadlms.distributed.wrappers import unwrap_model
 
 from .format import SafeFileSystemReader
@@ -56,7 +57,7 @@ def _torch_file(ckpt: str) -> Dict[str, torch.Tensor]:
 
 def tensor_shapes(ckpt: str, common: dict) -> Dict[str, Tuple[tuple, torch.dtype]]:
     """``{key: (full shape, dtype)}`` of every tensor stored in checkpoint dir ``ckpt``."""
-    if common["ckpt_format"] == "torch_dist":
+    if common["ckpt_format"] == CkptFormat.TORCH_DIST:
         # DCP's .metadata records every key's full (global) shape, so no tensor data is read here.
         md = SafeFileSystemReader(ckpt).read_metadata()
         return {
@@ -73,7 +74,7 @@ def read_tensors(ckpt: str, common: dict, template: Dict[str, torch.Tensor]) -> 
     from the checkpoint (one DCP read: collective; every rank calls with the same keys)."""
     if not template:
         return
-    if common["ckpt_format"] == "torch_dist":
+    if common["ckpt_format"] == CkptFormat.TORCH_DIST:
         with warnings.catch_warnings():
             # Single-process loads (megadlms-generate) are intended: silence DCP's notice.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")

@@ -41,6 +41,7 @@ try:
 except ImportError:  # torch < 2.4: no FSDP2 either
     DTensor = ()
 
+from megadlms.common.enums import CkptFormat
 from megadlms.config.run_config import CKPT_FORMATS
 from megadlms.distributed.wrappers import unwrap_model
 
@@ -126,7 +127,7 @@ def _write(tensors, tmp: str, ckpt_format: str, rank: int, rng: Optional[dict], 
         torch.save(rng, os.path.join(tmp, "rng", f"rank_{rank}.pt"))
     if background:
         return
-    if ckpt_format == "torch_dist":
+    if ckpt_format == CkptFormat.TORCH_DIST:
         # DCP's planner dedups keys replicated across ranks and rank 0 writes the global .metadata.
         dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
         return
@@ -139,9 +140,11 @@ def _write(tensors, tmp: str, ckpt_format: str, rank: int, rng: Optional[dict], 
 def _check_format(ckpt_format: str, background: bool, layout: ParallelLayout) -> None:
     if ckpt_format not in CKPT_FORMATS:
         raise ValueError(f"--ckpt-format must be 'torch_dist' or 'torch', got {ckpt_format!r}")
-    if background and ckpt_format != "torch_dist":
+    if background and ckpt_format != CkptFormat.TORCH_DIST:
         raise ValueError("--async-save needs --ckpt-format torch_dist")
-    if layout.pp > 1 and ckpt_format == "torch":  # one file of full tensors from rank 0: one stage only
+    if (
+        layout.pp > 1 and ckpt_format == CkptFormat.TORCH
+    ):  # one file of full tensors from rank 0: one stage only
         raise ValueError("--ckpt-format torch needs --pipeline-model-parallel-size 1: use torch_dist")
 
 
@@ -189,11 +192,11 @@ def save_checkpoint(
     records, rank = records or RunRecords(), layout.rank
     tmp = _prepare(root, iteration, rank)
     # Who keeps each gathered full tensor: rank 0 writes the torch file; DCP spreads them.
-    owner = stage_owner(rank, layout.world, layout.pp, spread=ckpt_format != "torch")
+    owner = stage_owner(rank, layout.world, layout.pp, spread=ckpt_format != CkptFormat.TORCH)
     tensors, opt_skel = _collect(model, optimizer, layout, owner)
     common = {
         "format_version": FORMAT_VERSION,
-        "ckpt_format": ckpt_format,
+        "ckpt_format": str(ckpt_format),  # a plain string in the file, never the enum
         "iteration": iteration,
         "consumed_samples": consumed_samples,
         # The layout recorded here decides whether a later load may restore the RNG states (rng.py).

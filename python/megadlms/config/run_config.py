@@ -18,6 +18,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from megadlms.common.enums import CkptFormat, NonPersistentCkptType, as_member, plain
 from megadlms.config_errors import Problems
 from megadlms.data import DEFAULT_SPLIT, TokenizerConfig, data_source_problems
 from megadlms.diffusion import DiffusionConfig
@@ -29,7 +30,7 @@ from megadlms.pipeline import virtual_pipeline_size
 
 from .flags_ckpt23 import ckpt_choice_problems
 
-CKPT_FORMATS = ("torch_dist", "torch")
+CKPT_FORMATS = tuple(m.value for m in CkptFormat)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel_size: int = 1) -> int:
@@ -290,7 +291,7 @@ class CheckpointConfig:
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None
-    ckpt_format: str = "torch_dist"
+    ckpt_format: CkptFormat = CkptFormat.TORCH_DIST
     no_save_optim: bool = False
     no_load_optim: bool = False
     no_save_rng: bool = False
@@ -301,7 +302,7 @@ class CheckpointConfig:
     """Extra iterations to save at, besides every save_interval (MegaDLMs' --checkpoint-steps)."""
     hf_init: Optional[str] = None
     """Hugging Face model directory the fresh model is initialised from (megadlms.hf.importer)."""
-    ckpt_convert_format: Optional[str] = None
+    ckpt_convert_format: Optional[CkptFormat] = None
     """Convert ``load`` to this format into ``ckpt_convert_save``/<format>, then exit."""
     ckpt_convert_save: Optional[str] = None
     auto_resume: bool = True
@@ -315,12 +316,15 @@ class CheckpointConfig:
     use_checkpoint_args: bool = False
     use_tokenizer_model_from_checkpoint_args: bool = True
     non_persistent_save_interval: Optional[int] = None
-    non_persistent_ckpt_type: Optional[str] = None
+    non_persistent_ckpt_type: Optional[NonPersistentCkptType] = None
     non_persistent_global_ckpt_dir: Optional[str] = None
     non_persistent_local_ckpt_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
         bad = Problems("CheckpointConfig")
+        self.ckpt_format = as_member(CkptFormat, self.ckpt_format)
+        self.ckpt_convert_format = as_member(CkptFormat, self.ckpt_convert_format)
+        self.non_persistent_ckpt_type = as_member(NonPersistentCkptType, self.non_persistent_ckpt_type)
         for problem in ckpt_choice_problems(self):
             bad.add(problem)
         self.checkpoint_steps = tuple(self.checkpoint_steps)
@@ -457,6 +461,6 @@ class RunConfig:
 
     def to_dict(self) -> dict:
         """A JSON-able record of the whole configuration (stored in checkpoints)."""
-        d = dataclasses.asdict(self)
+        d = plain(dataclasses.asdict(self))
         d["model"] = self.model.to_dict()
         return d

@@ -34,6 +34,10 @@ to float reduction order. (MegaDLMs draws from a per-rank torch.Generator instea
 Vanilla mode (--model-running-mode vanilla): causal model, next-token CE on the shifted
 ``labels``, same normalisation.
 
+One objective (``objective.py``): ``training_inputs`` / ``validation_inputs`` turn a batch
+into the model's inputs and the targets a scorer (``loss.py``) reads; the trainer, its
+pipeline stages, ``validation_nelbo`` and ``compute_loss`` all call them.
+
 Validation (``validation_nelbo``): K Monte Carlo copies per sequence with stratified
 t_k = (k + u_k) / K, sampled-p weights, no crop, noise from (seed, sample index, k): a
 deterministic per-token NELBO and the perplexity bound exp(NELBO).
@@ -47,17 +51,20 @@ the padded vocabulary; the sampler and the answer likelihood see only the real t
 """
 
 from .config import MODEL_RUNNING_MODES, OBJECTIVES, P_MASK_MODES, DiffusionConfig
-from .evaluation import validation_nelbo, validation_times
+from .evaluation import validation_nelbo
 from .likelihood import answer_nll_draws, conditional_log_likelihood
-from .loss import (
-    ar_loss,
-    check_model_for_mode,
+from .loss import LossSums, ar_loss, check_model_for_mode, diffusion_loss, token_cross_entropy_of
+from .noise import counter_uniform, forward_process, micro_batch_crop, validation_times, varilen_length
+from .objective import (
+    MicroBatchLoss,
+    ObjectiveBatch,
     compute_loss,
-    diffusion_loss,
     loss_token_count,
     objective_inputs,
+    training_inputs,
+    validation_draws,
+    validation_inputs,
 )
-from .noise import counter_uniform, forward_process, micro_batch_crop, varilen_length
 from .sampler import add_gumbel_noise, generate, get_num_transfer_tokens
 from .vocab import real_vocab_size, token_logits
 
@@ -66,6 +73,12 @@ __all__ = [
     "MODEL_RUNNING_MODES",
     "P_MASK_MODES",
     "OBJECTIVES",
+    "ObjectiveBatch",
+    "LossSums",
+    "MicroBatchLoss",
+    "training_inputs",
+    "validation_inputs",
+    "validation_draws",
     "objective_inputs",
     "micro_batch_crop",
     "forward_process",
@@ -73,6 +86,7 @@ __all__ = [
     "counter_uniform",
     "diffusion_loss",
     "ar_loss",
+    "token_cross_entropy_of",
     "compute_loss",
     "check_model_for_mode",
     "loss_token_count",

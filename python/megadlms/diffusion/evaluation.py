@@ -9,23 +9,11 @@ from typing import Dict, Iterable, Optional
 import torch
 
 from .config import DiffusionConfig
-from .loss import ar_loss, check_model_for_mode, diffusion_loss, objective_inputs, token_cross_entropy_of
-from .noise import TAG_VALID_TIME, counter_uniform, forward_process
+from .loss import check_model_for_mode, token_cross_entropy_of
+from .noise import validation_times
+from .objective import loss_token_count, validation_draws, validation_inputs
 
-
-def validation_times(
-    seed: int,
-    sample_idx: torch.Tensor,
-    draw: int,
-    num_mc_samples: int,
-) -> torch.Tensor:
-    """Stratified t of Monte Carlo draw k: (k + u(seed, sample, k)) / K, float64 [b].
-
-    Each of the K strata of [0, 1) gets exactly one t per sample, which removes most of the
-    variance of the t-integral (MDLM's low-discrepancy sampler, per sequence).
-    """
-    u = counter_uniform(seed, TAG_VALID_TIME, sample_idx, draw)
-    return (draw + u) / num_mc_samples
+__all__ = ["validation_nelbo", "validation_times"]
 
 
 @torch.no_grad()
@@ -43,56 +31,30 @@ def validation_nelbo(
         NELBO = sum_batches (1/K) sum_k sum_{masked loss tokens} CE / p  /  #loss tokens,
     always with the sampled p (the unbiased estimator) and no variable-length crop. The noise
     depends on (seed, sample_idx, k) only, so the number is reproducible across runs, ranks
-    and batch sizes. vanilla: the plain per-token NLL.
+    and batch sizes. vanilla: the plain per-token NLL. Each draw is
+    ``objective.validation_inputs``: the trainer's forward-only pipeline scores the same.
 
     Returns {"nelbo", "ppl_bound" = exp(nelbo), "loss_sum", "num_tokens"}; data-parallel
     callers all-reduce loss_sum and num_tokens and divide.
     """
-    if num_mc_samples < 1:
-        raise ValueError(f"num_mc_samples must be >= 1, got {num_mc_samples}")
+    k = validation_draws(config, num_mc_samples)
     check_model_for_mode(model, config)
     if seed is not None and seed != config.seed:
         config = dataclasses.replace(config, seed=seed)  # the mask draws use config.seed too
-    seed = config.seed
+    scorer = token_cross_entropy_of(model)
     was_training = model.training
     model.eval()
     total = 0.0
     count = 0.0
     try:
         for batch in batches:
-            loss_mask = batch.get("loss_mask")
-            position_ids = batch.get("position_ids")
-            if config.model_running_mode == "vanilla":
-                logits = model(batch["tokens"], position_ids)
-                loss_sum, num_tokens = ar_loss(
-                    logits, batch["labels"], loss_mask, token_cross_entropy_of(model)
-                )
-                total += loss_sum.double().item()
-                count += num_tokens.double().item()
-                continue
-            inputs = objective_inputs(batch, config)  # the objective's sequence, no crop
-            clean, loss_mask, position_ids = inputs["clean"], inputs["loss_mask"], inputs["position_ids"]
-            extra = {} if inputs["document_ids"] is None else {"document_ids": inputs["document_ids"]}
-            sample_idx = torch.as_tensor(batch["sample_idx"], dtype=torch.int64, device=clean.device)
-            for k in range(num_mc_samples):
-                t = validation_times(seed, sample_idx, k, num_mc_samples)
-                # draw k+1: training uses draw 0, so validation masks never alias training ones.
-                # 'sampled' even when training uses 'realised': only 1/p(t) makes the NELBO an unbiased bound.
-                noisy, masked, p_mask = forward_process(
-                    clean, sample_idx, config, loss_mask, t=t, draw=k + 1, p_mask_mode="sampled"
-                )
-                loss_sum, num_tokens = diffusion_loss(
-                    model(noisy, position_ids, **extra),
-                    clean,
-                    masked,
-                    p_mask,
-                    loss_mask,
-                    token_cross_entropy_of(model),
-                )
+            for draw in range(k):
+                inputs = validation_inputs(batch, config, draw, k)
+                loss_sum, _ = inputs.score(inputs.forward(model), scorer)
                 # The K draws are averaged into the sum while the tokens are counted once: K copies estimate
                 # one sequence's NELBO, they are not K more sequences.
-                total += loss_sum.double().item() / num_mc_samples
-            count += num_tokens.double().item()
+                total += loss_sum.double().item() / k
+            count += loss_token_count(batch, None, config).double().item()
     finally:
         model.train(was_training)
     if count <= 0:

@@ -18,6 +18,8 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from megadlms.common.enums import Objective, PMaskMode
+
 from .config import DiffusionConfig
 
 
@@ -106,9 +108,9 @@ def micro_batch_crop(
     same on every rank, different per micro-batch (a local RandomState: numpy's global
     state is untouched, as MegaDLMs restores it). 'llada': :func:`varilen_length`, one per step.
     """
-    if config.model_running_mode == "vanilla":
+    if not config.diffusion:
         return None
-    if config.objective == "llada":
+    if config.objective is Objective.LLADA:
         return varilen_length(config.seed, iteration, seq_length, config.varilen_prob)
     if not bidirectional or config.varilen_prob <= 0.0:
         return None
@@ -128,7 +130,7 @@ def forward_process(
     *,
     t: Optional[torch.Tensor] = None,
     draw: int = 0,
-    p_mask_mode: Optional[str] = None,
+    p_mask_mode: Optional[PMaskMode] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Mask ``tokens`` [b, S] (int64) with the masked-diffusion forward process.
 
@@ -164,9 +166,9 @@ def forward_process(
     # and thresholding one uniform per position means a larger t masks a superset of positions.
     u_bS = counter_uniform(config.seed, TAG_MASK, sample_idx[:, None], draw, positions[None, :])
     masked = u_bS < p_b[:, None]
-    if mode == "sampled":
+    if mode == PMaskMode.SAMPLED:
         p_mask = p_b.to(torch.float32)[:, None].expand(b, S)
-    elif mode == "realised":
+    elif mode == PMaskMode.REALISED:
         is_loss = torch.ones_like(masked) if loss_mask is None else loss_mask > 0
         # A row with loss tokens but none masked would add nothing and make the realised p 0; force one mask,
         # as MegaDLMs. Rows without any loss token are left alone.
@@ -185,3 +187,18 @@ def forward_process(
         raise ValueError(f"p_mask mode must be 'sampled' or 'realised', got {mode!r}")
     noisy = torch.where(masked, torch.full_like(tokens, config.mask_token_id), tokens)
     return noisy, masked, p_mask.contiguous()
+
+
+def validation_times(
+    seed: int,
+    sample_idx: torch.Tensor,
+    draw: int,
+    num_mc_samples: int,
+) -> torch.Tensor:
+    """Stratified t of Monte Carlo draw k: (k + u(seed, sample, k)) / K, float64 [b].
+
+    Each of the K strata of [0, 1) gets exactly one t per sample, which removes most of the
+    variance of the t-integral (MDLM's low-discrepancy sampler, per sequence).
+    """
+    u = counter_uniform(seed, TAG_VALID_TIME, sample_idx, draw)
+    return (draw + u) / num_mc_samples

@@ -31,6 +31,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from megadlms.common.enums import OptimizerLayout
+
 from .wrappers import model_wrapper, unwrap_model
 
 
@@ -112,7 +114,7 @@ class ModelChunks(torch.nn.Module):
                 self._owner[p] = c
 
     @property
-    def optimizer_layout(self) -> str:
+    def optimizer_layout(self) -> OptimizerLayout:
         return self.chunks[0].optimizer_layout
 
     def forward(self, *args, **kwargs):

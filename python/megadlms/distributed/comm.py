@@ -33,6 +33,8 @@ import logging
 import torch
 import torch.distributed as dist
 
+from megadlms.common.enums import CommBackend
+
 _log = logging.getLogger(__name__)
 
 _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -175,11 +177,12 @@ def resolve_group(process_group):
     return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
 
 
-def build_communicator(backend: str, group):
-    """Communicator for ``backend`` ('torch' | 'nccl_ext') over ``group`` (None: one process)."""
-    if backend not in ("torch", "nccl_ext"):
+def build_communicator(backend: CommBackend, group):
+    """Communicator for ``backend`` (a :class:`CommBackend` or its value) over ``group``
+    (None: one process)."""
+    if backend not in tuple(CommBackend):
         raise ValueError(f"comm_backend must be 'torch' or 'nccl_ext', got {backend!r}")
-    if backend == "nccl_ext":
+    if backend == CommBackend.NCCL_EXT:
         if group is None:
             raise RuntimeError(
                 "comm_backend='nccl_ext' needs an initialised process group "

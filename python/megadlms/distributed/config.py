@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from megadlms.common.enums import CommBackend, as_member
 from megadlms.config_errors import Problems
 
 
@@ -29,7 +30,7 @@ class DistributedDataParallelConfig:
     """Elements per bucket. None: max(40M, 1M x dp) when overlapping, one bucket otherwise."""
     average_in_collective: bool = False
     """Average with ReduceOp.AVG inside the collective instead of pre-scaling by 1/dp."""
-    comm_backend: str = "torch"
+    comm_backend: CommBackend = CommBackend.TORCH
     """"torch" (torch.distributed) or "nccl_ext" (the extension's own NCCL communicator, GPU only)."""
     calculate_per_token_loss: bool = False
     """Sum mode: reduce gradients as SUMS over the data-parallel ranks, with no 1/dp
@@ -52,8 +53,9 @@ class DistributedDataParallelConfig:
 
     def __post_init__(self) -> None:
         bad = Problems("DistributedDataParallelConfig")
+        self.comm_backend = as_member(CommBackend, self.comm_backend)
         bad.check(
-            self.comm_backend in ("torch", "nccl_ext"),
+            isinstance(self.comm_backend, CommBackend),
             f"comm_backend must be 'torch' or 'nccl_ext', got {self.comm_backend!r}",
         )
         bad.check(

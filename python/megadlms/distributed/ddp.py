@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 import megadlm_ext as ext
+from megadlms.common.enums import CommBackend, OptimizerLayout
 from megadlms.parallel.sharding import is_expert_param, sharding_of
 
 from .comm import build_communicator, resolve_group, sum_in_place
@@ -188,9 +189,11 @@ class DistributedDataParallel(torch.nn.Module):
 
     # ------------------------------------------------------------------ DataParallel protocol
     @property
-    def optimizer_layout(self) -> str:
-        """ "bucket_shards" with the distributed optimizer, else "replicated" (protocol.py)."""
-        return "bucket_shards" if self.ddp_config.use_distributed_optimizer else "replicated"
+    def optimizer_layout(self) -> OptimizerLayout:
+        """BUCKET_SHARDS with the distributed optimizer, else REPLICATED (protocol.py)."""
+        if self.ddp_config.use_distributed_optimizer:
+            return OptimizerLayout.BUCKET_SHARDS
+        return OptimizerLayout.REPLICATED
 
     @property
     def grad_buckets(self) -> List[Bucket]:
@@ -337,10 +340,10 @@ class DistributedDataParallel(torch.nn.Module):
         self._sp_params = [p for p in self.param_names if sharding_of(p).tp_partial_grad]
         self._tp_comm = None
         if tp_size > 1 and self._sp_params:
-            self._tp_comm = build_communicator("torch", parallel.tp.group)
+            self._tp_comm = build_communicator(CommBackend.TORCH, parallel.tp.group)
         self._world_comm = None
         if parallel is not None and cfg.check_for_nan_in_grad:
-            self._world_comm = build_communicator("torch", resolve_group(None))
+            self._world_comm = build_communicator(CommBackend.TORCH, resolve_group(None))
 
     def _allreduce_sequence_parallel_grads(self) -> None:
         """Sum over TP the main_grad of every ``sequence_parallel`` parameter (one all-reduce

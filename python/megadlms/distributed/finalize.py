@@ -39,6 +39,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megadlms.common.enums import OptimizerLayout
+
 from .config import DistributedDataParallelConfig
 from .protocol import DataParallel
 
@@ -156,7 +158,7 @@ def allreduce_tied_grad(chunk: DataParallel, param: torch.nn.Parameter, group: d
     shards do not line up: each is first completed over the chunk's shard group (each rank
     contributes its reduced shard, zeros elsewhere). A rank of the group without a gradient
     yet joins with zeros, so its peer never blocks."""
-    if chunk.optimizer_layout == "bucket_shards":
+    if chunk.optimizer_layout == OptimizerLayout.BUCKET_SHARDS:
         _complete_sharded_grad(chunk, param)
     grad = chunk.main_grad(param)
     if grad is None:

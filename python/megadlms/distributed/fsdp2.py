@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import megadlm_ext as ext
+from megadlms.common.enums import CommBackend, OptimizerLayout
 
 from .comm import build_communicator
 from .config import DistributedDataParallelConfig
@@ -127,7 +128,7 @@ def fsdp2_config_problems(cfg: DistributedDataParallelConfig, who: str = "FSDP2"
         )
     elif cfg.overlap_param_gather:
         problems.append(f"{who} gathers parameters itself: drop overlap_param_gather")
-    if cfg.comm_backend != "torch":
+    if cfg.comm_backend != CommBackend.TORCH:
         problems.append(
             f"{who} communicates through torch.distributed only: use comm_backend torch "
             f"(got {cfg.comm_backend!r})"
@@ -220,14 +221,18 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
 
         self.reshard_after_forward = reshard_after_forward
         self._shard(module, fsdp_unit_modules, reshard_after_forward)
-        self.comm = build_communicator("torch", self.process_group)
+        self.comm = build_communicator(CommBackend.TORCH, self.process_group)
         # Parameters and optimizer state are sharded over all of dp, or within an HSDP instance.
         self.shard_comm = (
-            self.comm if grid.shard_group is grid.dp_group else build_communicator("torch", grid.shard_group)
+            self.comm
+            if grid.shard_group is grid.dp_group
+            else build_communicator(CommBackend.TORCH, grid.shard_group)
         )
         self._tp_grad_sum = TensorParallelGradSum(module, grid.tp_group)
         # A NaN seen on one TP rank must stop its TP peers too, whose dp groups never saw it.
-        self._nan_comm = self.comm if grid.tp_group is None else build_communicator("torch", dist.group.WORLD)
+        self._nan_comm = (
+            self.comm if grid.tp_group is None else build_communicator(CommBackend.TORCH, dist.group.WORLD)
+        )
         # After _shard: the divide-factor and force-sum setters exist only on sharded modules.
         self._set_reduction(module, cfg, backend)
 
@@ -299,7 +304,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         return t.to_local() if hasattr(t, "to_local") else t
 
     # ------------------------------------------------------------------ DataParallel protocol
-    optimizer_layout = "dtensor"
+    optimizer_layout = OptimizerLayout.DTENSOR
     grad_buckets: list = []
     parallel = None  # set in __init__: the ParallelGroups under tp > 1 or HSDP
 

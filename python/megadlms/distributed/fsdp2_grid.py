@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.common.enums import CommBackend
 from megadlms.parallel.sharding import sharding_of
 
 from .comm import build_communicator, sum_in_place
@@ -96,7 +97,9 @@ class TensorParallelGradSum:
 
     def __init__(self, module: torch.nn.Module, tp_group) -> None:
         self.params = [p for p in module.parameters() if sharding_of(p).tp_partial_grad]
-        self.comm = build_communicator("torch", tp_group) if tp_group is not None and self.params else None
+        self.comm = (
+            build_communicator(CommBackend.TORCH, tp_group) if tp_group is not None and self.params else None
+        )
 
     def __call__(self) -> None:
         if self.comm is None:

@@ -30,11 +30,12 @@ from typing import ContextManager, Dict, List, Optional, Protocol, runtime_check
 
 import torch
 
+from megadlms.common.enums import OptimizerLayout
 from megadlms.optimizer.source import GradientSource
 
 from .config import DistributedDataParallelConfig
 
-OPTIMIZER_LAYOUTS = ("replicated", "bucket_shards", "dtensor")
+OPTIMIZER_LAYOUTS = tuple(m.value for m in OptimizerLayout)
 
 
 @runtime_checkable
@@ -46,7 +47,7 @@ class DataParallel(GradientSource, Protocol):
     module: torch.nn.Module
     """The wrapped model (``unwrap_model`` peels every wrapper)."""
     ddp_config: DistributedDataParallelConfig
-    optimizer_layout: str
+    optimizer_layout: OptimizerLayout
     """One of ``OPTIMIZER_LAYOUTS`` (module docstring)."""
     comm: object
     """Communicator over the data-parallel group: ``world_size``, ``rank``, ``all_reduce``,

@@ -31,6 +31,7 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from megadlms.common.enums import AttnMaskType
 from megadlms.diffusion import conditional_log_likelihood, generate
 from megadlms.generate import load_for_inference
 
@@ -71,7 +72,7 @@ class MegaDLMsLM(LM):
         )
         # LLaDA's estimator needs every position to see the whole sequence: a causal model's scores
         # would mean nothing.
-        if self.model.config.attention != "bidirectional":
+        if self.model.config.attention != AttnMaskType.BIDIRECTIONAL:
             raise ValueError(f"pretrained={pretrained} is a causal (vanilla) model; this adapter is for DLMs")
         self.mask_id = self.tokenizer.mask_token_id
         self.mc_samples, self.mc_batch = int(mc_samples), int(mc_batch_size)

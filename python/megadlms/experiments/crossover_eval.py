@@ -21,6 +21,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from megadlms.common.enums import AttnMaskType, RunningMode
 from megadlms.diffusion import DiffusionConfig, conditional_log_likelihood, token_logits, validation_nelbo
 
 from .crossover_data import ClozeItem
@@ -47,7 +48,7 @@ def loss_per_token(
     """AR: NLL per token of rows[:, 1:] given the preceding tokens. DLM: NELBO per token of
     rows[:, 1:] ('llada' layout: the target is the whole of text[1:]), eps 0."""
     cfg = DiffusionConfig(
-        model_running_mode="vanilla" if causal else "difflm-noshift",
+        model_running_mode=RunningMode.VANILLA if causal else RunningMode.DIFFLM_NOSHIFT,
         mask_token_id=mask_token_id,
         objective="llada",
         mask_eps=0.0,
@@ -114,7 +115,7 @@ def evaluate_checkpoint(
     from megadlms.generate import load_for_inference
 
     model, tokenizer, _ = load_for_inference(ckpt, torch.device("cpu"))
-    causal = model.config.attention == "causal"
+    causal = model.config.attention == AttnMaskType.CAUSAL
     mask = tokenizer.mask_token_id
     kw = dict(causal=causal, mask_token_id=mask, mc_samples=nelbo_mc, seed=seed)
     return {

@@ -17,6 +17,7 @@ from typing import Optional, Sequence
 import torch
 
 from megadlms.checkpoint import RunRecords, save_checkpoint
+from megadlms.common.enums import AttnMaskType, CkptFormat, RunningMode
 from megadlms.config import padded_vocab_size
 from megadlms.data import TokenizerConfig
 from megadlms.data.tokenizers import MASK_NAMES, resolve_mask_token
@@ -45,7 +46,7 @@ def import_hf(
     mask_token: Optional[str] = None,
     seq_length: Optional[int] = None,
     vocab_divisible_by: int = 128,
-    attention: str = "bidirectional",
+    attention: AttnMaskType = AttnMaskType.BIDIRECTIONAL,
     ckpt_format: str = "torch_dist",
 ) -> dict:
     """Write the checkpoint; returns {"checkpoint", "mask_token_id", "added", "flags"}."""
@@ -98,7 +99,7 @@ def import_hf(
         f"--vocab-size {real}",
         f"--load {output} --finetune",
     ]
-    if attention == "causal":
+    if attention == AttnMaskType.CAUSAL:
         # A causal import continues as an AR model: the flag that makes the run's attention causal.
         flags.append("--model-running-mode vanilla")
     return {"checkpoint": ckpt, "mask_token_id": mask_id, "added": added, "flags": flags}
@@ -115,8 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-length", type=int, default=None, help="training length (default min(max pos, 4096))"
     )
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128, help="Megatron's vocab padding")
-    p.add_argument("--model-running-mode", choices=("difflm-noshift", "vanilla"), default="difflm-noshift")
-    p.add_argument("--ckpt-format", choices=("torch_dist", "torch"), default="torch_dist")
+    p.add_argument(
+        "--model-running-mode",
+        choices=[m.value for m in RunningMode],
+        default=RunningMode.DIFFLM_NOSHIFT.value,
+    )
+    p.add_argument(
+        "--ckpt-format", choices=[m.value for m in CkptFormat], default=CkptFormat.TORCH_DIST.value
+    )
     return p
 
 
@@ -129,8 +136,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             mask_token=args.mask_token,
             seq_length=args.seq_length,
             vocab_divisible_by=args.make_vocab_size_divisible_by,
-            attention="causal" if args.model_running_mode == "vanilla" else "bidirectional",
-            ckpt_format=args.ckpt_format,
+            # An AR import keeps its causal mask; a DLM sees the whole sequence.
+            attention=(
+                AttnMaskType.CAUSAL
+                if RunningMode(args.model_running_mode) is RunningMode.VANILLA
+                else AttnMaskType.BIDIRECTIONAL
+            ),
+            ckpt_format=CkptFormat(args.ckpt_format),
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"megadlms-import-hf: error: {exc}", file=sys.stderr)

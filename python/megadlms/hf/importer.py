@@ -37,12 +37,14 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
+from megadlms.common.enums import AttnMaskType
 from megadlms.models import TransformerConfig
 
 from .mapping import hf_to_megadlms
 
 # Families whose weights are exactly GPTModel's (pre-norm RMSNorm, RoPE, SwiGLU, GQA).
-SUPPORTED = ("llama", "qwen2", "megadlms")
+OWN_MODEL_TYPE = "megadlms"  # config.json model_type of our own exports (hf/export.py)
+SUPPORTED = ("llama", "qwen2", OWN_MODEL_TYPE)
 ARCH_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -98,7 +100,7 @@ def transformer_config_from_hf(
 ) -> TransformerConfig:
     """The GPTModel config of HF config.json ``hf``; raises naming what cannot be mapped."""
     kind = hf.get("model_type")
-    if kind == "megadlms":
+    if kind == OWN_MODEL_TYPE:
         # Our own export: the recorded config is exact, no mapping of HF fields needed.
         d = dict(hf["megadlms_model_config"])
         # The rows the files hold: the unpadded vocabulary (older exports: the padded one, same in both).
@@ -114,7 +116,11 @@ def transformer_config_from_hf(
         overrides = {
             "qk_layernorm": True,
             "add_qkv_bias": False,
-            "attention": "causal" if hf.get("attn_mask_type") == "causal" else "bidirectional",
+            "attention": (
+                AttnMaskType.CAUSAL
+                if hf.get("attn_mask_type") == AttnMaskType.CAUSAL
+                else AttnMaskType.BIDIRECTIONAL
+            ),
             **overrides,
         }
     if kind not in SUPPORTED:

@@ -12,11 +12,29 @@ from typing import List, Optional, Union
 
 import torch
 
+from megadlms.common.enums import (
+    AttnMaskType,
+    MoETokenDispatcher,
+    PositionEmbeddingType,
+    RecomputeGranularity,
+    RecomputeMethod,
+    as_member,
+    plain,
+)
 from megadlms.config_errors import Problems
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
-_POSITION_EMBEDDINGS = ("rope", "learned_absolute")
-ATTENTION_KINDS = ("bidirectional", "causal")
+_POSITION_EMBEDDINGS = tuple(m.value for m in PositionEmbeddingType)
+ATTENTION_KINDS = tuple(m.value for m in AttnMaskType)
+# The fields that name a mode: their values become enum members (an unknown value is reported
+# by the field's own check).
+_MODE_FIELDS = (
+    ("position_embedding_type", PositionEmbeddingType),
+    ("attention", AttnMaskType),
+    ("moe_token_dispatcher_type", MoETokenDispatcher),
+    ("recompute_granularity", RecomputeGranularity),
+    ("recompute_method", RecomputeMethod),
+)
 
 
 def megatron_swiglu_ffn_size(hidden_size: int) -> int:
@@ -63,7 +81,7 @@ class TransformerConfig:
     """Biases in the attention and MLP linears (--disable-bias-linear turns them off)."""
     qk_layernorm: bool = False
     """Normalise queries and keys per head before attention (--qk-layernorm)."""
-    position_embedding_type: str = "learned_absolute"
+    position_embedding_type: PositionEmbeddingType = PositionEmbeddingType.LEARNED_ABSOLUTE
     """'rope' or 'learned_absolute' (--position-embedding-type), Megatron's default."""
     rotary_base: int = 10000
     """RoPE base (--rotary-base)."""
@@ -78,7 +96,7 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     """Dtype the parameters are created in (torch.bfloat16 with --bf16)."""
 
-    attention: str = "bidirectional"
+    attention: AttnMaskType = AttnMaskType.BIDIRECTIONAL
     """'bidirectional' (no mask; diffusion LMs) or 'causal' (autoregressive)."""
     add_qkv_bias: bool = False
     """Bias on the QKV projection even without add_bias_linear (--add-qkv-bias; Qwen2)."""
@@ -113,7 +131,7 @@ class TransformerConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None
     """Width of the shared expert MLP that every token also goes through
     (--moe-shared-expert-intermediate-size); None: no shared expert."""
-    moe_token_dispatcher_type: str = "allgather"
+    moe_token_dispatcher_type: MoETokenDispatcher = MoETokenDispatcher.ALLGATHER
     """How tokens reach experts on other expert-parallel ranks (--moe-token-dispatcher-type):
     'allgather' or 'alltoall'."""
     moe_router_pre_softmax: bool = False
@@ -121,9 +139,9 @@ class TransformerConfig:
     the logits, then softmax over the k chosen."""
 
     # Activation recomputation (megatron.core's names; models/recompute.py has the rules).
-    recompute_granularity: Optional[str] = None
+    recompute_granularity: Optional[RecomputeGranularity] = None
     """None, 'full' (whole layers) or 'selective' (core attention) (--recompute-granularity)."""
-    recompute_method: Optional[str] = None
+    recompute_method: Optional[RecomputeMethod] = None
     """With 'full': 'uniform' (spans of recompute_num_layers) or 'block' (the first
     recompute_num_layers layers of each model chunk) (--recompute-method)."""
     recompute_num_layers: Optional[int] = None
@@ -145,6 +163,8 @@ class TransformerConfig:
     def __post_init__(self) -> None:
         """Fill the derived defaults (Megatron's rules) and check every field."""
         bad = Problems("TransformerConfig")
+        for name, enum_cls in _MODE_FIELDS:
+            setattr(self, name, as_member(enum_cls, getattr(self, name)))
         bad.positive(self, "num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length")
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
@@ -187,7 +207,7 @@ class TransformerConfig:
             self.attention in ATTENTION_KINDS,
             f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}",
         )
-        if self.position_embedding_type == "rope" and isinstance(self.kv_channels, int):
+        if self.position_embedding_type is PositionEmbeddingType.ROPE and isinstance(self.kv_channels, int):
             bad.check(self.kv_channels % 2 == 0, f"rope needs an even kv_channels, got {self.kv_channels}")
         for name in ("attention_dropout", "hidden_dropout"):
             value = getattr(self, name)
@@ -214,7 +234,7 @@ class TransformerConfig:
 
     def to_dict(self) -> dict:
         """The JSON-able record stored in checkpoints (params_dtype as its name)."""
-        d = dataclasses.asdict(self)
+        d = plain(dataclasses.asdict(self))
         d["params_dtype"] = str(self.params_dtype).replace("torch.", "")
         return d
 
@@ -261,7 +281,7 @@ def _check_moe(c: TransformerConfig, bad: Problems) -> None:
         ("moe_router_score_function", ("softmax", "sigmoid")),
         ("moe_router_load_balancing_type", ("aux_loss", "none")),
         ("moe_token_drop_policy", ("probs", "position")),
-        ("moe_token_dispatcher_type", ("allgather", "alltoall")),
+        ("moe_token_dispatcher_type", tuple(m.value for m in MoETokenDispatcher)),
     )
     for name, allowed in choices:
         value = getattr(c, name)

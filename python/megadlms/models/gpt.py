@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megadlms.common.enums import AttnMaskType, PositionEmbeddingType
 from megadlms.parallel import (
     TensorParallelContext,
     VocabParallelEmbedding,
@@ -66,7 +67,7 @@ class LanguageModelEmbedding(nn.Module):
         super().__init__()
         dt = config.params_dtype
         self.tp = tp
-        learned = config.position_embedding_type == "learned_absolute"
+        learned = config.position_embedding_type == PositionEmbeddingType.LEARNED_ABSOLUTE
         # N(0, 1) at construction, the draws nn.Embedding makes (reset_parameters redraws).
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size,
@@ -198,7 +199,7 @@ class GPTModel(nn.Module):
         # built on every chunk (dropped unless pre_process): the construction draws of the whole model
         embedding = LanguageModelEmbedding(config, tp)
         self.embedding = embedding if pre else None
-        if config.position_embedding_type == "rope":
+        if config.position_embedding_type == PositionEmbeddingType.ROPE:
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_base)
         else:
             self.rotary_pos_emb = None
@@ -238,7 +239,7 @@ class GPTModel(nn.Module):
         device = next(self.parameters()).device
         with torch.no_grad():
             self._init_or_skip(word, (cfg.vocab_size, cfg.hidden_size), std, device)
-            if cfg.position_embedding_type == "learned_absolute":
+            if cfg.position_embedding_type == PositionEmbeddingType.LEARNED_ABSOLUTE:
                 pos = emb.position_embeddings.weight if emb is not None else None
                 self._init_or_skip(pos, (cfg.max_position_embeddings, cfg.hidden_size), std, device)
             if not self.share_embeddings_and_output_weights:
@@ -362,13 +363,13 @@ class GPTModel(nn.Module):
             if document_ids is not None:
                 raise ValueError("document_ids (document packing) are not supported with context parallelism")
             doc_mask, position_ids = ContextParallelPlan.build(
-                position_ids, self.tp.cp_group, self.attention == "causal"
+                position_ids, self.tp.cp_group, self.attention == AttnMaskType.CAUSAL
             )
         x_BSH = self.embedding(input_ids, position_ids) if self.pipeline.pre_process else hidden_states
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         if document_ids is not None:
             doc_mask = document_attention_mask(
-                document_ids, self.attention == "causal", self.core_attn_implementation
+                document_ids, self.attention == AttnMaskType.CAUSAL, self.core_attn_implementation
             )
         x_BSH = self.decoder(x_BSH, rotary, doc_mask)
         if not self.pipeline.post_process:

@@ -25,11 +25,12 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.common.enums import RecomputeGranularity, RecomputeMethod
 from megadlms.parallel.mappings import Group, group_rank, group_size
 from megadlms.parallel.random import RNGStatesTracker, fork_all_rng, get_all_rng_states, set_all_rng_states
 
-RECOMPUTE_GRANULARITIES = ("full", "selective")
-RECOMPUTE_METHODS = ("uniform", "block")
+RECOMPUTE_GRANULARITIES = tuple(m.value for m in RecomputeGranularity)
+RECOMPUTE_METHODS = tuple(m.value for m in RecomputeMethod)
 
 _recompute_depth = 0  # > 0 while a backward re-runs a forward (see recomputing())
 
@@ -62,7 +63,7 @@ def recompute_problems(
     out = []
     if g is not None and g not in RECOMPUTE_GRANULARITIES:
         out.append(f"recompute_granularity must be one of {RECOMPUTE_GRANULARITIES}, got {g!r}")
-    if g == "full":
+    if g == RecomputeGranularity.FULL:
         if method not in RECOMPUTE_METHODS:
             out.append(f"recompute_granularity full needs recompute_method uniform or block (got {method})")
         bound = layers_per_rank if layers_per_rank is not None else config.num_layers
@@ -71,12 +72,12 @@ def recompute_problems(
                 f"recompute_granularity full needs recompute_num_layers between 1 and the layers per "
                 f"pipeline stage, {bound} (got {n})"
             )
-    if g == "selective" and method is not None:
+    if g == RecomputeGranularity.SELECTIVE and method is not None:
         out.append(
             f"recompute_method {method} is not supported with recompute_granularity selective "
             "(it recomputes the core-attention of every layer): drop recompute_method"
         )
-    if g == "selective" and n is not None:
+    if g == RecomputeGranularity.SELECTIVE and n is not None:
         out.append(f"recompute_granularity selective takes no recompute_num_layers (got {n}): drop it")
     if config.distribute_saved_activations:
         out += _distribute_problems(config, tensor_model_parallel_size, sequence_parallel)
@@ -90,7 +91,7 @@ def _distribute_problems(config, tp: int, sequence_parallel: bool) -> List[str]:
             "distribute_saved_activations splits the saved layer inputs across tensor-parallel ranks: "
             f"it needs tensor_model_parallel_size > 1 (got {tp})"
         )
-    if config.recompute_granularity != "full" or config.recompute_method is None:
+    if config.recompute_granularity != RecomputeGranularity.FULL or config.recompute_method is None:
         out.append(
             "distribute_saved_activations needs recompute_granularity full with a recompute_method "
             f"(got recompute_granularity {config.recompute_granularity}, recompute_method "
@@ -185,7 +186,7 @@ def checkpointed_layers_forward(block, x_BSH: torch.Tensor, rotary, doc_mask) ->
 
         return run
 
-    if block.recompute_method == "uniform":
+    if block.recompute_method == RecomputeMethod.UNIFORM:
         for start in range(0, len(layers), n):
             x_BSH = checkpoint(span(start, min(start + n, len(layers))), tracker, group, x_BSH)
         return x_BSH

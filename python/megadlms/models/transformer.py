@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megadlms.common.enums import AttnMaskType, RecomputeGranularity
 from megadlms.ops import apply_rotary, residual_add_norm, swiglu
 from megadlms.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelContext
 from megadlms.parallel.context_parallel import ContextParallelPlan
@@ -167,13 +168,13 @@ class SelfAttention(nn.Module):
         super().__init__()
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
-        self.attention = attention
+        self.attention = AttnMaskType(attention)
         self.tp = tp
         self.num_heads = config.num_attention_heads // tp.size  # this rank's heads
         self.num_groups = config.num_query_groups // tp.size
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
-        self.recompute_core_attention = config.recompute_granularity == "selective"
+        self.recompute_core_attention = config.recompute_granularity == RecomputeGranularity.SELECTIVE
         self.apply_rope_fusion = config.apply_rope_fusion  # CUDA tensors only (ops/fusion.py)
         dt = config.params_dtype
         N, G, D = config.num_attention_heads, config.num_query_groups, self.head_dim
@@ -259,7 +260,7 @@ class SelfAttention(nn.Module):
                         attn_mask=doc_mask,
                         dropout_p=dropout_p,
                         # SDPA rejects a mask with is_causal; the document mask already holds the causal part.
-                        is_causal=self.attention == "causal" and doc_mask is None,
+                        is_causal=self.attention == AttnMaskType.CAUSAL and doc_mask is None,
                         enable_gqa=G != self.num_heads,
                     )
 
@@ -343,7 +344,7 @@ class TransformerLayer(nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        attention: str = "bidirectional",
+        attention: str = AttnMaskType.BIDIRECTIONAL,
         layer_number: int = 1,
         *,
         tp: TensorParallelContext = NO_TENSOR_PARALLEL,
@@ -434,7 +435,7 @@ class TransformerBlock(nn.Module):
             raise ValueError("TransformerBlock: " + "; ".join(problems))
         self.attention = attention
         self.tp = tp
-        self.recompute_full = config.recompute_granularity == "full"
+        self.recompute_full = config.recompute_granularity == RecomputeGranularity.FULL
         self.recompute_method = config.recompute_method
         self.recompute_num_layers = config.recompute_num_layers
         self.distribute_saved_activations = config.distribute_saved_activations

@@ -12,6 +12,8 @@ from typing import List
 
 import torch
 
+from megadlms.common.enums import OptimizerLayout
+
 from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
 from .distrib_optimizer import ShardedBufferLayout
@@ -59,19 +61,19 @@ def get_optimizer(config: OptimizerConfig, model) -> MixedPrecisionOptimizer:
     if not names:
         raise ValueError("get_optimizer: the model has no trainable parameters (requires_grad=True)")
     grid = GridReductions(wrapper.parallel)  # None: plain data parallelism
-    first_problem(precision_aware_problems(config, fsdp2=layout_kind == "dtensor"))
+    first_problem(precision_aware_problems(config, fsdp2=layout_kind == OptimizerLayout.DTENSOR))
     # main_params_dtype fp16: the main params live (scaled fp16) in the optimizer state, and the
     # layouts hand the optimizer the model params themselves
     master_in_state = config.main_params_dtype != torch.float32
-    sharded = layout_kind == "bucket_shards"
+    sharded = layout_kind == OptimizerLayout.BUCKET_SHARDS
     if config.use_distributed_optimizer != sharded:
         raise ValueError(
             f"use_distributed_optimizer={config.use_distributed_optimizer} in OptimizerConfig, but the "
-            f"model's gradients are laid out {layout_kind!r}: the wrapper must be "
+            f"model's gradients are laid out {str(layout_kind)!r}: the wrapper must be "
             "DistributedDataParallel with DistributedDataParallelConfig(use_distributed_optimizer=True) "
             "exactly when the optimizer is distributed"
         )
-    if layout_kind == "dtensor":
+    if layout_kind == OptimizerLayout.DTENSOR:
         problems = dtensor_problems(config)
         if problems:
             raise ValueError(problems[0])

@@ -15,12 +15,14 @@ from typing import Dict, List, Optional, Protocol, runtime_checkable
 
 import torch
 
+from megadlms.common.enums import OptimizerLayout
+
 
 @runtime_checkable
 class GradientSource(Protocol):
     """The members of a data-parallel wrapper the optimizer uses."""
 
-    optimizer_layout: str
+    optimizer_layout: OptimizerLayout
     """Where the reduced gradients are: "replicated", "bucket_shards" or "dtensor"."""
     comm: object
     """Communicator over the data-parallel group ("dtensor": the ranks of the shards)."""
@@ -50,7 +52,7 @@ class LocalGradients:
     """A plain module as a :class:`GradientSource`: one process, every gradient is the
     parameter's own ``.grad`` ("replicated", nothing to communicate)."""
 
-    optimizer_layout = "replicated"
+    optimizer_layout = OptimizerLayout.REPLICATED
     comm = shard_comm = None  # one process: the replicated layout never communicates
     parallel = None
     grad_buckets: List = []

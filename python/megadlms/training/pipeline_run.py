@@ -20,14 +20,20 @@ agree without being sent. Only the last stage computes a loss; the caller's loss
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List
 
 import torch
 
+from megadlms.common.enums import AttnMaskType
 from megadlms.config import RunConfig
-from megadlms.diffusion import forward_process, validation_times
-from megadlms.diffusion.loss import ar_loss, diffusion_loss, objective_inputs, token_cross_entropy_of
+from megadlms.diffusion import (
+    ObjectiveBatch,
+    loss_token_count,
+    token_cross_entropy_of,
+    training_inputs,
+    validation_draws,
+    validation_inputs,
+)
 from megadlms.distributed import DataParallel, unwrap_model
 from megadlms.models import GPTModel
 from megadlms.parallel.context_parallel import shard_sequence
@@ -74,71 +80,11 @@ def build_chunks(
     return out
 
 
-@dataclass
-class _Inputs:
-    """One micro-batch as every stage sees it: the model's inputs and the last stage's scorer
-    ``loss(logits, cross_entropy, **targets) -> (loss_sum, num_tokens)`` with its [B, S]
-    ``targets`` (kept apart so that context parallelism can slice them with the inputs)."""
-
-    tokens: torch.Tensor
-    position_ids: Optional[torch.Tensor]
-    document_ids: Optional[torch.Tensor]
-    loss: Callable
-    targets: Dict[str, Optional[torch.Tensor]]
-
-    def score(self, logits, cross_entropy):
-        return self.loss(logits, cross_entropy, **self.targets)
-
-
-def _ar_score(logits, ce, labels, loss_mask):
-    return ar_loss(logits, labels, loss_mask, ce)
-
-
-def _diffusion_score(logits, ce, clean, masked, p_mask, loss_mask):
-    return diffusion_loss(logits, clean, masked, p_mask, loss_mask, ce)
-
-
-def _train_inputs(batch: dict, cfg, crop) -> _Inputs:
-    """compute_loss's pieces: the same noise, crop and targets (diffusion.loss)."""
-    if cfg.model_running_mode == "vanilla":
-        return _Inputs(
-            batch["tokens"],
-            batch.get("position_ids"),
-            batch.get("document_ids"),
-            _ar_score,
-            {"labels": batch["labels"], "loss_mask": batch.get("loss_mask")},
-        )
-    if "sample_idx" not in batch:
-        raise ValueError(
-            "difflm-noshift needs batch['sample_idx'] (the global sample indices that seed the noise)"
-        )
-    inputs = objective_inputs(batch, cfg, crop)
-    clean, loss_mask = inputs["clean"], inputs["loss_mask"]
-    noisy, masked, p_mask = forward_process(clean, batch["sample_idx"], cfg, loss_mask)
-    targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
-    return _Inputs(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
-
-
-def _valid_inputs(batch: dict, cfg, draw: int, num_mc_samples: int) -> _Inputs:
-    """validation_nelbo's pieces for Monte Carlo draw ``draw`` (diffusion.evaluation)."""
-    if cfg.model_running_mode == "vanilla":
-        return _train_inputs(batch, cfg, None)
-    inputs = objective_inputs(batch, cfg)  # no crop
-    clean, loss_mask = inputs["clean"], inputs["loss_mask"]
-    sample_idx = torch.as_tensor(batch["sample_idx"], dtype=torch.int64, device=clean.device)
-    t = validation_times(cfg.seed, sample_idx, draw, num_mc_samples)
-    noisy, masked, p_mask = forward_process(
-        clean, sample_idx, cfg, loss_mask, t=t, draw=draw + 1, p_mask_mode="sampled"
-    )
-    targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
-    return _Inputs(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
-
-
 # Padding of the targets under context parallelism: never masked, never a loss token.
 _CP_PADS = {"tokens": 0, "labels": 0, "clean": 0, "masked": False, "p_mask": 1.0, "loss_mask": 0.0}
 
 
-def _cp_shard(inputs: _Inputs, cp, causal: bool, multiple: int) -> _Inputs:
+def _cp_shard(inputs: ObjectiveBatch, cp, causal: bool, multiple: int) -> ObjectiveBatch:
     """This context-parallel rank's part of ``inputs`` (parallel/context_parallel.py): the noise
     and targets were made for the whole sequence (so they do not depend on cp), then sliced."""
     if inputs.document_ids is not None:
@@ -162,14 +108,7 @@ def _cp_shard(inputs: _Inputs, cp, causal: bool, multiple: int) -> _Inputs:
         multiple=multiple,
     )
     tokens, pos = out.pop("tokens"), out.pop("position_ids")
-    return _Inputs(tokens, pos, None, inputs.loss, out)
-
-
-def _run_chunk(chunk, inputs: _Inputs, hidden: Optional[torch.Tensor]):
-    kw = {} if inputs.document_ids is None else {"document_ids": inputs.document_ids}
-    if hidden is not None:  # a later chunk: the ids give it the (unpadded) batch shape
-        kw["hidden_states"] = hidden
-    return chunk(inputs.tokens, inputs.position_ids, **kw)
+    return dataclasses.replace(inputs, tokens=tokens, position_ids=pos, document_ids=None, targets=out)
 
 
 class PipelineRunner:
@@ -190,17 +129,17 @@ class PipelineRunner:
         self._last = [bool(unwrap_model(c).pipeline.post_process) for c in self.chunks]
         plain = unwrap_model(self.chunks[0])
         self.cp = getattr(groups, "cp", None)
-        self._cp_causal = plain.attention == "causal"  # Megatron's 2C-chunk load balancing
+        self._cp_causal = plain.attention == AttnMaskType.CAUSAL  # Megatron's 2C-chunk load balancing
         # under sequence parallelism each cp part is split again over tp
         self._cp_multiple = plain.tp.size if plain.tp.sequence_parallel else 1
 
-    def _prepare(self, inputs: _Inputs) -> _Inputs:
+    def _prepare(self, inputs: ObjectiveBatch) -> ObjectiveBatch:
         if self.cp is None or self.cp.size == 1:
             return inputs
         return _cp_shard(inputs, self.cp, self._cp_causal, self._cp_multiple)
 
-    def _step_fn(self, prepare: Callable[[int], _Inputs], on_loss: Callable):
-        cache: Dict[int, _Inputs] = {}
+    def _step_fn(self, prepare: Callable[[int], ObjectiveBatch], on_loss: Callable):
+        cache: Dict[int, ObjectiveBatch] = {}
         last_chunk = len(self.chunks) - 1
 
         def forward_step(chunk_index: int, micro_index: int, hidden):
@@ -209,7 +148,7 @@ class PipelineRunner:
             # the last chunk's forward of a micro-batch is its last use on this rank
             inputs = cache.pop(micro_index) if chunk_index == last_chunk else cache[micro_index]
             chunk = self.chunks[chunk_index]
-            out = _run_chunk(chunk, inputs, hidden)
+            out = inputs.forward(chunk, hidden)
             if not self._last[chunk_index]:
                 return out
             loss_sum, _ = inputs.score(out, token_cross_entropy_of(chunk))
@@ -223,7 +162,7 @@ class PipelineRunner:
         ``scales``: the step's ``distributed.StepScales`` (the 1/N on each micro-batch's
         loss, the loss scale on what its backward starts from)."""
         step = self._step_fn(
-            lambda i: self._prepare(_train_inputs(micro_batches[i], cfg, crops[i])),
+            lambda i: self._prepare(training_inputs(micro_batches[i], cfg, crops[i])),
             # (what backward starts from, what is reported): the 1/N-scaled loss, and the raw sum detached.
             lambda loss_sum: (loss_sum * scales.loss, loss_sum.detach().to(torch.float64)),
         )
@@ -245,14 +184,12 @@ class PipelineRunner:
         """(loss sum, loss tokens) of ``validation_nelbo`` over ``batches`` with a forward-only
         pipeline: one pipeline micro-batch per (batch, Monte Carlo draw). The loss sum is
         non-zero only on the last stage; the token count is the same on every stage."""
-        if num_mc_samples < 1:
-            raise ValueError(f"num_mc_samples must be >= 1, got {num_mc_samples}")
+        k = validation_draws(cfg, num_mc_samples)
         cfg = dataclasses.replace(cfg, seed=seed) if seed != cfg.seed else cfg
-        k = 1 if cfg.model_running_mode == "vanilla" else num_mc_samples
         # One pipeline micro-batch per (batch, draw): the K draws flow through the stages like more batches.
         micro = [(b, d) for b in batches for d in range(k)]
         step = self._step_fn(
-            lambda i: self._prepare(_valid_inputs(micro[i][0], cfg, micro[i][1], k)),
+            lambda i: self._prepare(validation_inputs(micro[i][0], cfg, micro[i][1], k)),
             # / k: the mean over draws, validation_nelbo's 1/K.
             lambda loss_sum: (loss_sum, loss_sum.detach().to(torch.float64) / k),
         )
@@ -270,8 +207,5 @@ class PipelineRunner:
         # Under context parallelism every cp rank sees the whole micro-batch: cp rank 0 counts it.
         tokens = 0.0
         for b in batches if self.cp is None or self.cp.rank == 0 else ():
-            inputs = objective_inputs(b, cfg) if cfg.model_running_mode != "vanilla" else None
-            mask = b.get("loss_mask") if inputs is None else inputs["loss_mask"]
-            ref = b["labels"] if inputs is None else inputs["clean"]
-            tokens += float(ref.numel()) if mask is None else float(mask.to(torch.float64).sum())
+            tokens += float(loss_token_count(b, None, cfg).double())
         return float(sum(float(x) for x in losses)), tokens

@@ -24,10 +24,11 @@ from typing import List, Tuple
 import torch
 import torch.distributed as dist
 
+from megadlms.common.enums import MoETokenDispatcher
 from megadlms.parallel import mappings
 from megadlms.parallel.mappings import Group, group_rank, group_size
 
-DISPATCHER_TYPES = ("allgather", "alltoall")
+DISPATCHER_TYPES = tuple(m.value for m in MoETokenDispatcher)
 # torch 2.13 renamed the single-tensor all-gather; older releases only have the old name.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -201,10 +202,9 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, pad], dim=0)
 
 
-def build_dispatcher(kind: str, num_experts: int, group: Group = None):
+def build_dispatcher(kind: MoETokenDispatcher, num_experts: int, group: Group = None):
     """The dispatcher named by ``moe_token_dispatcher_type``."""
-    if kind == "allgather":
-        return AllGatherDispatcher(num_experts, group)
-    if kind == "alltoall":
-        return AllToAllDispatcher(num_experts, group)
-    raise ValueError(f"moe_token_dispatcher_type must be one of {DISPATCHER_TYPES}, got {kind!r}")
+    cls = {MoETokenDispatcher.ALLGATHER: AllGatherDispatcher, MoETokenDispatcher.ALLTOALL: AllToAllDispatcher}
+    if kind not in cls:
+        raise ValueError(f"moe_token_dispatcher_type must be one of {DISPATCHER_TYPES}, got {kind!r}")
+    return cls[MoETokenDispatcher(kind)](num_experts, group)

@@ -1,0 +1,235 @@
+"""The objectives, written once: what a micro-batch becomes before the model (its inputs)
+and what the model's logits are scored against (its targets).
+
+Every caller goes through :func:`training_inputs` / :func:`validation_inputs` and
+:meth:`ObjectiveBatch.score`: the trainer (training/pipeline_run.py, every layout; under
+pipeline parallelism the last stage scores, under context parallelism each rank scores its
+slice of the same targets), the validation NELBO (:func:`~.evaluation.validation_nelbo` and
+the trainer's forward-only pipeline) and a user's :func:`compute_loss`. So ``compute_loss``
+on one process gives the trainer's number for the same batch, crop and weights.
+
+Adding an objective: a member of the mode enum (``megadlms.common.enums``) and one builder
+here (``_TRAINING`` / ``_VALIDATION``); the scorer it names lives in loss.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Dict, NamedTuple, Optional
+
+import torch
+
+from megadlms.common.enums import AttnMaskType, Objective, PMaskMode, RunningMode
+
+from .config import DiffusionConfig
+from .loss import LossSums, TokenCrossEntropy, ar_loss, check_model_for_mode, diffusion_loss, num_tokens
+from .loss import token_cross_entropy_of as _scorer_of
+from .noise import forward_process, micro_batch_crop, validation_times
+
+Batch = Dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass
+class ObjectiveBatch:
+    """One micro-batch as the model and the loss see it: the model's inputs, and the scorer
+    ``scorer(logits, cross_entropy, **targets) -> LossSums`` with its [B, S] ``targets`` (kept
+    apart from the inputs so that context parallelism can slice both alike)."""
+
+    tokens: torch.Tensor
+    position_ids: Optional[torch.Tensor]
+    document_ids: Optional[torch.Tensor]
+    scorer: Callable[..., LossSums]
+    targets: Dict[str, Optional[torch.Tensor]]
+
+    def forward(self, model: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``model``'s output on these inputs (``hidden_states``: a later pipeline chunk's input;
+        the token ids still give it the batch shape)."""
+        kw = {} if self.document_ids is None else {"document_ids": self.document_ids}
+        if hidden_states is not None:
+            kw["hidden_states"] = hidden_states
+        return model(self.tokens, self.position_ids, **kw)
+
+    def score(self, logits: torch.Tensor, cross_entropy: TokenCrossEntropy) -> LossSums:
+        """(loss sum, loss tokens) of ``logits`` against the targets."""
+        return self.scorer(logits, cross_entropy, **self.targets)
+
+
+def _ar_score(logits, cross_entropy, labels, loss_mask) -> LossSums:
+    return ar_loss(logits, labels, loss_mask, cross_entropy)
+
+
+def _diffusion_score(logits, cross_entropy, clean, masked, p_mask, loss_mask) -> LossSums:
+    return diffusion_loss(logits, clean, masked, p_mask, loss_mask, cross_entropy)
+
+
+def objective_inputs(
+    batch: Batch, config: DiffusionConfig, crop: Optional[int] = None
+) -> Dict[str, Optional[torch.Tensor]]:
+    """The clean sequence the difflm-noshift objective denoises, with its loss mask, position
+    ids and (document packing) document ids, after an optional crop to ``crop`` positions.
+
+    'megadlms': MegaDLMs crops tokens/labels/positions to L = crop (or S), then drops one
+    position: input and target are text[1:L] = ``labels[:, :L-1]``, positions
+    ``position_ids[:, 1:L]``, loss mask ``loss_mask[:, :L-1]`` (L-1 tokens).
+    'llada': the target is ``labels[:, :L]`` with ``position_ids[:, :L]`` (L tokens).
+    ``document_ids`` (present when packing) are aligned with ``labels``; cropped like them.
+    """
+    labels = batch["labels"]
+    S = labels.shape[1]
+    L = S if crop is None else crop
+    loss_mask, position_ids = batch.get("loss_mask"), batch.get("position_ids")
+    document_ids = batch.get("document_ids")
+    if config.objective is Objective.MEGADLMS:
+        # labels[j] is text[j + 1] and position_ids[j + 1] is its position: the two slices are one token apart
+        # but describe the same tokens text[1:L].
+        lab, pos = slice(0, L - 1), slice(1, L)
+    else:
+        lab, pos = slice(0, L), slice(0, L)
+    docs = None if document_ids is None else document_ids[:, lab]
+    if docs is not None and config.objective is Objective.LLADA:
+        # the target is labels (text[1:]): positions restart at each of ITS documents
+        idx = torch.arange(docs.shape[1], device=docs.device).expand_as(docs)
+        new_doc = torch.ones_like(docs, dtype=torch.bool)
+        new_doc[:, 1:] = docs[:, 1:] != docs[:, :-1]
+        # cummax carries the start of the latest document forward; subtracting it restarts positions at 0.
+        position_ids = idx - torch.where(new_doc, idx, torch.zeros_like(idx)).cummax(dim=1).values
+        pos = slice(None)
+    return {
+        "clean": labels[:, lab],
+        "loss_mask": None if loss_mask is None else loss_mask[:, lab],
+        "position_ids": None if position_ids is None else position_ids[:, pos],
+        "document_ids": docs,
+    }
+
+
+def _sample_idx(batch: Batch) -> torch.Tensor:
+    if "sample_idx" not in batch:
+        raise ValueError(
+            "difflm-noshift needs batch['sample_idx'] (the global sample indices "
+            "that seed the noise); use the data package's collate"
+        )
+    return batch["sample_idx"]
+
+
+def _ar_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int]) -> ObjectiveBatch:
+    targets = {"labels": batch["labels"], "loss_mask": batch.get("loss_mask")}
+    return ObjectiveBatch(
+        batch["tokens"], batch.get("position_ids"), batch.get("document_ids"), _ar_score, targets
+    )
+
+
+def _diffusion_training(batch: Batch, config: DiffusionConfig, crop: Optional[int]) -> ObjectiveBatch:
+    sample_idx = _sample_idx(batch)
+    inputs = objective_inputs(batch, config, crop)
+    clean, loss_mask = inputs["clean"], inputs["loss_mask"]
+    noisy, masked, p_mask = forward_process(clean, sample_idx, config, loss_mask)
+    targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
+    return ObjectiveBatch(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
+
+
+def _diffusion_validation(batch: Batch, config: DiffusionConfig, draw: int, num_draws: int) -> ObjectiveBatch:
+    inputs = objective_inputs(batch, config)  # the whole sequence: validation never crops
+    clean, loss_mask = inputs["clean"], inputs["loss_mask"]
+    sample_idx = torch.as_tensor(_sample_idx(batch), dtype=torch.int64, device=clean.device)
+    t = validation_times(config.seed, sample_idx, draw, num_draws)
+    # draw k+1: training uses draw 0, so validation masks never alias training ones.
+    # 'sampled' even when training uses 'realised': only 1/p(t) makes the NELBO an unbiased bound.
+    noisy, masked, p_mask = forward_process(
+        clean, sample_idx, config, loss_mask, t=t, draw=draw + 1, p_mask_mode=PMaskMode.SAMPLED
+    )
+    targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
+    return ObjectiveBatch(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
+
+
+_TRAINING = {RunningMode.VANILLA: _ar_inputs, RunningMode.DIFFLM_NOSHIFT: _diffusion_training}
+_VALIDATION = {
+    RunningMode.VANILLA: lambda batch, config, draw, num_draws: _ar_inputs(batch, config, None),
+    RunningMode.DIFFLM_NOSHIFT: _diffusion_validation,
+}
+
+
+def training_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] = None) -> ObjectiveBatch:
+    """``batch`` as one training micro-batch of ``config``'s objective, after the crop to
+    ``crop`` positions (difflm-noshift: the noise of (seed, sample index, draw 0))."""
+    return _TRAINING[config.model_running_mode](batch, config, crop)
+
+
+def validation_draws(config: DiffusionConfig, num_mc_samples: int) -> int:
+    """Monte Carlo draws per sequence of the validation loss: K, or 1 where the loss is exact
+    (the autoregressive NLL)."""
+    if num_mc_samples < 1:
+        raise ValueError(f"num_mc_samples must be >= 1, got {num_mc_samples}")
+    return num_mc_samples if config.diffusion else 1
+
+
+def validation_inputs(batch: Batch, config: DiffusionConfig, draw: int, num_draws: int) -> ObjectiveBatch:
+    """``batch`` as validation draw ``draw`` of ``num_draws`` (:func:`validation_draws`):
+    difflm-noshift: stratified t (``validation_times``), the sampled p, no crop."""
+    return _VALIDATION[config.model_running_mode](batch, config, draw, num_draws)
+
+
+def loss_token_count(
+    batch: Batch, crop: Optional[int] = None, config: Optional[DiffusionConfig] = None
+) -> torch.Tensor:
+    """Loss tokens of ``batch`` after an optional crop to ``crop`` positions (0-d fp32), the
+    count ``compute_loss`` returns; the trainer sums it over the step before the forward.
+    With a difflm-noshift ``config`` its objective's inputs are counted (MegaDLMs': L-1)."""
+    if config is not None and config.diffusion:
+        # The same objective_inputs as the loss, so the counted N is exactly the tokens the losses sum over.
+        inputs = objective_inputs(batch, config, crop)
+        return num_tokens(inputs["clean"], inputs["loss_mask"])
+    labels, loss_mask = batch["labels"], batch.get("loss_mask")
+    if crop is not None:
+        labels = labels[:, :crop]
+        loss_mask = None if loss_mask is None else loss_mask[:, :crop]
+    return num_tokens(labels, loss_mask)
+
+
+class MicroBatchLoss(NamedTuple):
+    """:func:`compute_loss`'s result."""
+
+    loss_sum: torch.Tensor
+    """0-d fp32: the micro-batch's summed (ELBO-weighted) token losses."""
+    num_tokens: torch.Tensor
+    """0-d fp32: its loss tokens (the caller divides the step's sums by the global count)."""
+    stats: Dict[str, object]
+    """"seq_length" (int, the model's input length) and, in difflm mode, "num_masked" (0-d
+    tensor; reading it with .item() is a device sync)."""
+
+
+_AUTO = object()
+
+
+def compute_loss(
+    model: torch.nn.Module,
+    batch: Batch,
+    config: DiffusionConfig,
+    iteration: int,
+    crop=_AUTO,
+    *,
+    check: bool = True,
+) -> MicroBatchLoss:
+    """One micro-batch's loss, as the trainer computes it: :func:`training_inputs`, the
+    model's forward, :meth:`ObjectiveBatch.score` with ``token_cross_entropy_of(model)``
+    (vocab-parallel under tensor parallelism: the loss is then the same on every TP rank).
+
+    batch: "tokens", "labels" (= text[1:]), "loss_mask", "position_ids", "sample_idx" and,
+    when packing documents, "document_ids". ``crop``: the variable-length crop; default: drawn
+    here with :func:`micro_batch_crop` for micro-batch 0 of 1 (the trainer draws it per
+    micro-batch and passes it). ``check``: run :func:`check_model_for_mode` on ``model`` first.
+    """
+    if check:
+        check_model_for_mode(model, config)
+    if crop is _AUTO:
+        # A model that does not say is assumed bidirectional: the difflm default.
+        bidirectional = getattr(model, "attention", AttnMaskType.BIDIRECTIONAL) != AttnMaskType.CAUSAL
+        crop = micro_batch_crop(
+            config, iteration, 0, 1, batch["labels"].shape[1], bidirectional=bidirectional
+        )
+    inputs = training_inputs(batch, config, crop)
+    loss_sum, count = inputs.score(inputs.forward(model), _scorer_of(model))
+    stats: Dict[str, object] = {"seq_length": inputs.tokens.shape[1]}
+    masked = inputs.targets.get("masked")
+    if masked is not None:
+        stats["num_masked"] = masked.sum()
+    return MicroBatchLoss(loss_sum, count, stats)
