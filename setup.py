@@ -199,7 +199,7 @@ setup(
     version=VERSION,
     description="Training runtime for diffusion language models: fused multi-tensor "
     "extension, Megatron-style DDP, FSDP2, masked-diffusion pretraining",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # enum.StrEnum (megadlms.common.enums)
     package_dir={"": "python", "megadlm_ext": "megadlm_ext"},
     packages=find_packages("python") + ["megadlm_ext"],
     package_data={"megadlms.hf": ["remote/*.py"]},

@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from megadlms.config import build_parser, parse_config
-from megadlms.diffusion import DiffusionConfig, forward_process, micro_batch_crop, objective_inputs
-from megadlms.diffusion import loss_token_count
+from megadlms.diffusion import (
+    DiffusionConfig,
+    forward_process,
+    loss_token_count,
+    micro_batch_crop,
+    objective_inputs,
+)
 
 BASE = (
     "--num-layers 1 --hidden-size 8 --num-attention-heads 2 --seq-length 16 --micro-batch-size 1 "
