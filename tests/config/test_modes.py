@@ -136,7 +136,9 @@ def test_library_configs_accept_values_and_members():
     causal = dataclasses.replace(m, attention="causal")
     assert causal.attention is AttnMaskType.CAUSAL and causal.to_dict()["attention"] == "causal"
     assert type(causal.to_dict()["attention"]) is str
-    with pytest.raises(ValueError, match=r"model_running_mode must be one of \('difflm-noshift', 'vanilla'\)"):
+    with pytest.raises(
+        ValueError, match=r"model_running_mode must be one of \('difflm-noshift', 'vanilla'\)"
+    ):
         DiffusionConfig(model_running_mode="ar")
     with pytest.raises(ValueError, match=r"attention must be one of \('bidirectional', 'causal'\)"):
         dataclasses.replace(m, attention="sideways")
