@@ -57,7 +57,8 @@ def _hold_for_sigterm(rank: int, attempt: int) -> None:
 
 def _install(fault: dict) -> None:
     from megadlms.checkpoint import checkpointer, commit
-    from megadlms.training import pipeline_run, train
+    from megadlms.diffusion.objective import ObjectiveBatch
+    from megadlms.training import train
 
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -72,14 +73,14 @@ def _install(fault: dict) -> None:
                 os.kill(
                     os.getpid(), {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}.get(kind, signal.SIGTERM)
                 )
-            if kind == "raise":  # the schedule's forward step runs each chunk through _run_chunk
-                real_run = pipeline_run._run_chunk
+            if kind == "raise":  # the schedule's forward step runs each chunk through ObjectiveBatch.forward
+                real_run = ObjectiveBatch.forward
 
                 def failing(*a, **k):
-                    pipeline_run._run_chunk = real_run
+                    ObjectiveBatch.forward = real_run
                     raise RuntimeError("injected failure inside the forward")
 
-                pipeline_run._run_chunk = failing
+                ObjectiveBatch.forward = failing
             if kind == "hold_for_sigterm":
                 _hold_for_sigterm(rank, attempt)
         return real_step(model, optimizer, micro, cfg, iteration, **kw)

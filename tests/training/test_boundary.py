@@ -20,10 +20,10 @@ TINY = (
 
 
 def _failure_world(rank, world):
+    from megadlms.diffusion.objective import ObjectiveBatch
     from megadlms.pretrain import run
-    from megadlms.training import pipeline_run
 
-    real, calls = pipeline_run._run_chunk, [0]
+    real, calls = ObjectiveBatch.forward, [0]
 
     def failing(*a, **k):  # the schedule's forward of one micro-batch (2 per step here)
         calls[0] += 1
@@ -31,13 +31,13 @@ def _failure_world(rank, world):
             raise KeyError("injected data error on the last rank")
         return real(*a, **k)
 
-    pipeline_run._run_chunk = failing
+    ObjectiveBatch.forward = failing
     try:
         run(TINY + ["--overlap-grad-reduce", "--ddp-bucket-size", "500", "--global-batch-size", "12"])
     except (RuntimeError, KeyError) as exc:
         return type(exc).__name__, str(exc)
     finally:
-        pipeline_run._run_chunk = real
+        ObjectiveBatch.forward = real
     return None
 
 

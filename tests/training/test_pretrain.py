@@ -134,18 +134,19 @@ def _ddp3_world(rank, world, tmp):
     out = {"from_fsdp": _run(UNTIED + NO_EVAL + ["--load", os.path.join(tmp, "fsdp")])}
 
     # NaN in rank 2's loss at iteration 3 only: the step is skipped on every rank.
-    real_inputs, real_step = pipeline_run._train_inputs, train.train_step
+    real_inputs, real_step = pipeline_run.training_inputs, train.train_step
     sums, current = [], [None]
 
-    def nan_inputs(batch, cfg, crop):  # the forward step's scorer of one micro-batch
+    def nan_inputs(batch, cfg, crop=None):  # the objective's inputs of one micro-batch
         inputs = real_inputs(batch, cfg, crop)
         if rank == world - 1 and current[0] in inject:
+            scorer = inputs.scorer
 
-            def nan_score(logits, ce, score=inputs.score):
-                loss_sum, num_tokens = score(logits, ce)
+            def nan_scorer(logits, ce, **targets):
+                loss_sum, num_tokens = scorer(logits, ce, **targets)
                 return loss_sum * float("nan"), num_tokens
 
-            inputs.score = nan_score
+            inputs.scorer = nan_scorer
         return inputs
 
     def spy_step(model, optimizer, micro, cfg, iteration, **k):
@@ -154,7 +155,7 @@ def _ddp3_world(rank, world, tmp):
         sums.append(sum(p.detach().double().sum().item() for p in unwrap_model(model).parameters()))
         return res
 
-    pipeline_run._train_inputs, train.train_step = nan_inputs, spy_step
+    pipeline_run.training_inputs, train.train_step = nan_inputs, spy_step
     try:
         inject = {2}  # 0-based: the third iteration
         out["nan"] = _run(UNTIED + NO_EVAL + ["--train-iters", "5"])
@@ -166,7 +167,7 @@ def _ddp3_world(rank, world, tmp):
         except RuntimeError as exc:
             out["limit_error"] = str(exc)
     finally:
-        pipeline_run._train_inputs = real_inputs
+        pipeline_run.training_inputs = real_inputs
 
     # SIGTERM on rank 0 during iteration 4: every rank saves and exits after it.
     def sigterm_step(model, optimizer, micro, cfg, iteration, **k):

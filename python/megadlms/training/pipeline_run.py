@@ -128,7 +128,7 @@ class PipelineRunner:
         self.tied = tied_embedding_params(self.chunks)
         self._last = [bool(unwrap_model(c).pipeline.post_process) for c in self.chunks]
         plain = unwrap_model(self.chunks[0])
-        self.cp = getattr(groups, "cp", None)
+        self.cp = groups.cp
         self._cp_causal = plain.attention == AttnMaskType.CAUSAL  # Megatron's 2C-chunk load balancing
         # under sequence parallelism each cp part is split again over tp
         self._cp_multiple = plain.tp.size if plain.tp.sequence_parallel else 1

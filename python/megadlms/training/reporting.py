@@ -18,6 +18,7 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megadlms.common.enums import AttnMaskType, Objective
 from megadlms.models import num_floating_point_operations
 from megadlms.models.moe import moe_layer_stats
 
@@ -125,16 +126,16 @@ class Reporter:
 
     @property
     def _causal(self) -> bool:
-        return self.tr.config.model.attention == "causal"
+        return self.tr.config.model.attention == AttnMaskType.CAUSAL
 
     def real_input_length(self, out) -> Optional[float]:
         """MegaDLMs' ``real input length`` (difflm-noshift only): the model input's length after
         the crop, the mean over the step's micro-batches. The 'megadlms' objective drops one
         position after the crop (``diffusion.loss.objective_inputs``), LLaDA's does not."""
         d = self.tr.config.diffusion
-        if d.model_running_mode != "difflm-noshift" or not out.crop_lengths:
+        if not d.diffusion or not out.crop_lengths:
             return None
-        shift = 1 if d.objective == "megadlms" else 0
+        shift = 1 if d.objective == Objective.MEGADLMS else 0
         return sum(out.crop_lengths) / len(out.crop_lengths) - shift
 
     def after_step(self, out, lr: float, window: dict) -> bool:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megadlms.checkpoint import Checkpointer, ParallelLayout, RunRecords
+from megadlms.common.enums import AttnMaskType
 from megadlms.config import RunConfig
 from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
@@ -114,7 +115,7 @@ class Trainer:
         self.metrics = MetricsLogger(
             rank=self.rank, world_size=self.world, train_iters=t.train_iters, log=config.logging,
             save_dir=config.checkpoint.save, run_record=config.to_dict(),
-            diffusion=config.diffusion.model_running_mode != "vanilla",
+            diffusion=config.diffusion.diffusion,
             layout=f"{self.groups.describe()}, {param_count(self.params_per_rank)} params/rank",
             device=self.device,
         )  # fmt: skip
@@ -328,7 +329,7 @@ class Trainer:
         out = train_step(
             self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
             device=self.device, exit_flags=exit_flags,
-            bidirectional=self.config.model.attention != "causal", data_error=data_error,
+            bidirectional=self.config.model.attention != AttnMaskType.CAUSAL, data_error=data_error,
             loss_owner=self.loss_owner, runner=self.runner,
             count_owner=self.loss_owner and self.groups.cp.rank == 0,
         )  # fmt: skip
@@ -339,8 +340,9 @@ class Trainer:
         window["time"] += time.perf_counter() - t0
         window["iters"] += 1
         window["tokens"] += self.gbs * out.seq_length
+        causal = self.config.model.attention == AttnMaskType.CAUSAL
         window["flops"] += num_floating_point_operations(
-            self.config.model, self.gbs, out.seq_length, causal=self.config.model.attention == "causal"
+            self.config.model, self.gbs, out.seq_length, causal=causal
         )
         # A NaN step would poison the window's mean loss; nan_total counts it instead.
         if not out.nonfinite:
