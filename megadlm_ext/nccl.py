@@ -37,7 +37,7 @@ import os
 import site
 import threading
 import weakref
-from typing import List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
@@ -48,12 +48,12 @@ except ImportError:  # not built: no communicator
 
 _OPS = {"sum": 0, "avg": 4}  # ncclSum, ncclAvg
 _lock = threading.Lock()
-_state = {"tried": False, "ok": False, "error": ""}
+_state: Dict[str, Any] = {"tried": False, "ok": False, "error": ""}
 DEFAULT_TIMEOUT_S = 600.0  # torch's NCCL default (10 minutes)
 CLOSE_GRACE_S = 30.0  # close(): in-flight work + flush, then abort (a dead peer cannot hold it)
 EXIT_GRACE_S = 5.0  # the same at interpreter exit
 _log = logging.getLogger(__name__)
-_OPEN = weakref.WeakSet()  # communicators to close at exit (each close() is idempotent)
+_OPEN: weakref.WeakSet[Any] = weakref.WeakSet()  # communicators to close at exit (each close() is idempotent)
 
 
 def close_at_exit(comm):
@@ -73,11 +73,9 @@ def _close_open_communicators() -> None:
             _log.warning("megadlm_ext.nccl: closing a communicator at exit failed: %s", exc)
 
 
-if _C is not None:
-    NcclError = _C.NcclError
-    NcclTimeoutError = _C.NcclTimeoutError
-    NcclWork = _C.NcclWork
-else:  # same names on an unbuilt extension, so `except nccl.NcclError` always works
+# Same names on an unbuilt extension, so `except nccl.NcclError` always works. The type checker
+# reads the Python classes (the compiled ones have the same shape).
+if _C is None or TYPE_CHECKING:
 
     class NcclError(RuntimeError):
         """An NCCL failure: async error, abort, timeout or a refused call."""
@@ -85,7 +83,11 @@ else:  # same names on an unbuilt extension, so `except nccl.NcclError` always w
     class NcclTimeoutError(NcclError):
         """NCCL init or a collective did not finish within the timeout."""
 
-    NcclWork = None
+    NcclWork: Any = None
+else:
+    NcclError = _C.NcclError
+    NcclTimeoutError = _C.NcclTimeoutError
+    NcclWork = _C.NcclWork
 
 
 def _site_dirs() -> List[str]:
@@ -205,7 +207,9 @@ class Communicator:
         box = [unique_id() if rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group else 0, group=group)
         dev = torch.cuda.current_device() if device is None else int(device)
-        return cls(box[0], rank, world, dev, group_timeout(group) if timeout is None else timeout)
+        uid = box[0]
+        assert uid is not None  # every rank holds rank 0's id after the broadcast
+        return cls(uid, rank, world, dev, group_timeout(group) if timeout is None else timeout)
 
     def _live(self):
         if self._comm is None:
@@ -266,10 +270,12 @@ def group_timeout(group=None) -> float:
     g = group if group is not None else dist.group.WORLD
     for device in ("cuda", "cpu"):
         try:
-            return float(g._get_backend(torch.device(device)).options._timeout.total_seconds())
+            if g is not None:
+                return float(g._get_backend(torch.device(device)).options._timeout.total_seconds())
         except (AttributeError, RuntimeError, ValueError):
             continue
     try:
-        return float(dist.distributed_c10d._get_default_store().timeout.total_seconds())
+        store = dist.distributed_c10d._get_default_store()
+        return float(store.timeout.total_seconds())  # type: ignore[attr-defined]  # not in torch's stubs
     except (AttributeError, RuntimeError, ValueError):
         return DEFAULT_TIMEOUT_S

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _span(t: torch.Tensor):
@@ -115,7 +115,7 @@ def check_distinct(tensors) -> None:
 
 def _storage_ptr(t: torch.Tensor) -> int:
     """Address of a tensor's first element, read through its storage (0 when unallocated)."""
-    return t.untyped_storage().data_ptr() + t.storage_offset() * t.element_size() if t.numel() else 0
+    return t.untyped_storage().data_ptr() + int(t.storage_offset()) * t.element_size() if t.numel() else 0
 
 
 class TensorTable:

@@ -14,7 +14,7 @@ import gc
 import os
 import socket
 import sys
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from megadlms.config.messages import FlagError
 from megadlms.hf.importer import init_from_hf
 from megadlms.startup import check_startup
 from megadlms.training.logging_utils import setup_logging
-from megadlms.training.train import pretrain
+from megadlms.training.train import RunResult, pretrain
 
 
 def _single_process_env() -> bool:
@@ -158,6 +158,7 @@ def run(argv: Optional[Sequence[str]] = None):
         init_distributed(config.parallel)
     setup_logging(dist.get_rank())
     ok = False
+    result: Union[str, RunResult]
     try:
         if config.checkpoint.ckpt_convert_format:  # Megatron: convert, then exit
             result = convert_checkpoint(config)
@@ -196,10 +197,10 @@ def _report(exc: ValueError) -> str:
         if len(exc.problems) == 1:
             return exc.problems[0]
         return f"{len(exc.problems)} problems:\n" + "\n".join(f"  - {p}" for p in exc.problems)
-    tb = exc.__traceback__
-    while tb.tb_next is not None:  # the innermost frame: where the failed check lives
+    tb, where = exc.__traceback__, "?"
+    while tb is not None:  # the innermost frame: where the failed check lives
+        where = f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
         tb = tb.tb_next
-    where = f"{os.path.basename(tb.tb_frame.f_code.co_filename)}:{tb.tb_lineno}"
     return f"{flag_message(str(exc))} [raised at {where}]"
 
 

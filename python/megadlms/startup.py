@@ -51,7 +51,11 @@ def _blend_problems(flag: str, blend: Sequence[str], shares: Optional[List[float
         docs = split_document_ranges(shares, n)[0] if shares else None
         tokens = int(ds.sequence_lengths[docs].sum()) if docs is not None else int(ds.sequence_lengths.sum())
         if tokens == 0:
-            where = f" (--split gives the train split {len(docs)} of its {n} documents)" if shares else ""
+            where = (
+                f" (--split gives the train split {len(docs)} of its {n} documents)"
+                if docs is not None
+                else ""
+            )
             out.append(f"{flag} {prefix}: no tokens for training{where}; use a corpus with text")
     return out
 

@@ -17,7 +17,7 @@ note), as Megatron does. The config layer cannot read checkpoints (it sits below
 from __future__ import annotations
 
 import argparse
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 from megadlms.config_errors import ConfigError
 
@@ -89,8 +89,8 @@ def _recorded(common: dict, use_tokenizer_model: bool) -> Tuple[dict, dict]:
 def apply_checkpoint_args(
     args: argparse.Namespace,
     given: set,
-    checkpoint_config: Callable[[argparse.Namespace], object],
-    find_record: Callable[[object], Optional[Record]],
+    checkpoint_config: Callable[[argparse.Namespace], Any],
+    find_record: Callable[[Any], Optional[Record]],
 ) -> List[str]:
     """Set ``args``' architecture flags from the checkpoint ``find_record`` finds for the run's
     CheckpointConfig (``checkpoint_config(args)``); returns the notes to log."""

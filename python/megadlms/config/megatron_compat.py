@@ -5,6 +5,8 @@ Kept apart from the parser so the list of deviations from Megatron is one short 
 to read and to review.
 """
 
+from typing import Tuple
+
 # (dest, flag, value that means "off") -> rejected with "not supported yet" when changed.
 # Refused rather than ignored: a run relying on one would train otherwise than it asked for.
 UNSUPPORTED = (
@@ -15,7 +17,7 @@ UNSUPPORTED = (
 )
 
 # (dest, flag, value with no effect anyway, why it has none here)
-WITHOUT_EFFECT = (
+WITHOUT_EFFECT: Tuple[Tuple[str, str, object, str], ...] = (
     (
         "attention_backend",
         "--attention-backend",

@@ -39,7 +39,7 @@ _NOT_MAPPED = {"optimizer"}
 
 def _field_flags() -> Dict[str, str]:
     """dest -> its first long option, for every flag of the parser (plus the overrides)."""
-    flags = {}
+    flags: Dict[str, str] = {}
     for action in build_parser()._actions:
         long = [s for s in action.option_strings if s.startswith("--")]
         if long and action.dest not in _NOT_MAPPED:

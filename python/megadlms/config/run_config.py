@@ -153,8 +153,8 @@ class ParallelConfig:
 class TrainingConfig:
     """Batch arithmetic, length of the run, NaN handling and exit conditions."""
 
-    micro_batch_size: Optional[int] = None
-    global_batch_size: Optional[int] = None
+    micro_batch_size: int = None  # type: ignore[assignment]  # required: __post_init__ rejects None
+    global_batch_size: int = None  # type: ignore[assignment]  # None until __post_init__ derives it
     """Sequences per optimizer step; default micro_batch_size x data_parallel_size."""
     data_parallel_size: int = 1
     train_iters: Optional[int] = None

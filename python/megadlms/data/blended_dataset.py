@@ -15,12 +15,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from .gpt_dataset import atomic_save_npy
+
+
+class SizedDataset(Protocol):
+    """A map-style dataset with a length (what a blend draws from)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
 
 
 def normalize_weights(weights: Sequence[float], what: str = "data_path") -> List[float]:
@@ -63,7 +71,7 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def __init__(
         self,
-        datasets: Sequence[torch.utils.data.Dataset],
+        datasets: Sequence[SizedDataset],
         weights: Sequence[float],
         size: int,
         *,

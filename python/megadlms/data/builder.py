@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import re
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -49,14 +49,15 @@ def parse_blend(
     # Only an even count can be weight/prefix pairs; an odd one is a list of prefixes.
     if len(items) % 2 == 0:
         pairs = list(zip(items[0::2], items[1::2]))
-        parsed = []
+        parsed: List[Optional[float]] = []
         for w, _ in pairs:
             try:
                 parsed.append(float(w))
             except ValueError:
                 parsed.append(None)
-        if all(w is not None for w in parsed):
-            weights, prefixes = normalize_weights(parsed, flag), [p for _, p in pairs]
+        numbers = [w for w in parsed if w is not None]
+        if len(numbers) == len(parsed):
+            weights, prefixes = normalize_weights(numbers, flag), [p for _, p in pairs]
         elif any(w is not None for w in parsed):
             raise ValueError(
                 f"{flag} {' '.join(items)}: mixes weights and prefixes; write either "
@@ -200,7 +201,7 @@ class _SplitBuilder:
 
     def __init__(self, sizes: Sequence[int], data_cache_path: Optional[str], **common) -> None:
         self.sizes, self.cache, self.common = sizes, data_cache_path, common
-        self.opened = {}
+        self.opened: Dict[str, IndexedDataset] = {}
 
     def open(self, prefix: str) -> IndexedDataset:
         if prefix not in self.opened:

@@ -196,6 +196,7 @@ class GPTDataset(torch.utils.data.Dataset):
         num_epochs = self._num_epochs()
         separate_final_epoch = False
         if num_epochs > 1:
+            assert self.num_samples is not None  # None means one epoch (_num_epochs)
             # Samples the full epochs yield (their last token only serves as a label); the final epoch is
             # separated when under 80 % of its samples are needed.
             sans_final = ((num_epochs - 1) * tpe - 1) // s

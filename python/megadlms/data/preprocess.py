@@ -22,14 +22,14 @@ import multiprocessing
 import os
 import sys
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
 from .indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from .tokenizers import SUPPORTED_TOKENIZERS, build_tokenizer
 
-_worker_state: Dict[str, object] = {}
+_worker_state: Dict[str, Any] = {}  # this worker process's tokenizer and flags (_init_worker)
 
 
 def _init_worker(
@@ -49,7 +49,10 @@ def _init_worker(
     )
 
 
-def _encode(item: Tuple[int, str]) -> Tuple[int, Dict[str, np.ndarray]]:
+_Encoded = Tuple[int, Dict[str, Tuple[np.ndarray, List[int]]]]  # (bytes read, key -> (ids, sequence lengths))
+
+
+def _encode(item: Tuple[int, str]) -> _Encoded:
     lineno, line = item
     where = f"{_worker_state['input']}:{lineno}"
     try:
@@ -147,6 +150,7 @@ def preprocess(args: argparse.Namespace) -> Dict[str, str]:
     builders = {k: IndexedDatasetBuilder(p + ".bin", dtype=dtype) for k, p in prefixes.items()}
     init = (args.tokenizer_type, args.tokenizer_model, args.json_keys, args.append_eod, args.input)
     pool = None
+    results: Iterator[_Encoded]
     if args.workers == 1:
         _init_worker(*init)
         results = map(_encode, _lines(args.input))

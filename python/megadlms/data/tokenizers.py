@@ -122,6 +122,7 @@ class HuggingFaceTokenizer:
         self._vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._eod = self._find(_EOD_NAMES)
         self._pad = self._find(_PAD_NAMES)
+        self._mask: Optional[int] = None
         if mask_token is not None:
             self._mask = resolve_mask_token(mask_token, self._tok.token_to_id, self._vocab_size, path)
         else:
@@ -193,6 +194,7 @@ def build_tokenizer(
     ``vocab_size`` (--vocab-size), when given, must hold every id of the tokenizer; the model
     may use a larger (padded) embedding table, never a smaller one.
     """
+    tok: Union[ByteTokenizer, HuggingFaceTokenizer]
     if tokenizer_type == "ByteTokenizer":
         tok = ByteTokenizer(mask_token=mask_token)
     elif tokenizer_type == "HuggingFaceTokenizer":

@@ -27,7 +27,7 @@ class DiffusionConfig:
     labels) (--model-running-mode)."""
     mask_token_id: int = -1
     """Id of [MASK] in the vocabulary (--mask-token); required in difflm-noshift mode."""
-    mask_eps: Optional[float] = None
+    mask_eps: float = None  # type: ignore[assignment]  # None until __post_init__ picks the objective's
     """Per-token mask probability p = (1 - eps) * t + eps (--difflm-mask-eps); default from
     ``objective``: 0 (MegaDLMs) or 1e-3 (LLaDA)."""
     p_mask: Optional[PMaskMode] = None

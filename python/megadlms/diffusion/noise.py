@@ -13,7 +13,7 @@ shift. Int64 products wrap modulo 2**64 exactly as the uint64 reference does.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -54,7 +54,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def counter_uniform(
-    seed: int, tag: int, *keys: torch.Tensor, device: Optional[torch.device] = None
+    seed: int, tag: int, *keys: Union[torch.Tensor, int], device: Optional[torch.device] = None
 ) -> torch.Tensor:
     """Uniforms in [0, 1) (float64), one per element of the broadcast of ``keys``.
 

@@ -15,7 +15,7 @@ here (``_TRAINING`` / ``_VALIDATION``); the scorer it names lives in loss.py.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, NamedTuple, Optional
+from typing import Callable, Dict, NamedTuple, Optional, TypedDict
 
 import torch
 
@@ -62,9 +62,16 @@ def _diffusion_score(logits, cross_entropy, clean, masked, p_mask, loss_mask) ->
     return diffusion_loss(logits, clean, masked, p_mask, loss_mask, cross_entropy)
 
 
-def objective_inputs(
-    batch: Batch, config: DiffusionConfig, crop: Optional[int] = None
-) -> Dict[str, Optional[torch.Tensor]]:
+class ObjectiveInputs(TypedDict):
+    """:func:`objective_inputs`' result: the clean target sequence and what goes with it."""
+
+    clean: torch.Tensor
+    loss_mask: Optional[torch.Tensor]
+    position_ids: Optional[torch.Tensor]
+    document_ids: Optional[torch.Tensor]
+
+
+def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] = None) -> ObjectiveInputs:
     """The clean sequence the difflm-noshift objective denoises, with its loss mask, position
     ids and (document packing) document ids, after an optional crop to ``crop`` positions.
 
@@ -94,12 +101,12 @@ def objective_inputs(
         # cummax carries the start of the latest document forward; subtracting it restarts positions at 0.
         position_ids = idx - torch.where(new_doc, idx, torch.zeros_like(idx)).cummax(dim=1).values
         pos = slice(None)
-    return {
-        "clean": labels[:, lab],
-        "loss_mask": None if loss_mask is None else loss_mask[:, lab],
-        "position_ids": None if position_ids is None else position_ids[:, pos],
-        "document_ids": docs,
-    }
+    return ObjectiveInputs(
+        clean=labels[:, lab],
+        loss_mask=None if loss_mask is None else loss_mask[:, lab],
+        position_ids=None if position_ids is None else position_ids[:, pos],
+        document_ids=docs,
+    )
 
 
 def _sample_idx(batch: Batch) -> torch.Tensor:

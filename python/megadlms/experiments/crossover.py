@@ -159,7 +159,8 @@ def run_training(runs: Dict[str, List[str]], outdir: str, py: str, jobs: int, th
     # rendezvous on the same MASTER_PORT (EADDRINUSE) or join a world that is not theirs.
     for name in TORCHRUN_ENV:
         env.pop(name, None)
-    pending, live = list(runs.items()), []
+    pending = list(runs.items())
+    live: List[tuple] = []  # (model, its process, its log file)
     while pending or live:
         while pending and len(live) < jobs:
             model, flags = pending.pop(0)
@@ -230,7 +231,7 @@ def check_matched(runs: Dict[str, List[str]], outdir: str) -> Dict[str, bool]:
 def checkpoints(outdir: str) -> List[int]:
     """Iterations saved by both runs (complete checkpoints only: at most each run's
     latest_checkpointed_iteration.txt, so a run still training can be evaluated), ascending."""
-    common = None
+    common: Optional[set] = None
     for m in MODES:
         save = os.path.join(outdir, "runs", m, "save")
         latest = os.path.join(save, "latest_checkpointed_iteration.txt")
@@ -241,7 +242,7 @@ def checkpoints(outdir: str) -> List[int]:
         its = {int(d[len("iter_") :]) for d in os.listdir(save) if d.startswith("iter_")}
         its = {i for i in its if i <= last}
         common = its if common is None else common & its
-    return sorted(common)
+    return sorted(common or ())
 
 
 def evaluate(outdir: str, d: Dict, p: Preset, jobs: int, threads: int) -> List[Dict]:
@@ -273,12 +274,13 @@ def evaluate(outdir: str, d: Dict, p: Preset, jobs: int, threads: int) -> List[D
 
 
 def setting_table(p: Preset, d: Dict, iters: int, preset: str, evaluated: Sequence[int]) -> Dict:
+    from megadlms.common.enums import PositionEmbeddingType
     from megadlms.models import GPTModel, TransformerConfig
 
     cfg = TransformerConfig(
         num_layers=p.num_layers, hidden_size=p.hidden_size, num_attention_heads=p.num_attention_heads,
-        vocab_size=384, seq_length=p.seq_length, position_embedding_type="rope", swiglu=True,
-        normalization="RMSNorm", add_bias_linear=False,
+        vocab_size=384, seq_length=p.seq_length, position_embedding_type=PositionEmbeddingType.ROPE,
+        swiglu=True, normalization="RMSNorm", add_bias_linear=False,
     )  # fmt: skip
     params = sum(x.numel() for x in GPTModel(cfg).parameters())
     return {

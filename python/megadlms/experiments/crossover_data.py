@@ -98,7 +98,7 @@ def split_verses(
     pool = list(dict.fromkeys(t for t in texts if t.strip()))
     random.Random(seed).shuffle(pool)
     heldout = _take(pool, heldout_tokens)
-    cloze = []
+    cloze: List[str] = []
     while len(cloze) < cloze_questions:
         if not pool:
             raise ValueError(f"too few verses of >= {min_cloze_bytes} bytes for {cloze_questions} questions")

@@ -21,7 +21,7 @@ from typing import Dict, List, Sequence
 
 import torch
 
-from megadlms.common.enums import AttnMaskType, RunningMode
+from megadlms.common.enums import AttnMaskType, Objective, RunningMode
 from megadlms.diffusion import DiffusionConfig, conditional_log_likelihood, token_logits, validation_nelbo
 
 from .crossover_data import ClozeItem
@@ -50,7 +50,7 @@ def loss_per_token(
     cfg = DiffusionConfig(
         model_running_mode=RunningMode.VANILLA if causal else RunningMode.DIFFLM_NOSHIFT,
         mask_token_id=mask_token_id,
-        objective="llada",
+        objective=Objective.LLADA,
         mask_eps=0.0,
         seed=seed,
     )

@@ -99,7 +99,9 @@ def save_safetensors(tensors: Dict[str, torch.Tensor], out_dir: str, max_shard_b
     """Write ``tensors`` as one file or as shards of at most ``max_shard_bytes`` (+ index)."""
     from safetensors.torch import save_file
 
-    shards, current, size = [], {}, 0
+    shards: list = []
+    current: Dict[str, torch.Tensor] = {}
+    size = 0
     for name in sorted(tensors):
         t = tensors[name]
         nbytes = t.numel() * t.element_size()

@@ -38,7 +38,7 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from megadlms.common.enums import AttnMaskType
-from megadlms.models import TransformerConfig
+from megadlms.models import GPTModel, TransformerConfig
 
 from .mapping import hf_to_megadlms
 
@@ -244,7 +244,7 @@ def check_compatible(hf_cfg: TransformerConfig, run_cfg: TransformerConfig, wher
 
 @torch.no_grad()
 def init_from_hf(
-    model: torch.nn.Module,
+    model: GPTModel,
     hf_dir: str,
     *,
     mean_init_ids: Iterable[int] = (),

@@ -63,13 +63,13 @@ class TransformerConfig:
     model in checkpoints; None: every row is a token."""
     seq_length: int
     """Training sequence length (--seq-length)."""
-    max_position_embeddings: Optional[int] = None
+    max_position_embeddings: int = None  # type: ignore[assignment]  # None until __post_init__ derives it
     """Longest sequence the model accepts (--max-position-embeddings); defaults to seq_length."""
-    ffn_hidden_size: Optional[int] = None
+    ffn_hidden_size: int = None  # type: ignore[assignment]  # None until __post_init__ derives it
     """MLP width (--ffn-hidden-size). Default: 4h, or Megatron's swiglu rule int(8h/3/64)*64."""
-    num_query_groups: Optional[int] = None
+    num_query_groups: int = None  # type: ignore[assignment]  # None until __post_init__ derives it
     """Key/value heads for grouped-query attention (--num-query-groups); default: all heads."""
-    kv_channels: Optional[int] = None
+    kv_channels: int = None  # type: ignore[assignment]  # None until __post_init__ derives it
     """Per-head width (--kv-channels); default hidden_size // num_attention_heads."""
     normalization: str = "LayerNorm"
     """'LayerNorm' or 'RMSNorm' (--normalization)."""

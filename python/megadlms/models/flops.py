@@ -53,6 +53,7 @@ def _mean_mlp_width(config: TransformerConfig) -> float:
     plus its shared expert)."""
     moe_width = 0
     if config.num_moe_experts is not None:
+        assert config.moe_ffn_hidden_size is not None  # derived with the expert count (config.py)
         moe_width = config.moe_ffn_hidden_size * config.moe_router_topk
         moe_width += config.moe_shared_expert_intermediate_size or 0
     widths = [

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megadlms.common.enums import AttnMaskType, PositionEmbeddingType
+from megadlms.common.enums import AttnMaskType, PositionEmbeddingType, as_member
 from megadlms.parallel import (
     TensorParallelContext,
     VocabParallelEmbedding,
@@ -79,12 +79,11 @@ class LanguageModelEmbedding(nn.Module):
             init_method=normal_init(1.0),
             dtype=dt,
         )
+        self.position_embeddings: Optional[nn.Embedding] = None
         if learned:
             self.position_embeddings = nn.Embedding(
                 config.max_position_embeddings, config.hidden_size, dtype=dt
             )
-        else:
-            self.position_embeddings = None
         self.embedding_dropout = nn.Dropout(config.hidden_dropout)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -172,7 +171,7 @@ class GPTModel(nn.Module):
     def __init__(
         self,
         config: TransformerConfig,
-        attention: Optional[str] = None,
+        attention: Optional[AttnMaskType | str] = None,
         core_attn_implementation: str = "TEDotProductAttention",
         tp: TensorParallelContext = NO_TENSOR_PARALLEL,
         pipeline: PipelineChunk = WHOLE_MODEL,
@@ -185,7 +184,9 @@ class GPTModel(nn.Module):
             )
         self.core_attn_implementation = core_attn_implementation
         if attention is not None and attention != config.attention:
-            config = dataclasses.replace(config, attention=attention)  # validated again there
+            config = dataclasses.replace(
+                config, attention=as_member(AttnMaskType, attention)
+            )  # validated there
         check_tensor_parallel(config, tp.size, tp.sequence_parallel)
         for problem in expert_parallel_problems(config, tp.ep_size):
             raise ValueError(problem)
@@ -199,23 +200,21 @@ class GPTModel(nn.Module):
         # built on every chunk (dropped unless pre_process): the construction draws of the whole model
         embedding = LanguageModelEmbedding(config, tp)
         self.embedding = embedding if pre else None
+        self.rotary_pos_emb: Optional[RotaryEmbedding] = None
         if config.position_embedding_type == PositionEmbeddingType.ROPE:
             self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_base)
-        else:
-            self.rotary_pos_emb = None
         self.decoder = TransformerBlock(config, attention, tp=tp, layers=layers, post_process=post)
         # the last stage's copy of a tied embedding (another stage holds the embedding itself)
         self.has_shared_embedding_copy = self.share_embeddings_and_output_weights and post and not pre
+        self.output_layer: Optional[OutputLayer] = None
         if post:
             tied_here = self.share_embeddings_and_output_weights and pre
             self.output_layer = OutputLayer(config, tied=tied_here, tp=tp)
             if self.has_shared_embedding_copy:
                 set_sharding(self.output_layer.weight, tied_copy=True)
-        else:
-            self.output_layer = None
         if self.share_embeddings_and_output_weights and pre and post and tp.gradient_accumulation_fusion:
             # the tied matrix also gets the lookup's ordinary gradient: DDP must fold that too
-            self.embedding.word_embeddings.weight.zero_out_wgrad = True
+            embedding.word_embeddings.weight.zero_out_wgrad = True  # type: ignore[attr-defined]
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -240,7 +239,11 @@ class GPTModel(nn.Module):
         with torch.no_grad():
             self._init_or_skip(word, (cfg.vocab_size, cfg.hidden_size), std, device)
             if cfg.position_embedding_type == PositionEmbeddingType.LEARNED_ABSOLUTE:
-                pos = emb.position_embeddings.weight if emb is not None else None
+                pos = (
+                    emb.position_embeddings.weight
+                    if emb is not None and emb.position_embeddings is not None
+                    else None
+                )
                 self._init_or_skip(pos, (cfg.max_position_embeddings, cfg.hidden_size), std, device)
             if not self.share_embeddings_and_output_weights:
                 self._init_or_skip(out_w, (cfg.vocab_size, cfg.hidden_size), std, device)
@@ -365,17 +368,17 @@ class GPTModel(nn.Module):
             doc_mask, position_ids = ContextParallelPlan.build(
                 position_ids, self.tp.cp_group, self.attention == AttnMaskType.CAUSAL
             )
-        x_BSH = self.embedding(input_ids, position_ids) if self.pipeline.pre_process else hidden_states
+        x_BSH = self.embedding(input_ids, position_ids) if self.embedding is not None else hidden_states
         rotary = self.rotary_pos_emb(position_ids) if self.rotary_pos_emb is not None else None
         if document_ids is not None:
             doc_mask = document_attention_mask(
                 document_ids, self.attention == AttnMaskType.CAUSAL, self.core_attn_implementation
             )
         x_BSH = self.decoder(x_BSH, rotary, doc_mask)
-        if not self.pipeline.post_process:
+        if self.output_layer is None:  # not the last pipeline chunk
             return x_BSH
         weight = None
-        if self.share_embeddings_and_output_weights and self.pipeline.pre_process:
+        if self.share_embeddings_and_output_weights and self.embedding is not None:
             # Tied within one chunk: the output layer multiplies by the embedding's own local vocab shard.
             weight = self.embedding.word_embeddings.weight
         return self.output_layer(x_BSH, weight)

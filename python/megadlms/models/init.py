@@ -40,20 +40,21 @@ def skip_normal_(param: torch.Tensor, std: float, tp: TensorParallelContext, dev
     torch.empty(shape, dtype=param.dtype, device=device).normal_(mean=0.0, std=std)
 
 
-def _init_layer_weights(layer: nn.Module, std: float, scaled_std: float, init, init_expert=None) -> None:
+def _init_layer_weights(
+    layer: TransformerLayer, std: float, scaled_std: float, init, init_expert=None
+) -> None:
     """One layer's draws in the fixed order: attention, then the MLP (dense, or the MoE
     router, experts and shared experts). ``init_expert(param, std, ep)``: the experts' full
     [E, ...] draw (default: :func:`moe.experts.init_expert_normal_`)."""
     attn, mlp = layer.self_attention, layer.mlp
-    moe = isinstance(mlp, MoELayer)
-    linears = [(attn.linear_qkv, std), (attn.linear_proj, scaled_std)]
-    if not moe:
+    linears: list = [(attn.linear_qkv, std), (attn.linear_proj, scaled_std)]
+    if not isinstance(mlp, MoELayer):
         linears += [(mlp.linear_fc1, std), (mlp.linear_fc2, scaled_std)]
     for linear, s in linears:
         init(linear.weight, s)
         if linear.bias is not None:
             nn.init.zeros_(linear.bias)
-    if moe:  # router, experts (full [E, ...] tensors), shared experts
+    if isinstance(mlp, MoELayer):  # router, experts (full [E, ...] tensors), shared experts
         mlp.init_weights(std, scaled_std, init, init_expert)
 
 
@@ -73,7 +74,7 @@ def init_transformer_weights(
     with torch.no_grad():
         for i in range(config.num_layers):
             layer = block.layers.by_global(i)
-            if layer is not None:
+            if isinstance(layer, TransformerLayer):
                 _init_layer_weights(layer, std, scaled_std, lambda p, s: init_normal_(p, s, tp))
                 continue
             with torch.device("meta"):  # per layer: moe_layer_freq makes layers differ

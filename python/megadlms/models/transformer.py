@@ -74,6 +74,7 @@ def build_norm(config: TransformerConfig, size: int, grad_is_partial: bool = Fal
 
     ``grad_is_partial``: each TP rank sees only part of the norm's input (its sequence chunk,
     or its heads), so its parameters are declared ``tp_partial_grad`` (all-reduce over TP)."""
+    norm: nn.Module
     if config.normalization == "RMSNorm":
         norm = nn.RMSNorm(size, eps=config.norm_epsilon, dtype=config.params_dtype)
     else:
@@ -199,13 +200,12 @@ class SelfAttention(nn.Module):
             dtype=dt,
             **_linear_kwargs(tp),
         )
+        self.q_layernorm: Optional[nn.Module] = None
+        self.k_layernorm: Optional[nn.Module] = None
         if config.qk_layernorm:
             # Replicated weights applied to this rank's heads only: partial grads under TP.
             self.q_layernorm = build_norm(config, self.head_dim, grad_is_partial=tp.size > 1)
             self.k_layernorm = build_norm(config, self.head_dim, grad_is_partial=tp.size > 1)
-        else:
-            self.q_layernorm = None
-            self.k_layernorm = None
 
     def forward(
         self,
@@ -225,7 +225,7 @@ class SelfAttention(nn.Module):
         q, k, v = torch.split(qkv_BSGX, [per_group * D, D, D], dim=-1)
         q_BSND = q.reshape(B, S, self.num_heads, D)
         k_BSGD, v_BSGD = k, v
-        if self.q_layernorm is not None:
+        if self.q_layernorm is not None and self.k_layernorm is not None:
             # Per-head norm before rotary, as Megatron.
             q_BSND = self.q_layernorm(q_BSND)
             k_BSGD = self.k_layernorm(k_BSGD)
@@ -405,7 +405,7 @@ class TransformerLayers(nn.Module):
         return len(self._modules)
 
     def __iter__(self) -> Iterator[nn.Module]:
-        return iter(self._modules.values())
+        return (m for m in self._modules.values() if m is not None)
 
     def __getitem__(self, idx):
         return list(self._modules.values())[idx]
@@ -440,19 +440,18 @@ class TransformerBlock(nn.Module):
         self.recompute_num_layers = config.recompute_num_layers
         self.distribute_saved_activations = config.distribute_saved_activations
         keep = range(config.num_layers) if layers is None else layers
-        built = {}
+        built: Dict[int, nn.Module] = {}
         for i in range(config.num_layers):
             # Built even when dropped: construction draws advance the generator as in the whole model.
             layer = TransformerLayer(config, attention, layer_number=i + 1, tp=tp)
             if i in keep:
                 built[i] = layer
         self.layers = TransformerLayers(built)
+        self.final_layernorm: Optional[nn.Module] = None
         if post_process:
             self.final_layernorm = build_norm(
                 config, config.hidden_size, grad_is_partial=tp.sequence_parallel
             )
-        else:
-            self.final_layernorm = None
 
     def forward(
         self, x_BSH: torch.Tensor, rotary: Optional[Tuple[torch.Tensor, torch.Tensor]] = None, doc_mask=None

@@ -62,8 +62,7 @@ def residual_add_norm(
     ``fused``: the fused kernel where the device rule allows (ops/fusion.py: CUDA tensors) and
     ``norm`` is an ``nn.RMSNorm`` over the last dim with a weight of the activations' dtype;
     otherwise, and always on CPU, the unfused add and the norm module, bitwise as before."""
-    rms = isinstance(norm, nn.RMSNorm) and norm.weight is not None and len(norm.normalized_shape) == 1
-    if fused and rms:
+    if fused and isinstance(norm, nn.RMSNorm) and norm.weight is not None and len(norm.normalized_shape) == 1:
         weight = _local(norm.weight)
         if fusion_applies(True, x, h, weight):
             if x.dtype == h.dtype == weight.dtype:

@@ -21,7 +21,7 @@ import torch
 
 _log = logging.getLogger(__name__)
 _force_cpu = False
-_declined = set()
+_declined: set[tuple[str, str]] = set()
 
 
 @contextlib.contextmanager

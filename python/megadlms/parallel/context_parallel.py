@@ -23,7 +23,7 @@ Parameters are replicated over cp: their gradients are reduced over dp x cp
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -69,10 +69,12 @@ def shard_sequence(
     :func:`sequence_index`. ``tensors["position_ids"]`` must be given (global positions);
     its padding is :data:`PAD_POSITION`."""
     ref = tensors["position_ids"]
+    if ref is None:
+        raise ValueError("shard_sequence: tensors['position_ids'] (the global positions) must be given")
     S = ref.shape[1]
     total = padded_length(S, cp, load_balance, multiple)
     index = sequence_index(total, cp, rank, load_balance, device=ref.device)
-    out = {}
+    out: Dict[str, Optional[torch.Tensor]] = {}
     for name, t in tensors.items():
         if t is None:
             out[name] = None
@@ -139,7 +141,7 @@ class ContextParallelPlan:
     def attention(self, q, k, v, dropout_p: float, enable_gqa: bool) -> torch.Tensor:
         """SDPA of the local queries q [B, N, Sl, D] against the gathered keys and values."""
         k, v = gather_kv(k, self.group), gather_kv(v, self.group)
-        kw = {"dropout_p": dropout_p, "enable_gqa": enable_gqa}
+        kw: Dict[str, Any] = {"dropout_p": dropout_p, "enable_gqa": enable_gqa}
         if not self.causal:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self._additive(q.dtype), **kw)
         k, v = k.index_select(2, self.order), v.index_select(2, self.order)

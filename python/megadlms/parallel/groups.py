@@ -234,10 +234,11 @@ class ParallelGroups:
     mesh: Optional[object] = None  # DeviceMesh [pp, dp, tp]
     expert_mesh: Optional[object] = None  # DeviceMesh [pp, expert_dp, ep, tp]
     mp: Optional[Axis] = None  # tp x pp ranks sharing the dp coordinate (None: tp, if pp == 1)
-    dp_intra: Optional[Axis] = None  # this rank's distributed-optimizer instance (None: dp)
-    dp_inter: Optional[Axis] = None  # same intra rank across instances (None: size 1)
-    cp: Optional[Axis] = None  # context-parallel ranks of this rank's (pp, dp, tp) (None: size 1)
-    dp_cp: Optional[Axis] = None  # dp x cp: where gradients are reduced (None: dp)
+    # The four below are never None after __post_init__ (None given: derived there).
+    dp_intra: Axis = None  # type: ignore[assignment]  # this rank's distributed-optimizer instance (None: dp)
+    dp_inter: Axis = None  # type: ignore[assignment]  # same intra rank across instances (None: size 1)
+    cp: Axis = None  # type: ignore[assignment]  # context-parallel ranks of its (pp, dp, tp) (None: size 1)
+    dp_cp: Axis = None  # type: ignore[assignment]  # dp x cp: where gradients are reduced (None: dp)
 
     def __post_init__(self) -> None:
         # Fill the derived axes of a hand-built object (build() and single() pass them).

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from .mappings import Group, group_rank, group_size
 
 _ATTR = "megadlms_sharding"
+_T = TypeVar("_T", bound=torch.Tensor)  # set_sharding returns what it was given (a Parameter stays one)
 """The one attribute a parameter carries; read and written only here (fsdp2.py copies every
 attribute of a parameter it replaces, models/gpt.py's ``_apply`` carries it explicitly)."""
 
@@ -80,7 +81,7 @@ def sharding_of(tensor: torch.Tensor) -> ParamSharding:
     return getattr(tensor, _ATTR, REPLICATED)
 
 
-def set_sharding(param: torch.Tensor, **changes) -> torch.Tensor:
+def set_sharding(param: _T, **changes) -> _T:
     """Declare (part of) how ``param`` is sharded: the fields in ``changes`` replace those of
     its current description, the others stay. Returns ``param``."""
     setattr(param, _ATTR, dataclasses.replace(sharding_of(param), **changes))

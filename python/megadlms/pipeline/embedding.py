@@ -11,7 +11,7 @@ knows the wrappers' gradient layouts); this file says which parameters and which
 
 from __future__ import annotations
 
-from typing import Iterable, List, Optional, Sequence
+from typing import Iterable, List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -43,7 +43,7 @@ def build_embedding_group(groups: ParallelGroups) -> Optional[dist.ProcessGroup]
     return mine
 
 
-def embedding_grad_params(chunks: Iterable[torch.nn.Module]) -> List[torch.nn.Parameter]:
+def embedding_grad_params(chunks: Iterable[Union[torch.nn.Module, DataParallel]]) -> List[torch.nn.Parameter]:
     """The parameters of this rank's chunks whose grads the embedding group sums: the word
     embedding of a first-stage chunk without the output layer, and the last stage's copy."""
     out = []

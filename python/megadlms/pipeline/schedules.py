@@ -101,7 +101,7 @@ class _Pipeline:
         self.pp, self.rank, self.vp = p2p.size, p2p.rank, len(chunks)
         self.inputs: List[Dict[int, Optional[torch.Tensor]]] = [{} for _ in chunks]
         self.outputs: List[Dict[int, object]] = [{} for _ in chunks]
-        self.grads: List[Dict[int, torch.Tensor]] = [{} for _ in chunks]
+        self.grads: List[Dict[int, Optional[torch.Tensor]]] = [{} for _ in chunks]
         self.received = [0] * self.vp  # inputs received per chunk (micro-batch order)
         self.grads_received = [0] * self.vp
         self.backwards_done = [0] * self.vp

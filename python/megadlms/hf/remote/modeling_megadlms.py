@@ -77,7 +77,8 @@ class MegaDLMsConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.attention = attention
         self.mask_token_id = mask_token_id
-        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+        kwargs["tie_word_embeddings"] = tie_word_embeddings  # PretrainedConfig's own field
+        super().__init__(**kwargs)
 
 
 def _norm(config: MegaDLMsConfig, size: int) -> nn.Module:
@@ -115,10 +116,10 @@ class MegaDLMsAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.n_kv * self.d, bias=qkv_bias)
         self.v_proj = nn.Linear(h, self.n_kv * self.d, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.d, h, bias=bias)
+        self.q_norm: Optional[nn.Module] = None
+        self.k_norm: Optional[nn.Module] = None
         if config.qk_layernorm:
             self.q_norm, self.k_norm = _norm(config, self.d), _norm(config, self.d)
-        else:
-            self.q_norm = self.k_norm = None
 
     def forward(self, x, rotary, attn_mask):
         B, S, _ = x.shape
@@ -203,10 +204,9 @@ class MegaDLMsModel(MegaDLMsPreTrainedModel):
     def __init__(self, config: MegaDLMsConfig) -> None:
         super().__init__(config)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_positions: Optional[nn.Embedding] = None
         if config.position_embedding_type == "learned_absolute":
             self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size)
-        else:
-            self.embed_positions = None
         self.layers = nn.ModuleList(MegaDLMsLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = _norm(config, config.hidden_size)
         self.post_init()

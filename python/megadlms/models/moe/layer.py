@@ -106,10 +106,11 @@ class MoELayer(nn.Module):
         init_normal(self.router.weight, std)
         self.experts.init_weights(std, output_std, self.ep_rank, self.ep, init_expert)
         if self.shared_experts is not None:
-            for linear, s in (
+            shared: list = [
                 (self.shared_experts.linear_fc1, std),
                 (self.shared_experts.linear_fc2, output_std),
-            ):
+            ]
+            for linear, s in shared:
                 init_normal(linear.weight, s)
                 if linear.bias is not None:
                     nn.init.zeros_(linear.bias)

@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,7 @@ def moe_layer_stats(
 
 
 def _summarise(packed: torch.Tensor, own: set) -> Dict:
-    out = {"layers": {}, "aux_loss": 0.0, "z_loss": 0.0, "max_over_mean": 0.0}
+    out: Dict[str, Any] = {"layers": {}, "aux_loss": 0.0, "z_loss": 0.0, "max_over_mean": 0.0}
     for i, row in enumerate(packed):
         forwards = float(row[2])
         if forwards == 0 and (i + 1) not in own:  # a layer of another pipeline stage
