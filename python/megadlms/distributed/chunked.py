@@ -33,6 +33,7 @@ import torch
 
 from megadlms.common.enums import OptimizerLayout
 
+from .protocol import DataParallel
 from .wrappers import model_wrapper, unwrap_model
 
 
@@ -63,14 +64,14 @@ class StageModules(torch.nn.Module):
                 merged[key] = value
         return merged
 
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Each chunk takes its own keys; with ``strict`` a key no chunk has is an error."""
         state_dict, missing, unexpected = dict(state_dict), [], set(state_dict)
         for part in self.parts:
             # Each chunk loads its own keys non-strictly; strictness is judged over the union below.
             own = {k: state_dict[k] for k in part.state_dict() if k in state_dict}
             unexpected -= set(own)
-            result = part.load_state_dict(own, strict=False, **kwargs)
+            result = part.load_state_dict(own, strict=False, assign=assign)
             missing += list(result.missing_keys)
         if strict and (missing or unexpected):
             raise RuntimeError(
@@ -91,23 +92,27 @@ class ModelChunks(torch.nn.Module):
         super().__init__()
         if not chunks:
             raise ValueError("ModelChunks needs at least one model chunk")
-        layouts = {getattr(c, "optimizer_layout", None) for c in chunks}
-        if len(layouts) != 1 or None in layouts:
+        wrappers: List[DataParallel] = [c for c in chunks if isinstance(c, DataParallel)]
+        layouts = {c.optimizer_layout for c in wrappers}
+        if len(wrappers) != len(chunks) or len(layouts) != 1:
+            got = [
+                str(c.optimizer_layout) if isinstance(c, DataParallel) else type(c).__name__ for c in chunks
+            ]
             raise ValueError(
-                f"ModelChunks: every chunk must be a data-parallel wrapper with the same "
-                f"optimizer_layout, got {sorted(map(str, layouts))}"
+                "ModelChunks: every chunk must be a data-parallel wrapper with the same optimizer_layout, "
+                f"got {got}"
             )
         # Registered as submodules so .to()/parameters()/train() reach the chunks; self.chunks
         # is the plain list the schedule indexes.
         self.wrapped = torch.nn.ModuleList(chunks)
-        self.chunks: List[torch.nn.Module] = list(chunks)
+        self.chunks: List[DataParallel] = wrappers
         self.module = StageModules([unwrap_model(c) for c in chunks])
-        first = chunks[0]
+        first = wrappers[0]
         self.ddp_config = first.ddp_config
         self.comm, self.shard_comm = first.comm, first.shard_comm
         self.parallel = first.parallel
-        self._owner: Dict[torch.nn.Parameter, torch.nn.Module] = {}
-        for c in chunks:
+        self._owner: Dict[torch.nn.Parameter, DataParallel] = {}
+        for c in wrappers:
             for p in c.named_trainable_parameters():
                 if p in self._owner:
                     raise ValueError("ModelChunks: a parameter is in two chunks")
@@ -174,10 +179,10 @@ class ModelChunks(torch.nn.Module):
     def state_dict(self, *args, **kwargs):
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
-        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
     def train(self, mode: bool = True):
-        for c in self.chunks:
+        for c in self.wrapped:
             c.train(mode)
         return super().train(mode)

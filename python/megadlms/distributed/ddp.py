@@ -63,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 import megadlm_ext as ext
+from megadlms.common.collectives import Handle
 from megadlms.common.enums import CommBackend, OptimizerLayout
 from megadlms.parallel.sharding import is_expert_param, sharding_of
 
@@ -222,10 +223,10 @@ class DistributedDataParallel(torch.nn.Module):
         gradient into ``main_grad`` times it themselves."""
         for bucket in self.buckets:
             for p in bucket.params:
-                p.grad = p.main_grad if bucket.grad_view else None
+                p.grad = p.main_grad if bucket.grad_view else None  # type: ignore[attr-defined]
                 # the fold scale (finalize.bucket_fold_scales) passed down to the fused kernels;
                 # a view bucket is scaled as a whole before its collective instead
-                p.main_grad_scale = 1.0 if bucket.grad_view else bucket.reduce_group.fold_scale
+                p.main_grad_scale = 1.0 if bucket.grad_view else bucket.reduce_group.fold_scale  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ grad sync
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
@@ -244,10 +245,10 @@ class DistributedDataParallel(torch.nn.Module):
             # only the placeholder that made this hook run: drop it unfolded. With
             # zero_out_wgrad the placeholder is a zero summed with an ordinary gradient
             # (tied weights): fold that as usual.
-            param.grad_added_to_main_grad = False
+            param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
             if not getattr(param, "zero_out_wgrad", False):
                 self._check_placeholder(param)
-                param.grad = param.main_grad if bucket.grad_view else None
+                param.grad = param.main_grad if bucket.grad_view else None  # type: ignore[attr-defined]
         bucket.ready.add(param)
         # Folding is per bucket, launching is not: the launch goes through the ordered queue so
         # that every rank issues the collectives in the same order (else NCCL deadlocks).
@@ -293,7 +294,7 @@ class DistributedDataParallel(torch.nn.Module):
         for p in bucket.params:
             # Dropping the separate grads now is the memory saving of folding; a view bucket
             # re-points .grad at the buffer so the next micro-batch accumulates in place again.
-            p.grad = p.main_grad if bucket.grad_view else None
+            p.grad = p.main_grad if bucket.grad_view else None  # type: ignore[attr-defined]
         bucket.ready.clear()
         # Only a fold of the synced backward makes the bucket launchable; a no_sync fold
         # must not, or the next backward would launch it before its new grads arrive.
@@ -351,7 +352,7 @@ class DistributedDataParallel(torch.nn.Module):
         valid; TP peers own the same shard ranges, so the valid parts are summed together."""
         if self._tp_comm is None:
             return
-        sum_in_place(self._tp_comm, [p.main_grad for p in self._sp_params])
+        sum_in_place(self._tp_comm, [p.main_grad for p in self._sp_params])  # type: ignore[attr-defined]
 
     def _check_nan(self, bucket: Bucket) -> None:
         """Queue this rank's NaN/Inf check of ``bucket`` before its collective as a device flag
@@ -389,7 +390,7 @@ class DistributedDataParallel(torch.nn.Module):
         all-reduce each reduced shard across them; sum ``sequence_parallel`` grads over TP;
         publish param.grad."""
         self.start_grad_sync()
-        inter = []
+        inter: List[Handle] = []
         for bucket in self.buckets:
             if bucket.handle is not None:
                 # Wait before anything reads the shard: the inter-instance all-reduce below, the TP
@@ -483,10 +484,10 @@ class DistributedDataParallel(torch.nn.Module):
         self.finish_param_sync()
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load into the wrapped module (copies in place, so buffer views stay valid)."""
         self.finish_param_sync()
-        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
 
 def _weak_hook(method):

@@ -25,6 +25,8 @@ from typing import List, Optional
 
 import torch.distributed as dist
 
+from megadlms.common.collectives import Communicator
+
 from .comm import build_communicator, resolve_group
 from .config import DistributedDataParallelConfig
 from .finalize import bucket_fold_scales
@@ -35,9 +37,9 @@ class ReduceGroup:
     """The communicators and fold scale of one kind of bucket (dense or expert)."""
 
     expert: bool
-    comm: object  # all-reduce (plain DDP) over the reduction group
-    shard_comm: object  # reduce-scatter / all-gather of the distributed optimizer
-    inter_comm: Optional[object]  # across distributed-optimizer instances (dense only)
+    comm: Communicator  # all-reduce (plain DDP) over the reduction group
+    shard_comm: Communicator  # reduce-scatter / all-gather of the distributed optimizer
+    inter_comm: Optional[Communicator]  # across distributed-optimizer instances (dense only)
     fold_scale: float  # factor applied to a gradient before a SUM collective
     op: str  # "sum" or "avg"
 

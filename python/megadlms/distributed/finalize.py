@@ -175,7 +175,9 @@ def _complete_sharded_grad(wrapper: DataParallel, param: torch.nn.Parameter) -> 
             continue
         off = bucket.offsets[next(i for i, p in enumerate(bucket.params) if p is param)]
         lo, hi = bucket.shard_range(comm.rank, comm.world_size)
-        flat = wrapper.main_grad(param).view(-1)
+        grad = wrapper.main_grad(param)
+        assert grad is not None  # a bucket parameter's main grad is its view of the buffer
+        flat = grad.view(-1)
         a, b = max(lo - off, 0), min(hi - off, flat.numel())
         # The param may lie wholly outside this rank's shard: it then contributes zeros only.
         # clone() because the zero_() below hits the same storage.

@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
 
 import megadlm_ext as ext
 from megadlms.common.enums import CommBackend, OptimizerLayout
+from megadlms.parallel.groups import ParallelGroups
 
 from .comm import build_communicator
 from .config import DistributedDataParallelConfig
@@ -51,7 +52,7 @@ FSDP2_MIN_TORCH = (2, 4)
 def torch_supports_fsdp2(version: Optional[str] = None) -> bool:
     """True when ``version`` (default: the installed torch) is >= 2.4, the first with FSDP2."""
     v = torch.torch_version.TorchVersion(version if version is not None else torch.__version__)
-    return v >= FSDP2_MIN_TORCH
+    return v >= ".".join(map(str, FSDP2_MIN_TORCH))
 
 
 def require_fsdp2_torch(version: Optional[str] = None) -> None:
@@ -241,7 +242,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         from torch.distributed.fsdp import fully_shard
 
         attrs = _param_attrs(module)
-        kw = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
+        kw: Dict[str, Any] = dict(mesh=self.mesh, reshard_after_forward=reshard_after_forward)
         if self.mixed_precision is not None:
             kw["mp_policy"] = self.mixed_precision
         units = None if fsdp_unit_modules is None else list(fsdp_unit_modules)
@@ -306,7 +307,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     # ------------------------------------------------------------------ DataParallel protocol
     optimizer_layout = OptimizerLayout.DTENSOR
     grad_buckets: list = []
-    parallel = None  # set in __init__: the ParallelGroups under tp > 1 or HSDP
+    parallel: Optional[ParallelGroups] = None  # set in __init__: the groups under tp > 1 or HSDP
 
     @property
     def chunks(self) -> List[TorchFullyShardedDataParallel]:
@@ -411,7 +412,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         """The unwrapped module's keys; values are DTensors (shards + global shape)."""
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load DTensor values as they are, or full tensors (identical on every rank, e.g. from
         a ``--ckpt-format torch`` file) by keeping this rank's dim-0 shard of each."""
         from torch.distributed.tensor import DTensor, distribute_tensor
@@ -438,7 +439,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
                     src_data_rank=None,
                 )
             converted[key] = value
-        return self.module.load_state_dict(converted, strict=strict, **kwargs)
+        return self.module.load_state_dict(converted, strict=strict, assign=assign)
 
     def local_model_state_bytes(self) -> dict:
         """Bytes this rank holds for parameter shards and gradient shards (for memory reports)."""

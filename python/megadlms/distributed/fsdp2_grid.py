@@ -18,15 +18,19 @@ FSDP's DP-outer size): the dp group is split into N instances of dp/N consecutiv
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from megadlms.common.enums import CommBackend
+from megadlms.parallel.groups import ParallelGroups
 from megadlms.parallel.sharding import sharding_of
 
 from .comm import build_communicator, sum_in_place
+
+if TYPE_CHECKING:  # imported where used: older torch builds lack it (torch_supports_fsdp2)
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 @dataclass
@@ -40,11 +44,11 @@ class Fsdp2Grid:
     ``parallel``: the run's ``ParallelGroups`` when a second axis exists (None: plain dp).
     """
 
-    mesh: object
-    dp_group: object
-    shard_group: object
-    tp_group: Optional[object] = None
-    parallel: Optional[object] = None
+    mesh: DeviceMesh
+    dp_group: dist.ProcessGroup
+    shard_group: dist.ProcessGroup
+    tp_group: Optional[dist.ProcessGroup] = None
+    parallel: Optional[ParallelGroups] = None
 
 
 def _uses_grid(parallel) -> bool:
@@ -68,6 +72,7 @@ def fsdp2_grid(parallel, process_group, device_type: str, instances: int = 1) ->
 
     if not _uses_grid(parallel):
         group = process_group if process_group is not None else dist.group.WORLD
+        assert group is not None  # FSDP2 needs torch.distributed initialised (checked by the caller)
         # From the given group rather than init_device_mesh: a dp subgroup of a larger world works.
         return Fsdp2Grid(DeviceMesh.from_group(group, device_type), group, group)
     if process_group is not None and process_group is not parallel.dp.group:

@@ -40,7 +40,7 @@ def select_fsdp_units(root: torch.nn.Module, fsdp_unit_modules: Optional[Sequenc
     units are left to the root; a message says so once.
     """
     default = fsdp_unit_modules is None
-    specs = DEFAULT_FSDP_UNIT_CLASSNAMES if default else tuple(fsdp_unit_modules)
+    specs = DEFAULT_FSDP_UNIT_CLASSNAMES if fsdp_unit_modules is None else tuple(fsdp_unit_modules)
     for s in specs:
         if not isinstance(s, (str, type)):
             raise ValueError(f"fsdp_unit_modules entries must be classes or class names, got {s!r}")

@@ -12,8 +12,10 @@ import torch.distributed as dist
 
 import megadlm_ext as ext
 
+from .param_and_grad_buffer import Bucket
 
-def nonfinite_detail(checked: Sequence[Tuple[object, torch.Tensor]], dp_rank: int) -> Optional[str]:
+
+def nonfinite_detail(checked: Sequence[Tuple[Bucket, torch.Tensor]], dp_rank: int) -> Optional[str]:
     """This rank's first bucket flagged before its collective, and its first parameter whose
     gradient is non-finite now (a local NaN/Inf survives the reduction); None if none."""
     for bucket, flag in checked:
@@ -24,7 +26,7 @@ def nonfinite_detail(checked: Sequence[Tuple[object, torch.Tensor]], dp_rank: in
                 (
                     (n, tuple(p.shape))
                     for p, n in zip(bucket.params, bucket.names)
-                    if ext.has_nonfinite([p.main_grad])
+                    if ext.has_nonfinite([p.main_grad])  # type: ignore[attr-defined]
                 ),
                 ("(none non-finite after the collective)", ()),
             )

@@ -21,9 +21,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+
+from megadlms.common.collectives import Handle
+
+if TYPE_CHECKING:  # ddp_groups imports this module's users; the type is only annotated here
+    from .ddp_groups import ReduceGroup
 
 # Megatron's alignments: 64-element param starts keep every main_grad view aligned for
 # vectorised kernels; bucket ends on lcm(dp, 128) give dp equal shards and keep the
@@ -92,14 +97,14 @@ class Bucket:
     ready: set = field(default_factory=set)
     folded: bool = False  # this step's gradients are in grad_data
     launched: bool = False
-    handle: object = None  # async collective in flight (grad reduce)
-    gather_handle: object = None  # async param all-gather in flight
-    # ddp_groups.ReduceGroup set by the wrapper: dense (dp) or expert (expert_dp) reduction,
-    # its communicators and its fold scale
-    reduce_group: object = None
+    handle: Optional[Handle] = None  # async collective in flight (grad reduce)
+    gather_handle: Optional[Handle] = None  # async param all-gather in flight
+    # Set by the wrapper right after the buffers are built (never None in use): dense (dp) or
+    # expert (expert_dp) reduction, its communicators and its fold scale
+    reduce_group: ReduceGroup = None  # type: ignore[assignment]
     # megadlm_ext.TensorTable of [grad_data], set by the wrapper: the whole-bucket ops (scale,
     # NaN check) without parsing a list each step
-    grad_table: object = None
+    grad_table: Any = None
 
     def shard_range(self, dp_rank: int, dp_size: int) -> Tuple[int, int]:
         """[start, end) of this rank's shard, in bucket elements."""
@@ -150,7 +155,7 @@ class ParamAndGradBuffer:
             p = params[i]
             self.param_index_map[p] = (start, end, b)
             per_bucket[b].append(i)
-            p.main_grad = self.grad_data[start:end].view(p.shape)
+            p.main_grad = self.grad_data[start:end].view(p.shape)  # type: ignore[attr-defined]
             if self.param_data is not None:
                 view = self.param_data[start:end].view(p.shape)
                 view.copy_(p.data)

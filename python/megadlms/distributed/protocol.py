@@ -30,8 +30,10 @@ from typing import ContextManager, Dict, List, Optional, Protocol, runtime_check
 
 import torch
 
+from megadlms.common.collectives import Communicator
 from megadlms.common.enums import OptimizerLayout
 from megadlms.optimizer.source import GradientSource
+from megadlms.parallel.groups import ParallelGroups
 
 from .config import DistributedDataParallelConfig
 
@@ -49,16 +51,16 @@ class DataParallel(GradientSource, Protocol):
     ddp_config: DistributedDataParallelConfig
     optimizer_layout: OptimizerLayout
     """One of ``OPTIMIZER_LAYOUTS`` (module docstring)."""
-    comm: object
+    comm: Communicator
     """Communicator over the data-parallel group: ``world_size``, ``rank``, ``all_reduce``,
     ``all_gather`` (``comm.py``)."""
-    shard_comm: object
+    shard_comm: Communicator
     """Communicator over the ranks sharing one sharded copy of the optimizer state: rank r of
     it owns ``bucket.shard_range(r, shard_comm.world_size)`` (``"bucket_shards"``); ``comm``
     unless distributed-optimizer instances split the data-parallel group. A bucket that
     carries a ``reduce_group`` (our DDP: expert buckets over expert_dp) is sharded over
     ``bucket.reduce_group.shard_comm`` instead."""
-    parallel: object
+    parallel: Optional[ParallelGroups]
     """The run's ``ParallelGroups`` (tp, dp, mp, ... axes) when the wrapper was built over a
     tensor-/pipeline-parallel grid, else None (plain data parallelism)."""
 
@@ -110,4 +112,4 @@ class DataParallel(GradientSource, Protocol):
 
     def state_dict(self, *args, **kwargs): ...
 
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs): ...
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False): ...

@@ -79,5 +79,5 @@ class Float16Module(torch.nn.Module):
         """The wrapped module's keys (no ``module.`` prefix)."""
         return self.module.state_dict(*args, **kwargs)
 
-    def load_state_dict(self, state_dict, strict: bool = True, **kwargs):
-        return self.module.load_state_dict(state_dict, strict=strict, **kwargs)
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        return self.module.load_state_dict(state_dict, strict=strict, assign=assign)

@@ -15,7 +15,9 @@ from typing import Dict, List, Optional, Protocol, runtime_checkable
 
 import torch
 
+from megadlms.common.collectives import Communicator
 from megadlms.common.enums import OptimizerLayout
+from megadlms.parallel.groups import ParallelGroups
 
 
 @runtime_checkable
@@ -24,11 +26,12 @@ class GradientSource(Protocol):
 
     optimizer_layout: OptimizerLayout
     """Where the reduced gradients are: "replicated", "bucket_shards" or "dtensor"."""
-    comm: object
-    """Communicator over the data-parallel group ("dtensor": the ranks of the shards)."""
-    shard_comm: object
+    comm: Optional[Communicator]
+    """Communicator over the data-parallel group ("dtensor": the ranks of the shards); None
+    on one process without a wrapper."""
+    shard_comm: Optional[Communicator]
     """Communicator over the ranks sharing one sharded copy of the optimizer state."""
-    parallel: object
+    parallel: Optional[ParallelGroups]
     """The run's ``ParallelGroups`` over a tensor-/pipeline-parallel grid, else None."""
 
     def named_trainable_parameters(self) -> Dict[torch.nn.Parameter, str]:
@@ -53,8 +56,10 @@ class LocalGradients:
     parameter's own ``.grad`` ("replicated", nothing to communicate)."""
 
     optimizer_layout = OptimizerLayout.REPLICATED
-    comm = shard_comm = None  # one process: the replicated layout never communicates
-    parallel = None
+    # one process: the replicated layout never communicates
+    comm: Optional[Communicator] = None
+    shard_comm: Optional[Communicator] = None
+    parallel: Optional[ParallelGroups] = None
     grad_buckets: List = []
 
     def __init__(self, module: torch.nn.Module) -> None:
@@ -77,4 +82,6 @@ def as_gradient_source(model) -> GradientSource:
     """``model`` itself when it is a data-parallel wrapper (it implements the protocol), else
     :class:`LocalGradients` over the plain module: the one place a caller's model is told
     apart, so that the optimizer's code past it has no such branch."""
-    return model if isinstance(model, GradientSource) else LocalGradients(model)
+    if isinstance(model, GradientSource):
+        return model
+    return LocalGradients(model)
