@@ -28,7 +28,7 @@ from megadlms.optimizer import OptimizerConfig
 from megadlms.parallel.groups import check_sizes
 from megadlms.pipeline import virtual_pipeline_size
 
-from .flags_ckpt23 import ckpt_choice_problems
+from .flags.checkpoint import ckpt_choice_problems
 
 CKPT_FORMATS = tuple(m.value for m in CkptFormat)
 
@@ -311,7 +311,7 @@ class CheckpointConfig:
     """A checkpoint that fails verification: load the newest older one that passes, instead of failing."""
     async_save: bool = False
     """Write torch_dist checkpoints in the background; the next save and the exit wait for it."""
-    # Which checkpoint to load and non-persistent saves (flags_ckpt23.py; Megatron's semantics).
+    # Which checkpoint to load and non-persistent saves (flags/checkpoint.py; Megatron's semantics).
     ckpt_step: Optional[int] = None
     use_checkpoint_args: bool = False
     use_tokenizer_model_from_checkpoint_args: bool = True
