@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from megadlms.config_errors import ConfigError
+from megadlms.common.errors import ConfigError
 from megadlms.data import TokenizerConfig
 from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig

@@ -3,7 +3,7 @@
 ``megadlms.config.build_run_config`` turns the parsed flags into a
 :class:`RunConfig` once, at start-up; nothing below ``training/`` sees argparse. Each
 dataclass owns its derived defaults (``__post_init__``) and checks its own fields,
-reporting every problem at once by FIELD name (:mod:`megadlms.config_errors`); the CLI
+reporting every problem at once by FIELD name (:mod:`megadlms.common.errors`); the CLI
 maps field names back to flags. The library layers' configs are reused as they are:
 ``TransformerConfig`` (models), ``DiffusionConfig`` (diffusion), ``TokenizerConfig``
 (data), ``DistributedDataParallelConfig`` (distributed), ``OptimizerConfig`` (optimizer).
@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megadlms.common.enums import CkptFormat, NonPersistentCkptType, as_member, plain
-from megadlms.config_errors import Problems
+from megadlms.common.errors import Problems
 from megadlms.data import DEFAULT_SPLIT, TokenizerConfig, data_source_problems
 from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig
