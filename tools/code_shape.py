@@ -17,7 +17,7 @@ from collections import defaultdict
 
 # DESIGN.md's layers, bottom first; a module may import only from its own layer or below.
 LAYERS = [
-    ("config_errors",),
+    ("common",),
     ("parallel", "ops"),
     ("data",),
     ("diffusion",),

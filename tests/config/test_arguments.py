@@ -111,7 +111,7 @@ def test_seed_fsdp2_command_passes_as_written():
             "--rerun-mode",
         ):
             assert flag in reported
-        # non-persistent checkpoints act (flags_ckpt23.py): typed fields, not a "no effect" note
+        # non-persistent checkpoints act (config/flags/checkpoint.py): typed fields, not a "no effect" note
         assert (cfg.checkpoint.non_persistent_save_interval, cfg.checkpoint.non_persistent_ckpt_type) == (
             200, "global",
         ) and "--non-persistent" not in reported  # fmt: skip

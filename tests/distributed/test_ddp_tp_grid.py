@@ -420,7 +420,7 @@ def test_wrong_groups_and_instance_counts_are_clear_errors(runs):
 
 
 def test_config_checks_the_instance_count():
-    from megadlms.config_errors import ConfigError
+    from megadlms.common.errors import ConfigError
     from megadlms.distributed import DistributedDataParallelConfig
 
     with pytest.raises(ConfigError, match="num_distributed_optimizer_instances must be a positive integer"):

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megadlms.config_errors import ConfigError
+from megadlms.common.errors import ConfigError
 from megadlms.diffusion import DiffusionConfig, compute_loss
 from megadlms.models import GPTModel, TransformerConfig
 from megadlms.models.config import check_tensor_parallel

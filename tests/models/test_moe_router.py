@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from megadlms.config_errors import ConfigError
+from megadlms.common.errors import ConfigError
 from megadlms.models import GPTModel, TransformerConfig
 from megadlms.models.config import tensor_parallel_problems
 from megadlms.models.moe.router import (

@@ -138,8 +138,8 @@ def test_gradients_zeroed_once_per_step_and_checkpoint_records(tmp_path):
 
 
 def test_config_tree_owns_derived_defaults_and_reports_fields():
+    from megadlms.common.errors import ConfigError
     from megadlms.config import LRScheduleConfig, ParallelConfig, TrainingConfig
-    from megadlms.config_errors import ConfigError
 
     par = ParallelConfig(world_size=6, tensor_model_parallel_size=1, pipeline_model_parallel_size=2)
     assert par.data_parallel_size == 3

@@ -11,11 +11,7 @@ from typing import Dict
 
 import torch
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.4: no FSDP2 either
-    DTensor = ()
-
+from megadlms.common.dtensor import is_dtensor
 from megadlms.distributed.wrappers import unwrap_model
 
 from .format import join_state, tensor_paths
@@ -57,7 +53,7 @@ def _optimizer_reads(ckpt: str, skel, shapes, params, layout: ParallelLayout) ->
                 f"but parameter {path[1]}'s full shape is {full}; the model flags differ "
                 "from the checkpoint's"
             )
-        if DTensor and isinstance(p, DTensor) and tuple(p.shape) == shape:
+        if is_dtensor(p) and tuple(p.shape) == shape:
             reads[key] = (torch.empty_like(p, dtype=dtype), None)  # DCP reads into FSDP2's sharding
         elif p is not None and len(shape) > 0:
             reads[key] = (torch.empty(p.shape, dtype=dtype), p)  # p's local shape

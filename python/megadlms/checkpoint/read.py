@@ -23,10 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 try:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import distribute_tensor
 except ImportError:  # torch < 2.4: no FSDP2 either
-    DTensor, distribute_tensor = (), None
+    distribute_tensor = None
 
+from megadlms.common.dtensor import is_dtensor
 from megadlms.common.enums import CkptFormat
 from megadlms.distributed.wrappers import unwrap_model
 
@@ -85,7 +86,7 @@ def read_tensors(ckpt: str, common: dict, template: Dict[str, torch.Tensor]) -> 
         if key not in full:
             raise RuntimeError(f"{ckpt}: tensor {key!r} missing from {TORCH_FILE}")
         src = full[key]
-        if DTensor and isinstance(dst, DTensor):
+        if is_dtensor(dst):
             # This rank's shard of the full tensor, cut exactly as FSDP2 cuts it.
             src = distribute_tensor(src.to(dst.dtype), dst.device_mesh, dst.placements).to_local()
             dst = dst.to_local()

@@ -36,11 +36,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
-try:
-    from torch.distributed.tensor import DTensor
-except ImportError:  # torch < 2.4: no FSDP2 either
-    DTensor = ()
-
+from megadlms.common.dtensor import is_dtensor
 from megadlms.common.enums import CkptFormat
 from megadlms.config.run_config import CKPT_FORMATS
 from megadlms.distributed.wrappers import unwrap_model
@@ -69,7 +65,7 @@ tokenizer record (``tokenizer``); 1 had only the flags (``args``)."""
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     """Full logical tensor on CPU (a collective for DTensors: every rank must call)."""
-    if DTensor and isinstance(t, DTensor):
+    if is_dtensor(t):
         t = t.full_tensor()
     return t.detach().cpu()
 

@@ -32,6 +32,7 @@ from typing import Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 
+from megadlms.common.dtensor import is_dtensor
 from megadlms.parallel.mappings import Group, group_rank, group_size
 from megadlms.parallel.sharding import expert_shard_dim, gather_full, shard_full, shard_spec
 
@@ -136,7 +137,7 @@ def gather_for_save(
         return
     for i, (key, (group, dim, blocks)) in enumerate(list(_to_gather(tensors, params, tp_group, ep_group))):
         local = tensors[key].detach()
-        if hasattr(local, "full_tensor"):
+        if is_dtensor(local):
             # FSDP2 over TP: the DTensor is this TP rank's shard, split over dp; whole it first
             # (a collective over dp, in the same sorted key order on every rank).
             local = local.full_tensor()
@@ -189,7 +190,7 @@ def read_resharded(
 def _copy_into(dst: torch.Tensor, local: torch.Tensor) -> None:
     """``dst`` := ``local`` (this rank's TP shard); an FSDP2 DTensor ``dst`` takes its own
     piece of it, cut as FSDP2 cuts (every rank holds ``local``: no scatter)."""
-    if hasattr(dst, "to_local"):
+    if is_dtensor(dst):
         from torch.distributed.tensor import distribute_tensor
 
         local = distribute_tensor(local.to(dst.dtype), dst.device_mesh, dst.placements, src_data_rank=None)

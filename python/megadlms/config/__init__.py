@@ -10,10 +10,12 @@ The door is :func:`parse_config`; the rest of the run sees only the :class:`RunC
 ``distributed``, ``optimizer``, ``models`` and ``data`` (it reuses their configs and asks
 them for their own rules) and below ``checkpoint`` and ``training``; no lower layer imports it.
 
-Files: ``flags.py`` / ``flags_model.py`` / ``flags_moe.py`` the parser's flag groups,
-``megatron_compat.py`` the tables of accepted-but-inert and not-yet-supported flags,
-``messages.py`` field names -> flags, ``rules.py`` the rules that span configs,
-``arguments.py`` namespace -> RunConfig, ``run_config.py`` the dataclasses.
+Files: ``flags/`` the parser (``build_parser``), one module per flag group (``model``,
+``fusion``, ``diffusion``, ``parallel``, ``optimizer``, ``training``, ``data``, ``checkpoint``,
+``logging``, ``megadlms_only``, ``moe``, ``recompute``), ``megatron_compat.py`` the tables of
+accepted-but-inert and not-yet-supported flags, ``messages.py`` field names -> flags,
+``rules.py`` the rules that span configs, ``arguments.py`` namespace -> RunConfig,
+``checkpoint_args.py`` --use-checkpoint-args, ``run_config.py`` the dataclasses.
 """
 
 from .arguments import (

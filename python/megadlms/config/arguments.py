@@ -3,7 +3,7 @@
     config = parse_config(argv, world_size=...)    # RunConfig (run_config.py)
     args = parse_args(argv, world_size=...)        # the validated argparse.Namespace
 
-The parser itself is ``flags.py``; the rules that span configs are ``rules.py``. Here
+The parser itself is the ``flags`` package; the rules that span configs are ``rules.py``. Here
 :func:`build_run_config` turns the namespace into a :class:`RunConfig`: every dataclass
 checks its own fields and fills its own derived defaults, naming fields, and
 :func:`~.messages.flag_message` maps those names back to flags.
@@ -21,7 +21,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from megadlms.config_errors import ConfigError
+from megadlms.common.errors import ConfigError
 from megadlms.data import TokenizerConfig
 from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
-from megadlms.config_errors import ConfigError
+from megadlms.common.errors import ConfigError
 
 from .messages import flag_message
 

@@ -34,7 +34,7 @@ from megadlms.parallel.context_parallel import context_parallel_problems
 from megadlms.parallel.groups import check_instances
 from megadlms.pipeline import micro_batch_problems, stage_layers
 
-from .flags_logs23 import logging_flag_problems
+from .flags.logging import logging_flag_problems
 from .megatron_compat import UNSUPPORTED
 from .messages import flag_message
 from .run_config import ParallelConfig

@@ -3,7 +3,7 @@
 ``megadlms.config.build_run_config`` turns the parsed flags into a
 :class:`RunConfig` once, at start-up; nothing below ``training/`` sees argparse. Each
 dataclass owns its derived defaults (``__post_init__``) and checks its own fields,
-reporting every problem at once by FIELD name (:mod:`megadlms.config_errors`); the CLI
+reporting every problem at once by FIELD name (:mod:`megadlms.common.errors`); the CLI
 maps field names back to flags. The library layers' configs are reused as they are:
 ``TransformerConfig`` (models), ``DiffusionConfig`` (diffusion), ``TokenizerConfig``
 (data), ``DistributedDataParallelConfig`` (distributed), ``OptimizerConfig`` (optimizer).
@@ -19,7 +19,7 @@ from typing import List, Optional, Tuple
 import torch
 
 from megadlms.common.enums import CkptFormat, NonPersistentCkptType, as_member, plain
-from megadlms.config_errors import Problems
+from megadlms.common.errors import Problems
 from megadlms.data import DEFAULT_SPLIT, TokenizerConfig, data_source_problems
 from megadlms.diffusion import DiffusionConfig
 from megadlms.distributed import DistributedDataParallelConfig
@@ -28,7 +28,7 @@ from megadlms.optimizer import OptimizerConfig
 from megadlms.parallel.groups import check_sizes
 from megadlms.pipeline import virtual_pipeline_size
 
-from .flags_ckpt23 import ckpt_choice_problems
+from .flags.checkpoint import ckpt_choice_problems
 
 CKPT_FORMATS = tuple(m.value for m in CkptFormat)
 
@@ -311,7 +311,7 @@ class CheckpointConfig:
     """A checkpoint that fails verification: load the newest older one that passes, instead of failing."""
     async_save: bool = False
     """Write torch_dist checkpoints in the background; the next save and the exit wait for it."""
-    # Which checkpoint to load and non-persistent saves (flags_ckpt23.py; Megatron's semantics).
+    # Which checkpoint to load and non-persistent saves (flags/checkpoint.py; Megatron's semantics).
     ckpt_step: Optional[int] = None
     use_checkpoint_args: bool = False
     use_tokenizer_model_from_checkpoint_args: bool = True

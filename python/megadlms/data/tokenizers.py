@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Union
 
-from megadlms.config_errors import Problems
+from megadlms.common.errors import Problems
 
 SUPPORTED_TOKENIZERS = ("ByteTokenizer", "HuggingFaceTokenizer")
 

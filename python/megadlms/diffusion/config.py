@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megadlms.common.enums import Objective, PMaskMode, RunningMode
-from megadlms.config_errors import Problems
+from megadlms.common.errors import Problems
 
 MODEL_RUNNING_MODES = tuple(m.value for m in RunningMode)
 P_MASK_MODES = tuple(m.value for m in PMaskMode)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megadlms.common.enums import CommBackend, as_member
-from megadlms.config_errors import Problems
+from megadlms.common.errors import Problems
 
 
 @dataclass(kw_only=True)

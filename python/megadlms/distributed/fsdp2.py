@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import megadlm_ext as ext
+from megadlms.common.dtensor import is_dtensor, local_tensor
 from megadlms.common.enums import CommBackend, OptimizerLayout
 from megadlms.parallel.groups import ParallelGroups
 
@@ -300,10 +301,6 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     def _params_with_grad(self) -> list:
         return [p for p in self.module.parameters() if p.grad is not None]
 
-    @staticmethod
-    def _local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
-
     # ------------------------------------------------------------------ DataParallel protocol
     optimizer_layout = OptimizerLayout.DTENSOR
     grad_buckets: list = []
@@ -366,7 +363,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         """
         params = self._params_with_grad()
         # The local shards (plain tensors), so the fused ext kernels scale and scan them in place.
-        local = [self._local(p.grad) for p in params]
+        local = [local_tensor(p.grad) for p in params]
         if self._grad_post_scale != 1.0:
             ext.scale_(local, self._grad_post_scale)
         self._tp_grad_sum()
@@ -384,7 +381,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         names = [
             n
             for n, p in self.module.named_parameters()
-            if p.grad is not None and ext.has_nonfinite([self._local(p.grad)])
+            if p.grad is not None and ext.has_nonfinite([local_tensor(p.grad)])
         ]
         here = f"this rank's shards of {names}" if bad else "this rank's shards are finite"
         raise RuntimeError(
@@ -394,7 +391,7 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
 
     def scale_gradients(self, scaling_factor: float) -> None:
         """Multiply every local gradient shard by ``scaling_factor`` (in place)."""
-        local = [self._local(p.grad) for p in self._params_with_grad()]
+        local = [local_tensor(p.grad) for p in self._params_with_grad()]
         if local:
             ext.scale_(local, float(scaling_factor))
 
@@ -415,17 +412,13 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load DTensor values as they are, or full tensors (identical on every rank, e.g. from
         a ``--ckpt-format torch`` file) by keeping this rank's dim-0 shard of each."""
-        from torch.distributed.tensor import DTensor, distribute_tensor
+        from torch.distributed.tensor import distribute_tensor
 
         current = self.module.state_dict()
         converted = {}
         for key, value in state_dict.items():
             target = current.get(key)
-            if (
-                isinstance(target, DTensor)
-                and isinstance(value, torch.Tensor)
-                and not isinstance(value, DTensor)
-            ):
+            if is_dtensor(target) and isinstance(value, torch.Tensor) and not is_dtensor(value):
                 if tuple(value.shape) != tuple(target.shape):
                     raise ValueError(
                         f"load_state_dict: {key} has shape {tuple(value.shape)}, "
@@ -445,9 +438,9 @@ class TorchFullyShardedDataParallel(torch.nn.Module):
         """Bytes this rank holds for parameter shards and gradient shards (for memory reports)."""
         params = list(self.module.parameters())
         return {
-            "params": sum(self._local(p).numel() * self._local(p).element_size() for p in params),
+            "params": sum(local_tensor(p).numel() * local_tensor(p).element_size() for p in params),
             "grads": sum(
-                self._local(p.grad).numel() * self._local(p.grad).element_size()
+                local_tensor(p.grad).numel() * local_tensor(p.grad).element_size()
                 for p in params
                 if p.grad is not None
             ),

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.common.dtensor import local_tensor
 from megadlms.common.enums import CommBackend
 from megadlms.parallel.groups import ParallelGroups
 from megadlms.parallel.sharding import sharding_of
@@ -112,4 +113,4 @@ class TensorParallelGradSum:
         # Every TP peer has the same list: the same parameters got gradients (the same model on
         # every TP rank).
         grads = [p.grad for p in self.params if p.grad is not None]
-        sum_in_place(self.comm, [g.to_local() if hasattr(g, "to_local") else g for g in grads])
+        sum_in_place(self.comm, [local_tensor(g) for g in grads])

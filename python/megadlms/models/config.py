@@ -21,7 +21,7 @@ from megadlms.common.enums import (
     as_member,
     plain,
 )
-from megadlms.config_errors import Problems
+from megadlms.common.errors import Problems
 
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _POSITION_EMBEDDINGS = tuple(m.value for m in PositionEmbeddingType)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import megadlm_ext
+from megadlms.common.dtensor import local_tensor
 
 from .fusion import decline_once, fusion_applies
 
@@ -42,16 +43,10 @@ class _FusedAddRMSNorm(torch.autograd.Function):
         return grad_x, grad_x, grad_w, None
 
 
-def _local(weight: torch.Tensor) -> torch.Tensor:
-    """A DTensor weight's local tensor (differentiable; FSDP2 hands unsharded parameters to
-    forward, so it is the full [H] weight), else the weight itself."""
-    return weight.to_local() if hasattr(weight, "to_local") else weight
-
-
 def fused_add_rmsnorm(x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, eps: float):
     """The fused kernel with autograd: ``(x + h, rmsnorm(x + h) * weight)``; x, h ``[..., H]``
     and weight ``[H]`` of one dtype."""
-    return _FusedAddRMSNorm.apply(x, h, _local(weight), float(eps))
+    return _FusedAddRMSNorm.apply(x, h, local_tensor(weight), float(eps))
 
 
 def residual_add_norm(
@@ -63,7 +58,9 @@ def residual_add_norm(
     ``norm`` is an ``nn.RMSNorm`` over the last dim with a weight of the activations' dtype;
     otherwise, and always on CPU, the unfused add and the norm module, bitwise as before."""
     if fused and isinstance(norm, nn.RMSNorm) and norm.weight is not None and len(norm.normalized_shape) == 1:
-        weight = _local(norm.weight)
+        # FSDP2 hands forward an unsharded DTensor weight: its local tensor (differentiable) is the
+        # full [H] weight.
+        weight = local_tensor(norm.weight)
         if fusion_applies(True, x, h, weight):
             if x.dtype == h.dtype == weight.dtype:
                 eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps  # nn.RMSNorm's default

@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 import torch
 
-from megadlms.config_errors import Problems
+from megadlms.common.errors import Problems
 
 from .precision import to_dtype
 

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional
 import torch
 
 import megadlm_ext as ext
+from megadlms.common.dtensor import is_dtensor, local_tensor
 
 from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
@@ -160,7 +161,7 @@ def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
 
 def full_plain(t):
     """A full plain tensor from a plain tensor or a DTensor."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 class DTensorLayout:
@@ -206,13 +207,13 @@ class DTensorLayout:
         rank0 = self.comm.rank == 0
         norm, clip = [], []
         for g, counts in zip(grads, self._in_norm):
-            local = g.to_local() if hasattr(g, "to_local") else g
+            local = local_tensor(g)
             if not local.is_contiguous():
                 raise RuntimeError("FSDP2 gradient shard is not contiguous; cannot clip it in place")
             clip.append(local)
             # A Replicate placement has the same values on every rank: counted on rank 0 only, or
             # the summed square would count it dp times.
-            if counts and (not hasattr(g, "to_local") or self._is_sharded(g) or rank0):
+            if counts and (not is_dtensor(g) or self._is_sharded(g) or rank0):
                 norm.append(local)
         return norm, clip
 
@@ -232,7 +233,7 @@ class DTensorLayout:
     def local_piece(self, i: int, full) -> torch.Tensor:
         """The value to store for entry i: a DTensor laid out like the parameter."""
         p = self.entries[i].param
-        if hasattr(full, "to_local"):
+        if is_dtensor(full):
             if tuple(full.placements) == tuple(p.placements) and full.device_mesh == p.device_mesh:
                 return full
             return full.redistribute(p.device_mesh, p.placements)
@@ -358,7 +359,7 @@ class MixedPrecisionOptimizer:
         for st in self.inner.state.values():
             for v in st.values():
                 if isinstance(v, torch.Tensor) and v.dim() > 0:
-                    local = v.to_local() if hasattr(v, "to_local") else v
+                    local = local_tensor(v)
                     n += local.numel() * local.element_size()
         for e in self.layout.entries:
             if e.owns_main:
@@ -506,7 +507,7 @@ class MixedPrecisionOptimizer:
 
 
 def _copy_into(dst: torch.Tensor, src) -> None:
-    if hasattr(dst, "to_local") and hasattr(src, "to_local"):
+    if is_dtensor(dst) and is_dtensor(src):
         dst.to_local().copy_(src.to_local())
     else:
         dst.copy_(src)

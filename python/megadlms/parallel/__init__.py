@@ -2,7 +2,6 @@
 vocab-parallel cross-entropy, the model-parallel RNG tracker and the shard rule
 (docs/parallel.md)."""
 
-from megadlms.parallel.context import TensorParallelContext
 from megadlms.parallel.cross_entropy import vocab_parallel_cross_entropy
 from megadlms.parallel.groups import (
     Axis,
@@ -31,6 +30,7 @@ from megadlms.parallel.sharding import (
     shard_spec,
     sharding_of,
 )
+from megadlms.parallel.tp_context import TensorParallelContext
 
 __all__ = [
     "MODEL_PARALLEL_RNG",

@@ -30,6 +30,8 @@ from typing import Optional, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
+from megadlms.common.dtensor import is_dtensor
+
 from .mappings import Group, group_rank, group_size
 
 _ATTR = "megadlms_sharding"
@@ -104,7 +106,7 @@ def counts_once(
     sharding = sharding_of(param)
     if sharding.tied_copy or (sharding.tp_dim is None and tp_rank != 0):
         return False
-    if hasattr(param, "to_local"):
+    if is_dtensor(param):
         if dp_rank is None:
             return True
         coord = param.device_mesh.get_coordinate()

@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.common.dtensor import local_tensor
 from megadlms.diffusion import validation_nelbo
 from megadlms.distributed import unwrap_model
 from megadlms.parallel.sharding import counts_once
@@ -74,7 +75,7 @@ def params_norm(model, device: torch.device, groups=None) -> float:
     for p in unwrap_model(model).parameters():
         # the sum runs over the world, so data-parallel replicas count on their first rank only
         if counts_once(p, tp_rank=tp_rank, dp_rank=dp_rank, expert_dp_rank=expert_dp_rank):
-            local = p.to_local() if hasattr(p, "to_local") else p
+            local = local_tensor(p)
             total += local.detach().double().square().sum().to(device)
     dist.all_reduce(total)
     return math.sqrt(total.item())

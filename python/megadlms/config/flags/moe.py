@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import ast
 
-from .flags_model import add_flag
+from ._flag import add_flag
 
 
 def moe_layer_freq(value: str):

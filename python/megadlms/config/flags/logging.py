@@ -1,6 +1,7 @@
-"""Megatron's logging flags (TensorBoard, Weights & Biases, progress.txt, timers) and the
-tensor-parallel overlap switch, with Megatron's names, defaults and meanings, and the parse-time
-rules about them (worded with the flags: there is no lower layer that owns them).
+"""Logging flags: the progress line, evaluation and metrics files, then Megatron's logging flags
+(TensorBoard, Weights & Biases, progress.txt, timers) and the tensor-parallel overlap switch,
+with Megatron's names, defaults and meanings, and the parse-time rules about them
+(:func:`logging_flag_problems`, worded with the flags: there is no lower layer that owns them).
 """
 
 from __future__ import annotations
@@ -8,7 +9,33 @@ from __future__ import annotations
 import importlib.util
 from typing import List
 
-from .flags_model import add_flag
+from ._flag import add_flag
+
+
+def logging_args(p):
+    g = p.add_argument_group("logging / evaluation")
+    add_flag(g, "--log-interval", type=int, default=100, help="Print a progress line every N steps.")
+    add_flag(g, "--eval-interval", type=int, default=1000, help="Validation NELBO every N steps.")
+    add_flag(g, "--eval-iters", type=int, default=100, help="Validation batches per evaluation (0 disables).")
+    add_flag(
+        g,
+        "--tensorboard-dir",
+        default=None,
+        help="Write TensorBoard scalars here, with Megatron's tag names (needs tensorboard).",
+    )
+    add_flag(
+        g, "--log-params-norm", action="store_true", help="Log the global parameter L2 norm (params norm)."
+    )
+    add_flag(
+        g,
+        "--metrics-jsonl",
+        default=None,
+        help="Append one JSON object per logged step (iteration, consumed_samples, lm_loss, lr, grad_norm, "
+        "loss_scale, skipped, tokens_per_sec, event='train'; at eval a separate event='eval' "
+        "record with valid_nelbo and valid_ppl_bound; the end-of-training evaluations as "
+        "event='final_validation' / 'final_test').",
+    )
+
 
 # Megatron's --wandb-* flags (megatron/training/arguments.py, _add_logging_args) after --wandb-project.
 # Default None where Megatron's is '' or a fixed string: "not given" stays visible to the rules and
@@ -26,7 +53,7 @@ WANDB_FLAGS = (
 )
 
 
-def add_logs23_args(p) -> None:
+def megatron_logging_args(p) -> None:
     """The logging group's Megatron switches, the W&B flags and --tp-comm-overlap."""
     g = p.add_argument_group("logging (Megatron)")
     for flag, why in (

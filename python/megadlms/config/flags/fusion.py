@@ -9,12 +9,12 @@ for debugging (the unfused ops are the reference the kernels are tested against)
 
 from __future__ import annotations
 
-from .flags_model import add_flag
+from ._flag import add_flag
 
 _ON_CPU = " On CPU the unfused torch ops always run (a CPU run is bitwise the same either way)."
 
 
-def add_fusion_args(p):
+def fusion_args(p):
     """--no-rope-fusion / --no-bias-swiglu-fusion (Megatron's) / --no-residual-rmsnorm-fusion."""
     g = p.add_argument_group("fused kernels (GPU; on by default)")
     add_flag(

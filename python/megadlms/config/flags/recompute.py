@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
-from .flags_model import add_flag
+from ._flag import add_flag
 
 
-def add_recompute_args(p):
+def recompute_args(p):
     """--recompute-granularity / --recompute-method / --recompute-num-layers /
     --recompute-activations / --distribute-saved-activations."""
     g = p.add_argument_group("activation recomputation")
