@@ -79,8 +79,8 @@ def get_optimizer(config: OptimizerConfig, model) -> MixedPrecisionOptimizer:
             raise ValueError(problems[0])
         return MixedPrecisionOptimizer(config, DTensorLayout(names, wrapper.shard_comm, grid))
     if sharded:
-        layout = ShardedBufferLayout(wrapper, names, grid, main_in_model=master_in_state)
-        return MixedPrecisionOptimizer(config, layout, wrapper=wrapper)
+        sharded_layout = ShardedBufferLayout(wrapper, names, grid, main_in_model=master_in_state)
+        return MixedPrecisionOptimizer(config, sharded_layout, wrapper=wrapper)
     fp32_copies = (config.bf16 or config.fp16) and not master_in_state
     layout = ReplicaLayout(names, wrapper, fp32_copies=fp32_copies, grid=grid)
     return MixedPrecisionOptimizer(config, layout, wrapper=wrapper)

@@ -129,7 +129,7 @@ class ShardedBufferLayout:
                 # bf16 main grads: the buffer's shard itself (upcast per piece by the step);
                 # fp32 main grads from a 16-bit buffer (--fp16): an fp32 copy, as without it
                 g = view if self.keep_buffer_grads or view.dtype == torch.float32 else view.float()
-                e.main.decoupled_grad = g
+                e.main.decoupled_grad = g  # type: ignore[attr-defined]  # read by the precision-aware AdamW
             else:
                 # fp32 buffer: a view, no copy. bf16/fp16 buffer: an fp32 copy, since the optimizer
                 # math (unscale, clip, AdamW) runs in fp32.

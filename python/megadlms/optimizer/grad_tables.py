@@ -16,7 +16,7 @@ Like every table it assumes those tensors keep their memory (no ``.data =``, ``s
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, Dict, List
 
 import torch
 
@@ -28,11 +28,11 @@ class GradTables:
     (the clip list is usually the grads list, the norm list too when nothing is filtered)."""
 
     def __init__(self) -> None:
-        self._tables: dict = {}
+        self._tables: Dict[str, Any] = {}  # name -> megadlm_ext.TensorTable
 
     def get(self, name: str, tensors: List[torch.Tensor]):
         """A TensorTable of ``tensors``: a kept one that matches them, else a new one."""
-        own: Optional[object] = self._tables.get(name)
+        own = self._tables.get(name)
         if own is not None and own.matches(tensors):
             return own
         for table in self._tables.values():

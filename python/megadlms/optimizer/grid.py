@@ -31,13 +31,14 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.parallel.groups import ParallelGroups
 from megadlms.parallel.sharding import counts_once
 
 
 class GridReductions:
     """The grid-wide reductions of one optimizer (no-ops without a grid)."""
 
-    def __init__(self, parallel: Optional[object]) -> None:
+    def __init__(self, parallel: Optional[ParallelGroups]) -> None:
         self.tp_rank = parallel.tp.rank if parallel is not None else 0
         mp = getattr(parallel, "mp", None)
         self.mp_group = mp.group if mp is not None and mp.size > 1 else None

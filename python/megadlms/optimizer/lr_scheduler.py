@@ -125,6 +125,7 @@ class OptimizerParamScheduler:
         elif self.lr_decay_style == "cosine":
             coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
         else:  # WSD: stable until the last wsd_decay_steps, then anneal
+            assert self.wsd_decay_steps is not None  # WSD requires it (__init__)
             anneal_start = self.lr_decay_steps - self.wsd_decay_steps
             if n <= anneal_start:
                 coeff = 1.0

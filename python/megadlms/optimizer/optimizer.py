@@ -106,8 +106,7 @@ class ReplicaLayout:
             if self.decoupled_grads:
                 # main_grads_dtype fp32 with a 16-bit buffer (--fp16): fp32 copies, as without it
                 g = g if self.keep_buffer_grads or g.dtype == torch.float32 else g.float()
-                e.main.decoupled_grad = _shaped(g, e.main.shape)
-                got = e.main.decoupled_grad
+                got = e.main.decoupled_grad = _shaped(g, e.main.shape)  # type: ignore[attr-defined]
             elif e.main is e.param:
                 # Our DDP already left the reduced view in param.grad: reassign only when it is another
                 # tensor. torch.optim needs grad dtype == param dtype, hence the cast (fp32 buffer).
@@ -194,9 +193,9 @@ class DTensorLayout:
         return [(e.fqn, e.param) for e in self.entries]
 
     def collect_grads(self) -> List[torch.Tensor]:
-        with_grad = [e for e in self.entries if e.param.grad is not None]
-        self._in_norm = [self.grid.counts_in_norm(e.param) for e in with_grad]
-        return [e.param.grad for e in with_grad]
+        grads = [(e, e.param.grad) for e in self.entries if e.param.grad is not None]
+        self._in_norm = [self.grid.counts_in_norm(e.param) for e, _ in grads]
+        return [g for _, g in grads if g is not None]
 
     @staticmethod
     def _is_sharded(t) -> bool:
@@ -233,6 +232,8 @@ class DTensorLayout:
     def local_piece(self, i: int, full) -> torch.Tensor:
         """The value to store for entry i: a DTensor laid out like the parameter."""
         p = self.entries[i].param
+        if not is_dtensor(p):
+            raise TypeError(f"{self.entries[i].fqn}: the dtensor layout's parameters are DTensors")
         if is_dtensor(full):
             if tuple(full.placements) == tuple(p.placements) and full.device_mesh == p.device_mesh:
                 return full
@@ -257,7 +258,8 @@ class MixedPrecisionOptimizer:
         self.config = config
         self.layout = layout
         self.wrapper = wrapper
-        decay, no_decay = [], []
+        decay: List[int] = []
+        no_decay: List[int] = []
         for i, e in enumerate(layout.entries):
             (no_decay if no_weight_decay(e.fqn, e.param) else decay).append(i)
         fqn_groups = self._global_groups()
@@ -280,6 +282,7 @@ class MixedPrecisionOptimizer:
         layout.decoupled_grads = config.lowers_state
         layout.keep_buffer_grads = config.main_grads_dtype != torch.float32
         self.inner = inner_optimizer(config, groups)
+        self.grad_scaler: Optional[ConstantGradScaler | DynamicGradScaler] = None
         if config.fp16:
             self.grad_scaler = (
                 ConstantGradScaler(config.loss_scale)
@@ -291,8 +294,6 @@ class MixedPrecisionOptimizer:
                     hysteresis=config.hysteresis,
                 )
             )
-        else:
-            self.grad_scaler = None
         self.step_count = 0
         # TensorTables of the step's grad lists (grad_tables.py), kept across steps while the
         # layout hands over the same buffer views (layout.grads_persist)
@@ -373,7 +374,7 @@ class MixedPrecisionOptimizer:
         for i, e in enumerate(self.layout.entries):
             self.layout.reload_main_from_model(i)
             if self._master_in_state:
-                self.inner.load_value(e.main, "master_param", e.main.detach())
+                self._precision_aware().load_value(e.main, "master_param", e.main.detach())
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop main and model grads (and zero our DDP's grad buffers)."""
@@ -487,15 +488,21 @@ class MixedPrecisionOptimizer:
         # collective for the distributed optimizer.
         return v if v is not None else torch.zeros_like(main, dtype=torch.float32)
 
+    def _precision_aware(self) -> PrecisionAwareAdamW:
+        """The inner optimizer where only the precision-aware AdamW can be it (its codecs)."""
+        if not isinstance(self.inner, PrecisionAwareAdamW):
+            raise TypeError(f"expected the precision-aware AdamW, got {type(self.inner).__name__}")
+        return self.inner
+
     def _main_fp32(self, e: Entry) -> torch.Tensor:
         """The main param's fp32 values (main_params_dtype fp16: decoded from the state)."""
         if self._master_in_state:
-            return self.inner.get_fp32(e.main, "master_param").detach()
+            return self._precision_aware().get_fp32(e.main, "master_param").detach()
         return e.main.detach()
 
     def _load_precision_aware(self, i: int, e: Entry, entry_state: dict) -> None:
         """Entry ``i``'s saved moments (any stored dtype) rounded into this optimizer's dtypes."""
-        opt = self.inner
+        opt = self._precision_aware()
         for key in ("exp_avg", "exp_avg_sq"):
             opt.load_value(e.main, key, self.layout.local_piece(i, entry_state[key]))
         if self._master_in_state:

@@ -82,7 +82,10 @@ class StateCodec:
         if self.storage == torch.float32:
             return payload
         out = payload.float()
-        return out.mul_(scale) if self.scaled else out
+        if self.scaled:
+            assert scale is not None  # a scaled dtype's state always carries its scale (zeros())
+            out.mul_(scale)
+        return out
 
     def encode_(self, payload: torch.Tensor, scale: Optional[torch.Tensor], values: torch.Tensor) -> None:
         """Store fp32 ``values`` into ``payload`` (and its ``scale``), in place; a scaled
@@ -92,8 +95,9 @@ class StateCodec:
         if not self.scaled:
             payload.copy_(values)  # round to nearest even
             return
+        assert scale is not None  # a scaled dtype's state always carries its scale (zeros())
         absmax = values.abs().max() if values.numel() else values.new_zeros(())
-        scale.copy_(self.pow2_scale(float(absmax)))
+        scale.fill_(self.pow2_scale(float(absmax)))
         payload.copy_(values.div_(scale))
 
     def pow2_scale(self, absmax: float) -> float:
