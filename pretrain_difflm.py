@@ -1,6 +1,6 @@
 """Pretrain a diffusion language model: ``torchrun --nproc_per_node=N pretrain_difflm.py --flags``.
 
-Megatron-LM / MegaDLMs flags; see README.md ("Training") and docs/flags.md.
+Megatron-LM / MegaDLMs flags; see docs/training.md and docs/flags.md.
 """
 
 import os

@@ -1,5 +1,5 @@
 """Benchmark: activation bytes saved for backward per transformer layer, and step time, under
---recompute-granularity none / selective / full (CPU; numbers for README).
+--recompute-granularity none / selective / full (CPU; numbers in docs/memory.md).
 
     PYTHONPATH=python:. python benchmarks/activation_memory.py bytes --hidden 2048 --heads 16 \
         --ffn 6144 --seq 2048 --dtype bf16

@@ -5,7 +5,7 @@
 Prints module sizes per package, every function over 60 lines, modules over 500 lines,
 own-line comments per 100 code lines, and the import picture: cycles between modules
 (function-local imports included) and imports from a lower layer to a higher one, with
-the layer order of DESIGN.md (bottom first).
+the layer order of docs/architecture.md ("Layers"; bottom first).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import os
 import sys
 from collections import defaultdict
 
-# DESIGN.md's layers, bottom first; a module may import only from its own layer or below.
+# docs/architecture.md's layers, bottom first; a module may import only from its own layer or below.
 LAYERS = [
     ("common",),
     ("parallel", "ops"),

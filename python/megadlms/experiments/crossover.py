@@ -82,7 +82,7 @@ PRESETS = {
         unique_tokens=16384, epochs=32, eval_every=4, num_layers=2, hidden_size=128, num_attention_heads=4,
         seq_length=64, global_batch_size=32, heldout_rows=32, cloze_questions=48, nelbo_mc=8, cloze_mc=8,
     ),
-    # the README's plot: 17 minutes on the shared 2-core machine (the AR model overfits by epoch 40)
+    # docs/crossover.md's plot: 17 minutes on the shared 2-core machine (the AR model overfits by epoch 40)
     "default": Preset(
         unique_tokens=16384, epochs=96, eval_every=8, num_layers=4, hidden_size=128, num_attention_heads=4,
         seq_length=64, global_batch_size=32, cloze_questions=64, nelbo_mc=8, cloze_mc=8,
