@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -50,7 +50,7 @@ def start_async_save(
 ) -> PendingSave:
     """Stage ``tensors`` and write them to ``tmp`` in the background (collective over ``group``)."""
     # DCP stages (copies to CPU) before returning, so training may mutate the tensors right after.
-    written = dcp.async_save(
+    written: Any = dcp.async_save(
         tensors, storage_writer=FileSystemWriter(tmp), process_group=group, no_dist=not dist.is_initialized()
     )
     written = getattr(written, "upload_completion", written)  # AsyncSaveResponse with async stagers

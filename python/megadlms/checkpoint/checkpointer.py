@@ -114,6 +114,8 @@ class Checkpointer:
         # gloo group, and the new latest must not be written before the older one.
         self.wait()
         root = non_persistent_root(ck, ck.save) if non_persistent else ck.save
+        if root is None:
+            raise ValueError("Checkpointer.save: no directory to save to: set --save (CheckpointConfig.save)")
         written = save_checkpoint(
             root,
             iteration,

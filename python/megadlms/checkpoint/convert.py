@@ -77,5 +77,6 @@ def convert_checkpoint(config) -> str:
         # RNG states belong to the saving layout; a conversion has none to carry over.
         save_rng=False,
     )
+    assert isinstance(out, str)  # a save without async_group is written when it returns
     _log.info(f"converted {src} ({common['ckpt_format']}) -> {out} ({ck.ckpt_convert_format}); exiting")
     return out

@@ -4,7 +4,7 @@ on the next collective, and a full disk is recognised inside DCP's wrapped failu
 from __future__ import annotations
 
 import errno
-from typing import Optional
+from typing import List, Optional, Set
 
 import torch.distributed as dist
 
@@ -27,7 +27,8 @@ def agree(error: Optional[BaseException], what: str) -> None:
 
 def find_enospc(exc: BaseException) -> Optional[OSError]:
     """The ENOSPC OSError inside ``exc`` (its cause chain or DCP's per-rank failures), if any."""
-    seen, todo = set(), [exc]
+    seen: Set[int] = set()
+    todo: List[Optional[BaseException]] = [exc]
     while todo:
         e = todo.pop()
         if e is None or id(e) in seen:

@@ -61,7 +61,7 @@ def tensor_paths(skel: Any, path: Tuple = ()):
             yield path, skel["__tensor__"]
         for k, v in skel.get("__dict__", []):
             yield from tensor_paths(v, path + (k,))
-        for i, v in enumerate(skel.get("__list__", skel.get("__tuple__", []))):
+        for i, v in enumerate(skel.get("__list__") or skel.get("__tuple__") or []):
             yield from tensor_paths(v, path + (i,))
 
 

@@ -19,7 +19,7 @@ Gathered TP shards are kept by one rank of the STAGE that holds them (:func:`sta
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional, Set
+from typing import Any, Callable, Dict, List, Set
 
 import torch
 import torch.distributed as dist
@@ -69,7 +69,7 @@ def _elsewhere() -> torch.Tensor:
     """Placeholder for another stage's optimizer tensor: in the skeleton, not in the files."""
     t = torch.empty(0)
     # An empty tensor, so split_state records it in the skeleton; the flag lets drop_elsewhere find it.
-    t.megadlms_elsewhere = True
+    t.megadlms_elsewhere = True  # type: ignore[attr-defined]
     return t
 
 
@@ -85,10 +85,11 @@ def merged_optimizer_state(state: dict, pp_group) -> dict:
         "state": {fqn: sorted(v) for fqn, v in state.get("state", {}).items()},
         "param_groups": state.get("param_groups", []),
     }
-    stages: List[Optional[dict]] = [None] * pp_size(pp_group)
+    stages: List[Any] = [None] * pp_size(pp_group)  # every stage's {"state", "param_groups"}
     dist.all_gather_object(stages, mine, group=pp_group)
     me = dist.get_rank(pp_group)
-    merged_state, groups = {}, []
+    merged_state: Dict[str, Any] = {}
+    groups: List[dict] = []
     for s, desc in enumerate(stages):
         for fqn, keys in desc["state"].items():
             merged_state[fqn] = state["state"][fqn] if s == me else {k: _elsewhere() for k in keys}
@@ -104,7 +105,7 @@ def merged_optimizer_state(state: dict, pp_group) -> dict:
     return dict(state, state=merged_state, param_groups=groups)
 
 
-def drop_elsewhere(tensors: Dict[str, object]) -> None:
+def drop_elsewhere(tensors: Dict[str, torch.Tensor]) -> None:
     """Remove other stages' placeholders from the flat tensors to write (in place)."""
     for key in [k for k, v in tensors.items() if getattr(v, "megadlms_elsewhere", False)]:
         del tensors[key]
@@ -115,7 +116,7 @@ def check_stage_keys(template: Set[str], saved: Set[str], pp_group, ckpt: str) -
     stored set (collective over ``pp_group``); a mismatch names the keys."""
     union = set(template)
     if pp_size(pp_group) > 1:
-        keys: List[Optional[list]] = [None] * pp_size(pp_group)
+        keys: List[Any] = [None] * pp_size(pp_group)  # every stage's sorted keys
         dist.all_gather_object(keys, sorted(template), group=pp_group)
         union = {k for ks in keys for k in ks}
     # Unexpected is judged on the union: a key only another stage reads is not unexpected here.

@@ -22,11 +22,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-try:
-    from torch.distributed.tensor import distribute_tensor
-except ImportError:  # torch < 2.4: no FSDP2 either
-    distribute_tensor = None
-
 from megadlms.common.dtensor import is_dtensor
 from megadlms.common.enums import CkptFormat
 from megadlms.distributed.wrappers import unwrap_model
@@ -86,7 +81,9 @@ def read_tensors(ckpt: str, common: dict, template: Dict[str, torch.Tensor]) -> 
         if key not in full:
             raise RuntimeError(f"{ckpt}: tensor {key!r} missing from {TORCH_FILE}")
         src = full[key]
-        if is_dtensor(dst):
+        if is_dtensor(dst):  # (so DTensor exists: torch >= 2.4)
+            from torch.distributed.tensor import distribute_tensor
+
             # This rank's shard of the full tensor, cut exactly as FSDP2 cuts it.
             src = distribute_tensor(src.to(dst.dtype), dst.device_mesh, dst.placements).to_local()
             dst = dst.to_local()
@@ -140,7 +137,7 @@ def load_model_state(
     # Compared against what all stages need together: one stage alone holds only part of the keys.
     check_stage_keys(set(stored.values()), saved_model, layout.pp_group, ckpt)
     _check_shapes(ckpt, template, stored, params, shapes, layout)
-    reads = {}
+    reads: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
     for k, v in template.items():
         main = f"optimizer/state/{stored[k][6:]}/fp32_param"
         # A bf16/fp16 run's exact fp32 main copy beats its rounded weight for an fp32 model.

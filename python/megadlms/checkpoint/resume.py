@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Callable, Optional, Tuple, TypeVar
+from typing import Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch.distributed as dist
 
@@ -93,7 +93,7 @@ def resume_path(ck) -> Optional[str]:
             # A string, not the exception: it must pickle for broadcast_object_list.
             error = (isinstance(exc, ValueError), f"{type(exc).__name__}: {exc}")
     if dist.is_initialized() and dist.get_world_size() > 1:
-        shared = [found, error]
+        shared: List[Any] = [found, error]
         # The error travels too: every rank raises, none waits in the next collective.
         dist.broadcast_object_list(shared, src=0)
         found, error = shared

@@ -17,7 +17,8 @@ import torch
 
 def rng_state(rng_tracker=None) -> dict:
     """This process's RNG states (python, numpy, torch, cuda) and ``rng_tracker``'s streams."""
-    np_state = np.random.get_state()
+    np_state = np.random.get_state(legacy=True)
+    assert isinstance(np_state, tuple)  # the legacy MT19937 tuple (a dict only for other bit generators)
     return {
         "tracker": rng_tracker.get_states() if rng_tracker is not None else None,
         "python": list(random.getstate()[1]),

@@ -28,7 +28,7 @@ Keys: ``model/<fqn>`` and ``optimizer/state/<fqn>/<name>`` (``/`` never occurs i
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -111,7 +111,7 @@ def _to_gather(tensors: Dict[str, torch.Tensor], params, tp_group, ep_group) -> 
         p = param_of(key, params)
         spec = None if p is None else _spec(p, tp_group, ep_group)
         # Scalars such as Adam's step are identical on every rank and never gathered.
-        if spec is None or tensors[key].dim() == 0:
+        if p is None or spec is None or tensors[key].dim() == 0:
             continue
         if tuple(tensors[key].shape) != tuple(p.shape):
             raise ValueError(
@@ -164,18 +164,20 @@ def read_resharded(
     Destinations that are not TP shards are read in place in one call. TP shards are read as
     full tensors in batches of at most ``batch_bytes`` (sorted keys: every rank makes the same
     calls) and cut to this rank's shard at once; expert shards likewise over ``ep_group``."""
-    direct, sharded = {}, []
+    direct: Dict[str, torch.Tensor] = {}
+    sharded: List[Tuple[str, torch.Tensor]] = []  # (key, the parameter whose sharding it has)
     for key in sorted(reads):
         dst, like = reads[key]
         if like is not None and dst.dim() > 0 and _spec(like, tp_group, ep_group) is not None:
-            sharded.append(key)
+            sharded.append((key, like))
         else:
             direct[key] = dst
     read(direct)  # (an empty dict reads nothing; the key sets are the same on every rank)
     batch: Dict[str, torch.Tensor] = {}
     size = 0
-    for n, key in enumerate(sharded):
-        dst, like = reads[key]
+    likes = dict(sharded)
+    for n, (key, like) in enumerate(sharded):
+        dst = reads[key][0]
         batch[key] = torch.empty(sharded_full_shape(like, tp_group, ep_group), dtype=dst.dtype)
         size += batch[key].numel() * batch[key].element_size()
         # The last key always flushes, so every rank makes the same number of reads (DCP collectives).
@@ -183,7 +185,7 @@ def read_resharded(
             read(batch)
             with torch.no_grad():
                 for k, full in batch.items():
-                    _copy_into(reads[k][0], _local_from_full(full, reads[k][1], tp_group, ep_group))
+                    _copy_into(reads[k][0], _local_from_full(full, likes[k], tp_group, ep_group))
             batch, size = {}, 0
 
 

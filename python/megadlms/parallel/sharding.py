@@ -110,6 +110,7 @@ def counts_once(
         if dp_rank is None:
             return True
         coord = param.device_mesh.get_coordinate()
+        assert coord is not None  # this rank is in its parameter's mesh
         return all(c == 0 for c, pl in zip(coord, param.placements) if pl.is_replicate())
     if dp_rank is None:
         return True
