@@ -157,7 +157,7 @@ class TrainingConfig:
     global_batch_size: int = None  # type: ignore[assignment]  # None until __post_init__ derives it
     """Sequences per optimizer step; default micro_batch_size x data_parallel_size."""
     data_parallel_size: int = 1
-    train_iters: Optional[int] = None
+    train_iters: int = None  # type: ignore[assignment]  # required: __post_init__ rejects None
     seed: int = 1234
     nan_skip_limit: int = 10
     """NaN/Inf-loss steps skipped (on every rank) before the run stops."""
@@ -209,7 +209,7 @@ class LRScheduleConfig:
     lr_warmup_fraction: Optional[float] = None
     """Warmup as a fraction of lr_decay_iters (exclusive with lr_warmup_iters)."""
     lr_warmup_init: float = 0.0
-    lr_decay_iters: Optional[int] = None
+    lr_decay_iters: int = None  # type: ignore[assignment]  # None until __post_init__ (train_iters)
     """Default: train_iters."""
     lr_wsd_decay_style: str = "exponential"
     lr_wsd_decay_iters: Optional[int] = None
@@ -248,7 +248,7 @@ class DataConfig:
 
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data_path: Optional[List[str]] = None
-    split: Optional[str] = None
+    split: str = None  # type: ignore[assignment]  # None until __post_init__ (DEFAULT_SPLIT)
     """Train/valid/test split of data_path; default Megatron's "969, 30, 1"."""
     train_data_path: Optional[List[str]] = None
     valid_data_path: Optional[List[str]] = None
