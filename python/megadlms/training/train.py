@@ -32,7 +32,7 @@ from .logging_utils import MetricsLogger, param_count
 from .reporting import Reporter
 from .run_state import RunResult, SignalFlag, ThroughputWindow, TrainerCounters
 from .step import StepOut, train_step
-from .validation import evaluate
+from .validation import Evaluation, evaluate
 from .validation import to_device as _to_device
 
 _log = logging.getLogger("megadlms.training")
@@ -288,10 +288,10 @@ class Trainer:
             return
         ev = self._evaluate(self.valid_loader)
         if ev is not None:
-            self.result.evals[self.counters.iteration] = ev["nelbo"]
+            self.result.evals[self.counters.iteration] = ev.nelbo
             self.metrics.log_eval(self.counters.iteration, self.counters.consumed, ev)
 
-    def _evaluate(self, loader) -> Optional[dict]:
+    def _evaluate(self, loader) -> Optional[Evaluation]:
         eval_micro = self.config.logging.eval_iters * self.num_micro
         if loader is None or not eval_micro:
             return None
@@ -316,7 +316,7 @@ class Trainer:
             ev = self._evaluate(loader)
             if ev is None:
                 continue
-            self.result.final_evals[name] = ev["nelbo"]
+            self.result.final_evals[name] = ev.nelbo
             n = self.counters
             prefix = f"iteration {n.iteration} on {name} set"  # Megatron's final-evaluation prefix
             self.metrics.log_eval(n.iteration, n.consumed, ev, prefix=prefix, split=name)
