@@ -76,6 +76,15 @@ class RunResult:
     save_stalls: List[float] = dataclasses.field(default_factory=list)
     """Seconds the loop spent inside each save call (with --async-save: staging only)."""
 
+    @classmethod
+    def starting_at(cls, counters: TrainerCounters, wrapper: str) -> RunResult:
+        """The empty record of a run that starts from ``counters`` (0, or a restored step)."""
+        return cls(
+            iteration=counters.iteration, consumed_samples=counters.consumed, wrapper=wrapper, losses={},
+            grad_norms={}, lrs={}, nan_iterations=[], skipped_iterations=counters.skipped_total, evals={},
+            exit_reason="done", last_checkpoint=None,
+        )  # fmt: skip
+
 
 class SignalFlag:
     """Records SIGTERM (--exit-signal-handler); the loop agrees across ranks and saves."""

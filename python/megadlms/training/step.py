@@ -188,12 +188,10 @@ def train_step(
     # (a data error raised in _reduce_step: the micro-batches exist here)
     lengths = [micro_batches[0]["labels"].shape[1] if c is None else c for c in crops]
     n_global = float(counts[0].item())
+    shape = {"exit_flags": exit_reduced, "seq_length": seq_length, "times": times, "crop_lengths": lengths}
     # Both values come from all-reduces, so every rank skips the optimizer step alike.
     if nan_ranks > 0 or n_global <= 0:
-        return StepOut(
-            loss=float("nan"), grad_norm=None, success=False, nonfinite=True, exit_flags=exit_reduced,
-            seq_length=seq_length, times=times, crop_lengths=lengths,
-        )  # fmt: skip
+        return StepOut(loss=float("nan"), grad_norm=None, success=False, nonfinite=True, **shape)
     # always=False: only communication errors are renamed; an optimizer bug keeps its own traceback.
     with named_collective(
         "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
@@ -207,8 +205,5 @@ def train_step(
         grad_norm=float(grad_norm) if grad_norm is not None else None,
         success=bool(success),
         nonfinite=False,
-        exit_flags=exit_reduced,
-        seq_length=seq_length,
-        times=times,
-        crop_lengths=lengths,
+        **shape,
     )

@@ -119,17 +119,11 @@ class Trainer:
             layout=f"{self.groups.describe()}, {param_count(self.params_per_rank)} params/rank",
             device=self.device,
         )  # fmt: skip
-        # after the restore: it starts from the restored counters
-        self.reporter = Reporter(
+        self.reporter = Reporter(  # after the restore: it starts from the restored counters
             config, self.counters, metrics=self.metrics, optimizer=self.optimizer, model=self.model,
             device=self.device, grad_groups=self.grad_groups, world=self.world, rank=self.rank,
         )  # fmt: skip
-        n = self.counters
-        self.result = RunResult(
-            iteration=n.iteration, consumed_samples=n.consumed, wrapper=type(self.model).__name__,
-            losses={}, grad_norms={}, lrs={}, nan_iterations=[], skipped_iterations=n.skipped_total,
-            evals={}, exit_reason="done", last_checkpoint=None,
-        )  # fmt: skip
+        self.result = RunResult.starting_at(self.counters, type(self.model).__name__)
         self._log_start()
 
     def _build_data(self, tokenizer) -> None:
