@@ -102,8 +102,9 @@ def test_progress_line_fields_and_order():
 
 def test_validation_line_dlm_and_ar():
     from megadlms.training.logging_utils import validation_line
+    from megadlms.training.validation import Evaluation
 
-    res = {"nelbo": 25.0, "ppl_bound": math.exp(25.0), "num_tokens": 248.0}
+    res = Evaluation(nelbo=25.0, ppl_bound=math.exp(25.0), num_tokens=248.0)
     dlm = validation_line("iteration 4", res, diffusion=True)
     ar = validation_line("iteration 4 on test set", res, diffusion=False)
     for line, prefix in ((dlm, "iteration 4"), (ar, "iteration 4 on test set")):

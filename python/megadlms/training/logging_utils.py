@@ -22,12 +22,15 @@ import os
 import resource
 import sys
 from datetime import datetime
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
 
 from .wandb_writer import WandbWriter
+
+if TYPE_CHECKING:
+    from .validation import Evaluation
 
 _log = logging.getLogger("megadlms")
 
@@ -124,14 +127,14 @@ def progress_line(m: dict, train_iters: int, *, layout: str = "", now: Optional[
     return s + "".join(f" {e} |" for e in extra[:-1]) + f" {extra[-1]}"
 
 
-def validation_line(prefix: str, result: dict, *, diffusion: bool) -> str:
+def validation_line(prefix: str, result: Evaluation, *, diffusion: bool) -> str:
     """Megatron's `` validation loss at <prefix> | lm loss value: ... | lm loss PPL: ... | ``
     (PPL clamped at exp(20) as Megatron's); a DLM's unclamped bound and the token count follow."""
-    loss = result["nelbo"]
+    loss = result.nelbo
     s = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {megatron_ppl(loss):.6E} | "
     if diffusion:  # for a DLM the loss is the NELBO per token: exp of it bounds the perplexity
-        s += f"NELBO PPL bound: {result['ppl_bound']:.6E} | "
-    return s + f"tokens: {result['num_tokens']:.0f} |"
+        s += f"NELBO PPL bound: {result.ppl_bound:.6E} | "
+    return s + f"tokens: {result.num_tokens:.0f} |"
 
 
 def megatron_ppl(loss: float) -> float:
@@ -233,7 +236,7 @@ class MetricsLogger:
         )
 
     def log_eval(
-        self, iteration: int, consumed_samples: int, result: dict, *, prefix=None, split="validation"
+        self, iteration: int, consumed_samples: int, result: Evaluation, *, prefix=None, split="validation"
     ):
         """Megatron's validation line (between dashed lines) and its scalars: ``lm loss
         validation`` (and ``... ppl`` with --log-validation-ppl-to-tensorboard; the test set's as
@@ -248,17 +251,17 @@ class MetricsLogger:
                     "event": "eval" if prefix is None else f"final_{split}",
                     "iteration": iteration,
                     "consumed_samples": consumed_samples,
-                    "valid_nelbo": result["nelbo"],
-                    "valid_ppl_bound": result["ppl_bound"],
-                    "valid_tokens": result["num_tokens"],
+                    "valid_nelbo": result.nelbo,
+                    "valid_ppl_bound": result.ppl_bound,
+                    "valid_tokens": result.num_tokens,
                 }
             )
         tag = f"lm loss {split}"
-        values = {tag: result["nelbo"]}
+        values = {tag: result.nelbo}
         if self.validation_ppl:
-            values[f"{tag} ppl"] = megatron_ppl(result["nelbo"])
+            values[f"{tag} ppl"] = megatron_ppl(result.nelbo)
         if self.diffusion:
-            values[f"{split}/ppl_bound"] = result["ppl_bound"]
+            values[f"{split}/ppl_bound"] = result.ppl_bound
         self.scalars(values, iteration, consumed_samples, vs_samples=(tag, f"{tag} ppl"))
 
     def close(self) -> None:

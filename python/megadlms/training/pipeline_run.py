@@ -20,7 +20,7 @@ agree without being sent. Only the last stage computes a loss; the caller's loss
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, NamedTuple
 
 import torch
 
@@ -111,6 +111,15 @@ def _cp_shard(inputs: ObjectiveBatch, cp, causal: bool, multiple: int) -> Object
     return dataclasses.replace(inputs, tokens=tokens, position_ids=pos, document_ids=None, targets=out)
 
 
+class ValidationSums(NamedTuple):
+    """A forward-only pipeline's validation sums (:meth:`PipelineRunner.validation_sums`)."""
+
+    loss_sum: float
+    """Non-zero only on the last stage."""
+    num_tokens: float
+    """Loss tokens, the same on every stage."""
+
+
 class PipelineRunner:
     """The step's schedule over this rank's model chunks, its forward step, and what
     ``finalize_model_grads`` sums across stages (the tied embedding).
@@ -180,10 +189,9 @@ class PipelineRunner:
         return total
 
     @torch.no_grad()
-    def validation_sums(self, batches: List[dict], cfg, *, num_mc_samples: int, seed: int):
-        """(loss sum, loss tokens) of ``validation_nelbo`` over ``batches`` with a forward-only
-        pipeline: one pipeline micro-batch per (batch, Monte Carlo draw). The loss sum is
-        non-zero only on the last stage; the token count is the same on every stage."""
+    def validation_sums(self, batches: List[dict], cfg, *, num_mc_samples: int, seed: int) -> ValidationSums:
+        """The sums of ``validation_nelbo`` over ``batches`` with a forward-only pipeline: one
+        pipeline micro-batch per (batch, Monte Carlo draw)."""
         k = validation_draws(cfg, num_mc_samples)
         cfg = dataclasses.replace(cfg, seed=seed) if seed != cfg.seed else cfg
         # One pipeline micro-batch per (batch, draw): the K draws flow through the stages like more batches.
@@ -208,4 +216,4 @@ class PipelineRunner:
         tokens = 0.0
         for b in batches if self.cp is None or self.cp.rank == 0 else ():
             tokens += float(loss_token_count(b, None, cfg).double())
-        return float(sum(float(x) for x in losses)), tokens
+        return ValidationSums(loss_sum=float(sum(float(x) for x in losses)), num_tokens=tokens)

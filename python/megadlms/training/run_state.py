@@ -1,10 +1,56 @@
-"""What a run reports (:class:`RunResult`) and how it notices SIGTERM (:class:`SignalFlag`)."""
+"""The loop's state as data: its counters (:class:`TrainerCounters`), the throughput window
+of the progress line (:class:`ThroughputWindow`), what a run reports (:class:`RunResult`) and
+how it notices SIGTERM (:class:`SignalFlag`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import signal
 from typing import Dict, List, Optional
+
+
+@dataclasses.dataclass
+class TrainerCounters:
+    """The loop's counters: the trainer advances them, a checkpoint saves them, the reporter
+    reads them."""
+
+    iteration: int = 0
+    """Optimizer steps done, skipped ones included."""
+    consumed: int = 0
+    """Samples read (a skipped step's too: a resume must not read them again)."""
+    nan_total: int = 0
+    """Steps skipped on every rank for a NaN/Inf loss."""
+    skipped_total: int = 0
+    """Steps the optimizer skipped (fp16 overflow)."""
+
+
+@dataclasses.dataclass
+class ThroughputWindow:
+    """Sums over the steps since the last progress line, whose means and rates it reports."""
+
+    time: float = 0.0
+    """Seconds of the steps (data, step, accounting)."""
+    iters: int = 0
+    loss: float = 0.0
+    """Sum of the finite steps' losses (a NaN step would poison the mean)."""
+    n_loss: int = 0
+    tokens: int = 0
+    flops: float = 0.0
+
+    def add(self, seconds: float, tokens: int, flops: float, loss: Optional[float]) -> None:
+        """One step; ``loss`` None for a step whose loss was NaN/Inf."""
+        self.time += seconds
+        self.iters += 1
+        self.tokens += tokens
+        self.flops += flops
+        if loss is not None:
+            self.loss += loss
+            self.n_loss += 1
+
+    def reset(self) -> None:
+        """Start the next window (the progress line reported this one)."""
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, f.default)
 
 
 @dataclasses.dataclass
@@ -29,6 +75,15 @@ class RunResult:
     """'validation' / 'test' -> NELBO of the evaluation after the last step (Megatron's)."""
     save_stalls: List[float] = dataclasses.field(default_factory=list)
     """Seconds the loop spent inside each save call (with --async-save: staging only)."""
+
+    @classmethod
+    def starting_at(cls, counters: TrainerCounters, wrapper: str) -> RunResult:
+        """The empty record of a run that starts from ``counters`` (0, or a restored step)."""
+        return cls(
+            iteration=counters.iteration, consumed_samples=counters.consumed, wrapper=wrapper, losses={},
+            grad_norms={}, lrs={}, nan_iterations=[], skipped_iterations=counters.skipped_total, evals={},
+            exit_reason="done", last_checkpoint=None,
+        )  # fmt: skip
 
 
 class SignalFlag:

@@ -188,9 +188,10 @@ def train_step(
     # (a data error raised in _reduce_step: the micro-batches exist here)
     lengths = [micro_batches[0]["labels"].shape[1] if c is None else c for c in crops]
     n_global = float(counts[0].item())
+    shape = {"exit_flags": exit_reduced, "seq_length": seq_length, "times": times, "crop_lengths": lengths}
     # Both values come from all-reduces, so every rank skips the optimizer step alike.
     if nan_ranks > 0 or n_global <= 0:
-        return StepOut(float("nan"), None, False, True, exit_reduced, seq_length, times, lengths)
+        return StepOut(loss=float("nan"), grad_norm=None, success=False, nonfinite=True, **shape)
     # always=False: only communication errors are renamed; an optimizer bug keeps its own traceback.
     with named_collective(
         "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
@@ -200,12 +201,9 @@ def train_step(
         times["optimizer"] = time.perf_counter() - t0
     return StepOut(
         # The global per-token loss: the sum over all ranks' loss tokens divided once by their global count.
-        loss_total / n_global,
-        float(grad_norm) if grad_norm is not None else None,
-        bool(success),
-        False,
-        exit_reduced,
-        seq_length,
-        times,
-        lengths,
+        loss=loss_total / n_global,
+        grad_norm=float(grad_norm) if grad_norm is not None else None,
+        success=bool(success),
+        nonfinite=False,
+        **shape,
     )

@@ -30,9 +30,9 @@ from megadlms.parallel.sharding import counts_once
 from . import builders, pipeline_run
 from .logging_utils import MetricsLogger, param_count
 from .reporting import Reporter
-from .run_state import RunResult, SignalFlag
+from .run_state import RunResult, SignalFlag, ThroughputWindow, TrainerCounters
 from .step import StepOut, train_step
-from .validation import evaluate
+from .validation import Evaluation, evaluate
 from .validation import to_device as _to_device
 
 _log = logging.getLogger("megadlms.training")
@@ -106,7 +106,7 @@ class Trainer:
         # The optimizer after the wrapper: it must hold the wrapped (under FSDP2, sharded) parameters.
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
-        self.iteration = self.consumed = self.nan_total = self.skipped_total = 0
+        self.counters = TrainerCounters()  # the loop's state: the checkpoint's and the reporter's
         # Restore once model, optimizer and scheduler all exist: one load fills them all.
         self.ckpt = self._restore()
 
@@ -119,11 +119,11 @@ class Trainer:
             layout=f"{self.groups.describe()}, {param_count(self.params_per_rank)} params/rank",
             device=self.device,
         )  # fmt: skip
-        self.reporter = Reporter(self)  # after the restore: it starts from the restored counters
-        self.result = RunResult(
-            self.iteration, self.consumed, type(self.model).__name__, {}, {}, {}, [], self.skipped_total, {},
-            "done", None,
+        self.reporter = Reporter(  # after the restore: it starts from the restored counters
+            config, self.counters, metrics=self.metrics, optimizer=self.optimizer, model=self.model,
+            device=self.device, grad_groups=self.grad_groups, world=self.world, rank=self.rank,
         )  # fmt: skip
+        self.result = RunResult.starting_at(self.counters, type(self.model).__name__)
         self._log_start()
 
     def _build_data(self, tokenizer) -> None:
@@ -157,7 +157,7 @@ class Trainer:
             seed=t.seed,
         )
         self.train_loader = loader(
-            train_ds, consumed_samples=self.consumed, num_workers=config.data.num_workers
+            train_ds, consumed_samples=self.counters.consumed, num_workers=config.data.num_workers
         )
         # Evaluation loaders always start at sample 0: every evaluation reads the same batches, so the numbers
         # compare.
@@ -182,9 +182,9 @@ class Trainer:
                     f"({common.get('parallel', {})}), this run has {self.world} = {self.groups.describe()} "
                     "(the diffusion noise does not depend on them)"
                 )
-            self.iteration, self.consumed = state.iteration, state.consumed_samples
-            self.nan_total = int(state.extra.get("nan_iterations", 0))
-            self.skipped_total = int(state.extra.get("skipped_iterations", 0))
+            self.counters.iteration, self.counters.consumed = state.iteration, state.consumed_samples
+            self.counters.nan_total = int(state.extra.get("nan_iterations", 0))
+            self.counters.skipped_total = int(state.extra.get("skipped_iterations", 0))
         _log.info(
             f"loaded {path} (iteration {state.iteration}, saved by {common.get('wrapper')} on "
             f"{common.get('world_size')} ranks)" + (" as the --finetune start" if ck.finetune else "")
@@ -203,7 +203,8 @@ class Trainer:
             f"seq {m.seq_length} | {c.precision}"
         )
         _log.info(
-            f"training iterations {self.iteration + 1}..{c.training.train_iters} | lr {c.optimizer.lr:g} "
+            f"training iterations {self.counters.iteration + 1}..{c.training.train_iters} | "
+            f"lr {c.optimizer.lr:g} "
             f"({self.scheduler.lr_decay_style}, warmup "
             f"{self.scheduler.lr_warmup_steps // self.gbs} it)"
         )
@@ -212,26 +213,26 @@ class Trainer:
         """Checkpoint the current iteration (with --async-save: after the previous background
         save has finished, and in the background; :meth:`wait_for_save` waits for it);
         ``non_persistent``: Megatron's non-persistent checkpoint (only the newest is kept)."""
-        c = self.config
+        c, n = self.config, self.counters
         self.wait_for_save()
         t0 = time.perf_counter()
         written = self.checkpointer.save(
-            self.iteration,
+            n.iteration,
             self.model,
             self.optimizer,
             self.scheduler,
-            consumed_samples=self.consumed,
-            extra={"nan_iterations": self.nan_total, "skipped_iterations": self.skipped_total},
+            consumed_samples=n.consumed,
+            extra={"nan_iterations": n.nan_total, "skipped_iterations": n.skipped_total},
             records=RunRecords(c.to_dict(), c.model.to_dict(), c.data.tokenizer.to_dict()),
             non_persistent=non_persistent,
         )
         self.result.save_stalls.append(time.perf_counter() - t0)
-        self.reporter.saved(self.iteration, in_background=written is None)
+        self.reporter.saved(n, in_background=written is None)
         if written is not None:
             self.result.last_checkpoint = written
             _log.info(f"saved checkpoint {written}")
         else:
-            _log.info(f"saving checkpoint iteration {self.iteration} in the background")
+            _log.info(f"saving checkpoint iteration {n.iteration} in the background")
 
     def wait_for_save(self) -> None:
         """Block until the background save in flight (if any) is complete and in place."""
@@ -242,24 +243,24 @@ class Trainer:
 
     def _account(self, out: StepOut, lr: float) -> None:
         """Counters after a step: schedule, NaN/skip counts, the result record."""
-        it, limit = self.iteration, self.config.training.nan_skip_limit
+        n, limit = self.counters, self.config.training.nan_skip_limit
+        it = n.iteration
         if out.nonfinite:
-            self.nan_total += 1
+            n.nan_total += 1
             self.result.nan_iterations.append(it)
             _log.warning(
-                f"iteration {it}: NaN/Inf loss on some rank; step skipped everywhere "
-                f"({self.nan_total} so far)"
+                f"iteration {it}: NaN/Inf loss on some rank; step skipped everywhere ({n.nan_total} so far)"
             )
-            if self.nan_total > limit:
+            if n.nan_total > limit:
                 raise RuntimeError(
-                    f"loss was NaN/Inf on {self.nan_total} iterations, more than --nan-skip-limit {limit}: "
+                    f"loss was NaN/Inf on {n.nan_total} iterations, more than --nan-skip-limit {limit}: "
                     "stopping (lower --lr, check the data, or raise --nan-skip-limit)"
                 )
         elif out.success:
             # The schedule counts samples; a step the optimizer skipped (fp16 overflow) does not advance it.
             self.scheduler.step(self.gbs)
         else:
-            self.skipped_total += 1
+            n.skipped_total += 1
         self.result.losses[it], self.result.lrs[it] = out.loss, lr
         if out.grad_norm is not None:
             self.result.grad_norms[it] = out.grad_norm
@@ -271,20 +272,20 @@ class Trainer:
         if out.exit_flags[1] > 0:
             return "exit_duration"
         interval = self.config.training.exit_interval
-        if interval and self.iteration % interval == 0:
+        if interval and self.counters.iteration % interval == 0:
             return "exit_interval"
         return None
 
     def _maybe_evaluate(self) -> None:
         log = self.config.logging
-        if not log.eval_interval or self.iteration % log.eval_interval:
+        if not log.eval_interval or self.counters.iteration % log.eval_interval:
             return
         ev = self._evaluate(self.valid_loader)
         if ev is not None:
-            self.result.evals[self.iteration] = ev["nelbo"]
-            self.metrics.log_eval(self.iteration, self.consumed, ev)
+            self.result.evals[self.counters.iteration] = ev.nelbo
+            self.metrics.log_eval(self.counters.iteration, self.counters.consumed, ev)
 
-    def _evaluate(self, loader) -> Optional[dict]:
+    def _evaluate(self, loader) -> Optional[Evaluation]:
         eval_micro = self.config.logging.eval_iters * self.num_micro
         if loader is None or not eval_micro:
             return None
@@ -309,11 +310,12 @@ class Trainer:
             ev = self._evaluate(loader)
             if ev is None:
                 continue
-            self.result.final_evals[name] = ev["nelbo"]
-            prefix = f"iteration {self.iteration} on {name} set"  # Megatron's final-evaluation prefix
-            self.metrics.log_eval(self.iteration, self.consumed, ev, prefix=prefix, split=name)
+            self.result.final_evals[name] = ev.nelbo
+            n = self.counters
+            prefix = f"iteration {n.iteration} on {name} set"  # Megatron's final-evaluation prefix
+            self.metrics.log_eval(n.iteration, n.consumed, ev, prefix=prefix, split=name)
 
-    def _step(self, data_iter, window: dict, exit_flags) -> StepOut:
+    def _step(self, data_iter, window: ThroughputWindow, exit_flags) -> StepOut:
         """One optimizer step with its accounting and throughput window."""
         t0 = time.perf_counter()
         micro, data_error = None, None
@@ -327,29 +329,25 @@ class Trainer:
         # Read before the step: the logged lr is the one this step used, the scheduler advances after it.
         lr = self.optimizer.param_groups[0]["lr"]
         out = train_step(
-            self.model, self.optimizer, micro, self.config.diffusion, self.iteration,
+            self.model, self.optimizer, micro, self.config.diffusion, self.counters.iteration,
             device=self.device, exit_flags=exit_flags,
             bidirectional=self.config.model.attention != AttnMaskType.CAUSAL, data_error=data_error,
             loss_owner=self.loss_owner, runner=self.runner,
             count_owner=self.loss_owner and self.groups.cp.rank == 0,
         )  # fmt: skip
-        self.iteration += 1
+        self.counters.iteration += 1
         # Also for a skipped step: its samples were read, and a resume must not read them again.
-        self.consumed += self.gbs
+        self.counters.consumed += self.gbs
         self._account(out, lr)
-        window["time"] += time.perf_counter() - t0
-        window["iters"] += 1
-        window["tokens"] += self.gbs * out.seq_length
+        seconds = time.perf_counter() - t0
         causal = self.config.model.attention == AttnMaskType.CAUSAL
-        window["flops"] += num_floating_point_operations(
-            self.config.model, self.gbs, out.seq_length, causal=causal
-        )
+        # Once per step: the window's throughput and the reporter's running total (--log-progress) share it.
+        flops = num_floating_point_operations(self.config.model, self.gbs, out.seq_length, causal=causal)
         # A NaN step would poison the window's mean loss; nan_total counts it instead.
-        if not out.nonfinite:
-            window["loss"] += out.loss
-            window["n_loss"] += 1
-        if self.reporter.after_step(out, lr, window):  # scalars; True: the progress line was written
-            window.update(_new_window())
+        loss = None if out.nonfinite else out.loss
+        window.add(seconds, self.gbs * out.seq_length, flops, loss)
+        if self.reporter.after_step(out, lr, flops, self.counters, window):  # True: a progress line
+            window.reset()
         return out
 
     def train(self) -> RunResult:
@@ -365,31 +363,31 @@ class Trainer:
             over_time = minutes is not None and (time.perf_counter() - start) / 60 > minutes
             return [float(signal_flag.received), float(over_time)]
 
-        window = _new_window()
+        window = ThroughputWindow()
         # A resumed run already has a checkpoint of its start iteration: do not write it again at the end.
-        last_saved = self.iteration if self.ckpt is not None else None
+        last_saved = self.counters.iteration if self.ckpt is not None else None
         data_iter = iter(self.train_loader)
         self.model.train()
         try:
-            while self.iteration < t.train_iters:
+            while self.counters.iteration < t.train_iters:
                 # --detect-anomaly: names the forward op whose backward made a NaN (slow)
                 with torch.autograd.detect_anomaly() if t.detect_anomaly else contextlib.nullcontext():
                     out = self._step(data_iter, window, exit_flags)
                 self._maybe_evaluate()
                 stop = self._stop_reason(out)
-                due = self.checkpointer.due(self.iteration)  # persistent, non-persistent or None
+                due = self.checkpointer.due(self.counters.iteration)  # persistent, non-persistent or None
                 # Any stop saves first (when saving is on): an exit request must not lose the steps since the
                 # last save.
                 if ck.save and (stop is not None or due is not None):
                     persistent = stop is not None or due == "persistent"
                     self.save(non_persistent=not persistent)
                     if persistent:  # a non-persistent save does not replace the final persistent one
-                        last_saved = self.iteration
+                        last_saved = self.counters.iteration
                 if stop is not None:
-                    _log.info(f"exiting at iteration {self.iteration} ({stop})")
+                    _log.info(f"exiting at iteration {self.counters.iteration} ({stop})")
                     self.result.exit_reason = stop
                     break
-            if ck.save and last_saved != self.iteration:
+            if ck.save and last_saved != self.counters.iteration:
                 self.save()
             # Final evaluation only after a full run: a signal or time-limit exit must leave quickly.
             if self.result.exit_reason == "done":
@@ -398,8 +396,9 @@ class Trainer:
         finally:
             signal_flag.restore()
             self.metrics.close()
-        self.result.iteration, self.result.consumed_samples = self.iteration, self.consumed
-        self.result.skipped_iterations = self.skipped_total
+        n = self.counters
+        self.result.iteration, self.result.consumed_samples = n.iteration, n.consumed
+        self.result.skipped_iterations = n.skipped_total
         return self.result
 
 
@@ -422,10 +421,6 @@ def _logical_params(parts, groups, device) -> int:
         dist.all_reduce(t)
         total = int(t.item())
     return total
-
-
-def _new_window() -> dict:
-    return {"time": 0.0, "iters": 0, "loss": 0.0, "n_loss": 0, "tokens": 0, "flops": 0.0}
 
 
 def pretrain(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from itertools import islice
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -13,6 +13,17 @@ from megadlms.common.dtensor import local_tensor
 from megadlms.diffusion import validation_nelbo
 from megadlms.distributed import unwrap_model
 from megadlms.parallel.sharding import counts_once
+
+
+class Evaluation(NamedTuple):
+    """One evaluation's result (:func:`evaluate`), combined over the ranks."""
+
+    nelbo: float
+    """Loss per token: the diffusion NELBO (the next-token loss in vanilla mode)."""
+    ppl_bound: float
+    """exp(nelbo): for a DLM an upper bound on the perplexity."""
+    num_tokens: float
+    """Loss tokens over every rank."""
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -33,7 +44,7 @@ def evaluate(
     packing: Optional[Callable[[dict], dict]] = None,
     loss_owner: bool = True,
     pipeline=None,
-) -> dict:
+) -> Evaluation:
     """Validation NELBO over the first ``num_micro_batches`` of ``loader`` on every rank,
     combined over ranks (the same samples every time, so evaluations are comparable).
     ``packing``: adds the document-packing fields to each batch. ``loss_owner`` False: a
@@ -44,18 +55,17 @@ def evaluate(
     if packing is not None:
         batches = (packing(b) for b in batches)
     if pipeline is not None:
-        loss_sum, n = pipeline.validation_sums(
-            list(batches), diff_cfg, num_mc_samples=num_mc_samples, seed=seed
-        )
-        res = {"loss_sum": loss_sum, "num_tokens": n}
+        sums = pipeline.validation_sums(list(batches), diff_cfg, num_mc_samples=num_mc_samples, seed=seed)
+        loss_sum, n = sums.loss_sum, sums.num_tokens
     else:
         res = validation_nelbo(model, batches, diff_cfg, num_mc_samples=num_mc_samples, seed=seed)
-    t = torch.tensor([float(res["loss_sum"]), float(res["num_tokens"])], dtype=torch.float64, device=device)
+        loss_sum, n = res["loss_sum"], res["num_tokens"]
+    t = torch.tensor([float(loss_sum), float(n)], dtype=torch.float64, device=device)
     # Non-owners still join (the all-reduce is collective) but add zeros: the shared TP loss counts once.
     dist.all_reduce(t if loss_owner else t.zero_())
     loss_sum, n = t.tolist()
     nelbo = loss_sum / max(n, 1.0)
-    return {"nelbo": nelbo, "ppl_bound": math.exp(min(nelbo, 700.0)), "num_tokens": n}
+    return Evaluation(nelbo=nelbo, ppl_bound=math.exp(min(nelbo, 700.0)), num_tokens=n)
 
 
 def params_norm(model, device: torch.device, groups=None) -> float:
