@@ -7,7 +7,8 @@
 #   make cuda-check  compile every CUDA source with nvcc (no GPU needed)
 #   make glue-check  syntax-check the torch-facing CUDA glue and bindings as a CUDA build
 #                    compiles them (C++17, MEGADLM_WITH_CUDA; stubs in tools/cuda_stubs)
-#   make lint      ruff (lint + format check) and clang-format (check) — what CI runs
+#   make lint      ruff (lint + format check), mypy over python/megadlms, clang-format (check)
+#                  — what CI runs
 #   make gpu-check   on a GPU machine, offline: build with CUDA, figures table, GPU tests,
 #                    memcheck under an 8-minute budget (tools/gpu_check.sh; installs nothing
 #                    from an index; GPU_CHECK_ARGS="--dry-run" or "--budget 6")
@@ -60,6 +61,7 @@ bench: install
 
 RUFF_SPEC ?= ruff==0.17.6
 CLANG_FORMAT_SPEC ?= clang-format==19.1.7
+MYPY_SPEC ?= mypy==2.4.1
 CSRC := $(shell find csrc tests/ext -type f \( -name '*.cpp' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null)
 
 lint: $(PY)
@@ -67,6 +69,8 @@ lint: $(PY)
 	@$(dir $(PY))clang-format --version >/dev/null 2>&1 || $(PY) -m pip install -q "$(CLANG_FORMAT_SPEC)"
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
+	@$(PY) -m mypy --version 2>/dev/null | grep -q "$(subst mypy==,,$(MYPY_SPEC))" || $(PY) -m pip install -q "$(MYPY_SPEC)"
+	$(PY) -m mypy   # settings in pyproject.toml ([tool.mypy]: python/megadlms)
 	$(dir $(PY))clang-format --dry-run -Werror $(CSRC)
 
 format: $(PY)

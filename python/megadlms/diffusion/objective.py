@@ -41,7 +41,9 @@ class ObjectiveBatch:
     scorer: Callable[..., LossSums]
     targets: Dict[str, Optional[torch.Tensor]]
 
-    def forward(self, model: torch.nn.Module, hidden_states: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, model: Callable[..., torch.Tensor], hidden_states: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
         """``model``'s output on these inputs (``hidden_states``: a later pipeline chunk's input;
         the token ids still give it the batch shape)."""
         kw = {} if self.document_ids is None else {"document_ids": self.document_ids}

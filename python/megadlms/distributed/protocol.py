@@ -26,7 +26,7 @@ every skip decision on all ranks of the grid.
 
 from __future__ import annotations
 
-from typing import ContextManager, Dict, List, Optional, Protocol, runtime_checkable
+from typing import Any, ContextManager, Dict, Iterator, List, Optional, Protocol, runtime_checkable
 
 import torch
 
@@ -70,6 +70,17 @@ class DataParallel(GradientSource, Protocol):
         one model, a pipeline rank's chunk wrappers for ``ModelChunks``."""
 
     def forward(self, *args, **kwargs): ...
+
+    # The torch.nn.Module surface the step and the schedules use (every wrapper is a Module).
+    training: bool
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+    def train(self, mode: bool = True) -> Any: ...
+
+    def eval(self) -> Any: ...
+
+    def parameters(self, recurse: bool = True) -> Iterator[torch.nn.Parameter]: ...
 
     def no_sync(self) -> ContextManager:
         """Accumulate gradients locally; the next synced backward reduces the sum."""

@@ -29,13 +29,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from .p2p import PipelineP2P
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], object]
+
+
+class ModelChunk(Protocol):
+    """What a schedule asks of a model chunk (a plain module or a data-parallel wrapper)."""
+
+    def parameters(self) -> Iterator[torch.nn.Parameter]: ...
+
+
 NoSync = Callable[[int], ContextManager]  # chunk index -> context without gradient sync
 
 
@@ -94,7 +102,9 @@ class _Pipeline:
     """One step's state on this rank: the activations and grads waiting for their backward,
     keyed by (chunk, micro-batch); received tensors are queued per chunk in micro-batch order."""
 
-    def __init__(self, chunks, num_micro, forward_step, p2p, backward_loss, forward_only, timeline, no_sync):
+    def __init__(
+        self, chunks, num_micro, forward_step, p2p, backward_loss, forward_only, timeline, no_sync
+    ) -> None:
         self.chunks, self.m, self.forward_step, self.p2p = chunks, num_micro, forward_step, p2p
         self.no_sync: Optional[NoSync] = no_sync
         self.backward_loss, self.forward_only, self.timeline = backward_loss, forward_only, timeline
@@ -310,7 +320,7 @@ def _interleaved(s: _Pipeline) -> None:
 
 
 def forward_backward_pipelining(
-    chunks: Sequence[torch.nn.Module],
+    chunks: Sequence[ModelChunk],
     micro_batches: Sequence[object],
     forward_step: ForwardStep,
     *,
@@ -320,7 +330,7 @@ def forward_backward_pipelining(
     timeline: Optional[list] = None,
     device=None,
     no_sync: Optional[NoSync] = None,
-) -> List[object]:
+) -> List[Any]:
     """Run one step's micro-batches through this rank's model chunks (forward and backward).
 
     ``chunks``: this rank's chunks in order (len vp; DDP-wrapped or plain modules); vp > 1
@@ -356,7 +366,7 @@ def forward_backward_pipelining(
 
 
 def forward_backward_no_pipelining(
-    chunks: Sequence[torch.nn.Module],
+    chunks: Sequence[ModelChunk],
     micro_batches: Sequence[object],
     forward_step: ForwardStep,
     *,
@@ -366,7 +376,7 @@ def forward_backward_no_pipelining(
     timeline: Optional[list] = None,
     device=None,
     no_sync: Optional[NoSync] = None,
-) -> List[object]:
+) -> List[Any]:
     """The one-stage schedule (no pipeline), with :func:`forward_backward_pipelining`'s
     arguments: ``chunks`` is the one whole model, ``forward_step(0, i, None)`` returns
     ``(loss_to_backprop, loss_for_logging)``; ``pp_group`` and ``device`` are not used.
@@ -402,7 +412,7 @@ def _record(timeline: Optional[list], kind: str, c: int, i: int, start: float) -
         timeline.append({"kind": kind, "chunk": c, "micro": i, "start": start, "end": time.perf_counter()})
 
 
-def get_forward_backward_func(pp_size: int) -> Callable[..., List[object]]:
+def get_forward_backward_func(pp_size: int) -> Callable[..., List[Any]]:
     """The schedule for ``pp_size`` pipeline stages (Megatron's name): the one-stage schedule
     at 1, else 1F1B (interleaved when the caller passes several chunks)."""
     return forward_backward_pipelining if pp_size > 1 else forward_backward_no_pipelining

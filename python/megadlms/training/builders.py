@@ -7,7 +7,7 @@ wrapper, optimizer, schedule, datasets, loaders). The wrapper class is chosen in
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -86,11 +86,15 @@ def build_model(
     return GPTModel(config, core_attn_implementation=core_attn_implementation, tp=tp).to(device)
 
 
-def wrap_model(model: torch.nn.Module, config: RunConfig, groups: Optional[ParallelGroups] = None):
+def wrap_model(
+    model: Union[torch.nn.Module, Sequence[torch.nn.Module]],
+    config: RunConfig,
+    groups: Optional[ParallelGroups] = None,
+):
     """Apply precision and the data-parallel wrapper chosen by ``parallel.use_torch_fsdp2``;
     DDP reduces over ``groups``' data-parallel group (the world without ``groups``). A list of
     pipeline model chunks gets one DDP each, seen as one wrapper (``ModelChunks``)."""
-    if isinstance(model, (list, tuple)):
+    if not isinstance(model, torch.nn.Module):  # a pipeline rank's chunks
         return ModelChunks([wrap_model(m, config, groups) for m in model])
     opt: OptimizerConfig = config.optimizer
     ddp: DistributedDataParallelConfig = config.ddp

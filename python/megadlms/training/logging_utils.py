@@ -22,7 +22,7 @@ import os
 import resource
 import sys
 from datetime import datetime
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,13 +35,16 @@ if TYPE_CHECKING:
 _log = logging.getLogger("megadlms")
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """The handler :func:`setup_logging` adds (its class tells a second call it is there)."""
+
+
 def setup_logging(rank: int) -> None:
     """INFO on rank 0 (plain messages on stdout), warnings only elsewhere."""
     root = logging.getLogger("megadlms")
-    if not any(getattr(h, "_megadlms", False) for h in root.handlers):
-        handler = logging.StreamHandler(sys.stdout)
+    if not any(isinstance(h, _StdoutHandler) for h in root.handlers):
+        handler = _StdoutHandler(sys.stdout)
         handler.setFormatter(logging.Formatter("%(message)s"))
-        handler._megadlms = True
         root.addHandler(handler)
         # No propagation: a root handler set by the user (or pytest) would print every line twice.
         root.propagate = False
@@ -164,7 +167,7 @@ class MetricsLogger:
         self.train_iters, self.layout, self.diffusion, self.log = train_iters, layout, diffusion, log
         self.validation_ppl = log.log_validation_ppl_to_tensorboard
         self._jsonl = self._tb = self._wandb = None
-        writer_cls = None
+        writer_cls: Any = None
         if log.tensorboard_dir:  # checked on every rank, so a missing package fails everywhere
             try:
                 from torch.utils.tensorboard import SummaryWriter as writer_cls

@@ -107,8 +107,9 @@ def _cp_shard(inputs: ObjectiveBatch, cp, causal: bool, multiple: int) -> Object
         load_balance=causal,
         multiple=multiple,
     )
-    tokens, pos = out.pop("tokens"), out.pop("position_ids")
-    return dataclasses.replace(inputs, tokens=tokens, position_ids=pos, document_ids=None, targets=out)
+    part, part_pos = out.pop("tokens"), out.pop("position_ids")
+    assert part is not None  # given above, so sliced, not None
+    return dataclasses.replace(inputs, tokens=part, position_ids=part_pos, document_ids=None, targets=out)
 
 
 class ValidationSums(NamedTuple):
@@ -160,7 +161,7 @@ class PipelineRunner:
             out = inputs.forward(chunk, hidden)
             if not self._last[chunk_index]:
                 return out
-            loss_sum, _ = inputs.score(out, token_cross_entropy_of(chunk))
+            loss_sum, _ = inputs.score(out, token_cross_entropy_of(unwrap_model(chunk)))
             return on_loss(loss_sum)
 
         return forward_step

@@ -98,6 +98,8 @@ class ProgressLog:
                     start = start_flops = None  # a different world size restarts the search
                 elif tok[3] == "Starting job" and start is None:
                     start, start_flops = tok[0], latest_flops
+        if start is None or start_flops is None:
+            raise ValueError(f"{self.path}: no 'Starting job' line for world size {self.world}")
         return JobStart(datetime.strptime(start, "%Y-%m-%d %H:%M:%S"), start_flops)
 
     def flops_at(self, iteration: int) -> Optional[float]:
@@ -198,8 +200,9 @@ class Reporter:
     def _step_scalars(self, out: StepOut, lr: float, counters: TrainerCounters, zeros, pnorm) -> None:
         log = self.log
         v = {"learning-rate": lr, "batch-size": self.gbs, "lm loss": out.loss}
-        if self.real_input_length(out) is not None:  # MegaDLMs' second loss-dict key in DLM mode
-            v["real input length"] = self.real_input_length(out)
+        length = self.real_input_length(out)
+        if length is not None:  # MegaDLMs' second loss-dict key in DLM mode
+            v["real input length"] = length
         skipped = (
             counters.skipped_total + counters.nan_total - self._last.skipped_total - self._last.nan_total
         )

@@ -168,7 +168,7 @@ def train_step(
     # From the global N: each micro-batch's summed loss is scaled by 1/N, so the step divides exactly once and
     # the gradient is independent of dp size and accumulation.
     scales = step_scales(model, counts[0], counts[1], optimizer.get_loss_scale())
-    set_moe_aux_loss_scale(model, scales.moe_aux)
+    set_moe_aux_loss_scale(model.module, scales.moe_aux)  # the wrapped model(s): every MoE layer
 
     t0 = time.perf_counter()
     optimizer.zero_grad()  # zeroes the wrapper's grad buffers too: once per step

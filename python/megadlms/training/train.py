@@ -12,7 +12,7 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Callable, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,7 @@ from megadlms.config import RunConfig
 from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
 from megadlms.distributed import DataParallel
-from megadlms.models import num_floating_point_operations
+from megadlms.models import GPTModel, num_floating_point_operations
 from megadlms.optimizer import get_optimizer
 from megadlms.parallel.sharding import counts_once
 
@@ -44,9 +44,7 @@ class Trainer:
     group (see ``megadlms.pretrain.run``). ``init_model(model)`` fills the freshly built plain
     model (or the list of pipeline chunks) before wrapping, e.g. with --hf-init's weights."""
 
-    def __init__(
-        self, config: RunConfig, init_model: Optional[Callable[[torch.nn.Module], None]] = None
-    ) -> None:
+    def __init__(self, config: RunConfig, init_model: Optional[Callable[[Any], None]] = None) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.device = builders.device_for_rank()
         tokenizer = config.data.tokenizer.build()
@@ -76,14 +74,15 @@ class Trainer:
         # Only tensor-parallel rank 0 of each replica (on the last pipeline stage, which holds
         # the loss) counts its (shared) loss in the reductions.
         self.loss_owner = self.groups.tp.rank == 0 and pp.rank == pp.size - 1
-        build = functools.partial(
-            builders.build_model if pp.size == 1 else pipeline_run.build_chunks,
-            seed=t.seed,
-            device=self.device,
-            core_attn_implementation=t.core_attn_implementation,
-            tp=self.tp,
+        kw: Dict[str, Any] = dict(
+            seed=t.seed, device=self.device, core_attn_implementation=t.core_attn_implementation, tp=self.tp
         )
-        model = build(config.model) if pp.size == 1 else build(config, pp.rank)
+        # pp 1: one plain model; pp > 1: this rank's chunks
+        model: Union[torch.nn.Module, List[GPTModel]] = (
+            builders.build_model(config.model, **kw)
+            if pp.size == 1
+            else pipeline_run.build_chunks(config, pp.rank, **kw)
+        )
         # init_model: e.g. --hf-init's weights (megadlms.pretrain hands it in: hf/ sits above
         # training/); before wrapping, so a --load checkpoint still wins
         if init_model is not None:
@@ -92,7 +91,7 @@ class Trainer:
             raise ValueError(
                 "checkpoint.hf_init needs init_model (megadlms.pretrain.run passes the HF importer)"
             )
-        parts = model if pp.size > 1 else [model]
+        parts: List[torch.nn.Module] = list(model) if isinstance(model, list) else [model]
         check_model_for_mode(parts[0], config.diffusion)  # once, not per micro-batch
         self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
         # A collective (all-reduce over the world): every rank reaches this line in the same order.
@@ -318,7 +317,8 @@ class Trainer:
     def _step(self, data_iter, window: ThroughputWindow, exit_flags) -> StepOut:
         """One optimizer step with its accounting and throughput window."""
         t0 = time.perf_counter()
-        micro, data_error = None, None
+        micro: List[dict] = []  # (left empty by a data error: the step then never reads it)
+        data_error: Optional[Exception] = None
         try:
             # Fetch the whole step up front: the global token count N must be known before the first forward.
             micro = [_to_device(next(data_iter), self.device) for _ in range(self.num_micro)]
@@ -366,6 +366,7 @@ class Trainer:
         window = ThroughputWindow()
         # A resumed run already has a checkpoint of its start iteration: do not write it again at the end.
         last_saved = self.counters.iteration if self.ckpt is not None else None
+        assert self.train_loader is not None  # the train split always has data (the config's source rule)
         data_iter = iter(self.train_loader)
         self.model.train()
         try:
