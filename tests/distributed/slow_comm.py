@@ -157,14 +157,17 @@ def slow_comm(poison: bool = True):
             patches[name] = lambda *a, _n=name, **k: sc._scatter_into(_n, *a, **k)
         else:
             patches[name] = getattr(sc, name)
-    bound = {"_ALL_GATHER": mcomm._ALL_GATHER, "_REDUCE_SCATTER": mcomm._REDUCE_SCATTER}
+    bound = {
+        "all_gather_single": mcomm.all_gather_single,
+        "reduce_scatter_single": mcomm.reduce_scatter_single,
+    }
     try:
         for name, fn in patches.items():
             setattr(dist, name, fn)
-        mcomm._ALL_GATHER = patches[
+        mcomm.all_gather_single = patches[
             "all_gather_single" if hasattr(dist, "all_gather_single") else _GATHERS[0]
         ]
-        mcomm._REDUCE_SCATTER = patches[
+        mcomm.reduce_scatter_single = patches[
             "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else _SCATTERS[0]
         ]
         yield sc

@@ -34,11 +34,9 @@ import torch
 import torch.distributed as dist
 
 from megadlms.common.enums import CommBackend
+from megadlms.parallel.mappings import all_gather_single, reduce_scatter_single
 
 _log = logging.getLogger(__name__)
-
-_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _check_op(op: str) -> str:
@@ -109,10 +107,10 @@ class TorchCommunicator:
         return dist.all_reduce(tensor, op=self._op(op), group=self.group, async_op=async_op)
 
     def reduce_scatter(self, output, input, op="sum", async_op=False):
-        return _REDUCE_SCATTER(output, input, op=self._op(op), group=self.group, async_op=async_op)
+        return reduce_scatter_single(output, input, op=self._op(op), group=self.group, async_op=async_op)
 
     def all_gather(self, output, input, async_op=False):
-        return _ALL_GATHER(output, input, group=self.group, async_op=async_op)
+        return all_gather_single(output, input, group=self.group, async_op=async_op)
 
 
 class NcclExtCommunicator:

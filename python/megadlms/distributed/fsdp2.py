@@ -36,6 +36,7 @@ import megadlm_ext as ext
 from megadlms.common.dtensor import is_dtensor, local_tensor
 from megadlms.common.enums import CommBackend, OptimizerLayout
 from megadlms.parallel.groups import ParallelGroups
+from megadlms.parallel.mappings import reduce_scatter_single
 
 from .comm import build_communicator
 from .config import DistributedDataParallelConfig
@@ -109,10 +110,8 @@ def _backend_sums_instead_of_averaging(group) -> bool:
         return False
     # CPU tensors: only gloo gets here.
     out = torch.empty(1)
-    # the single-tensor form FSDP2 itself uses (renamed reduce_scatter_single in newer torch)
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    try:
-        reduce_scatter(out, torch.ones(n), op=dist.ReduceOp.AVG, group=group)
+    try:  # the single-tensor form FSDP2 itself uses
+        reduce_scatter_single(out, torch.ones(n), op=dist.ReduceOp.AVG, group=group)
     except (RuntimeError, ValueError):  # AVG not supported at all: FSDP2 must use SUM
         return True
     # Averaging ones gives 1; a backend that sums gives n.

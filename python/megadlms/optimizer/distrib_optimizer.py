@@ -109,7 +109,7 @@ class ShardedBufferLayout:
 
     def _shard_comm(self, bucket):
         """The ranks ``bucket`` is sharded over (expert buckets: the expert-dp group)."""
-        group = getattr(bucket, "reduce_group", None)
+        group = bucket.reduce_group
         return group.shard_comm if group is not None else self.comm
 
     def _shard_range(self, bucket):

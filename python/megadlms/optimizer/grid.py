@@ -40,7 +40,7 @@ class GridReductions:
 
     def __init__(self, parallel: Optional[ParallelGroups]) -> None:
         self.tp_rank = parallel.tp.rank if parallel is not None else 0
-        mp = getattr(parallel, "mp", None)
+        mp = parallel.mp if parallel is not None else None
         self.mp_group = mp.group if mp is not None and mp.size > 1 else None
         self.spans_world = parallel is not None and parallel.world_size > 1
         self.expert_parallel = parallel is not None and parallel.ep.size > 1

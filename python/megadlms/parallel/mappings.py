@@ -37,8 +37,9 @@ import torch.distributed as dist
 Group = Optional[dist.ProcessGroup]
 
 # torch 2.13 renamed the single-tensor collectives; older releases only have the old names.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Resolved once here for every caller (the wrappers' communicators, FSDP2's probe, the MoE dispatcher).
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group: Group) -> int:
@@ -83,7 +84,7 @@ def _all_gather(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     # Gather along dim 0 of a contiguous buffer, then move the rank axis to ``dim``.
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((size * x0.shape[0],) + tuple(x0.shape[1:]), dtype=x.dtype, device=x.device)
-    _all_gather_single(out, x0, group=group)
+    all_gather_single(out, x0, group=group)
     return out.movedim(0, dim).contiguous()
 
 
@@ -95,7 +96,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int, group: Group) -> torch.Tensor:
     # Same trick as _all_gather: the single-tensor collective splits dim 0, so bring ``dim`` to the front.
     x0 = x.movedim(dim, 0).contiguous()
     out = torch.empty((x0.shape[0] // size,) + tuple(x0.shape[1:]), dtype=x.dtype, device=x.device)
-    _reduce_scatter_single(out, x0, group=group)
+    reduce_scatter_single(out, x0, group=group)
     return out.movedim(0, dim).contiguous()
 
 

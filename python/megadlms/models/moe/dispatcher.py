@@ -26,11 +26,9 @@ import torch.distributed as dist
 
 from megadlms.common.enums import MoETokenDispatcher
 from megadlms.parallel import mappings
-from megadlms.parallel.mappings import Group, group_rank, group_size
+from megadlms.parallel.mappings import Group, all_gather_single, group_rank, group_size
 
 DISPATCHER_TYPES = tuple(m.value for m in MoETokenDispatcher)
-# torch 2.13 renamed the single-tensor all-gather; older releases only have the old name.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def permute(
@@ -191,7 +189,7 @@ def _chunk_order(counts_SL: torch.Tensor) -> torch.Tensor:
 def _gather_rows(x: torch.Tensor, group: Group) -> torch.Tensor:
     """All-gather along dim 0 without autograd (counts, routing maps)."""
     out = x.new_empty((group_size(group) * x.shape[0],) + tuple(x.shape[1:]))
-    _all_gather_single(out, x.contiguous(), group=group)
+    all_gather_single(out, x.contiguous(), group=group)
     return out
 
 
