@@ -33,8 +33,7 @@ Gradient-accumulation fusion (``ColumnParallelLinear``/``RowParallelLinear`` wit
 ``param.grad_added_to_main_grad``; the hook then marks the parameter ready without folding
 it (Megatron's scheme; parallel/linear_impl.py).
 
-Inside ``no_sync()`` buckets are folded but never communicated; the next synced
-backward adds to the same buffer, so accumulation over micro-batches is exact.
+Inside ``no_sync()`` buckets are folded, never communicated: the next backward adds to them.
 
 Over a tensor-parallel grid (``parallel=ParallelGroups``) the wrapper reduces over
 ``parallel.dp`` only: each TP rank's buffers hold its local shards, and TP peers build
@@ -192,9 +191,8 @@ class DistributedDataParallel(torch.nn.Module):
     @property
     def optimizer_layout(self) -> OptimizerLayout:
         """BUCKET_SHARDS with the distributed optimizer, else REPLICATED (protocol.py)."""
-        if self.ddp_config.use_distributed_optimizer:
-            return OptimizerLayout.BUCKET_SHARDS
-        return OptimizerLayout.REPLICATED
+        sharded = self.ddp_config.use_distributed_optimizer
+        return OptimizerLayout.BUCKET_SHARDS if sharded else OptimizerLayout.REPLICATED
 
     @property
     def grad_buckets(self) -> List[Bucket]:

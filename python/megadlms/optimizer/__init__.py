@@ -19,8 +19,9 @@ from .config import OptimizerConfig
 from .distrib_optimizer import ShardedBufferLayout
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .grid import GridReductions
+from .layouts import DTensorLayout, ReplicaLayout, no_weight_decay
 from .lr_scheduler import OptimizerParamScheduler
-from .optimizer import DTensorLayout, MixedPrecisionOptimizer, ReplicaLayout, no_weight_decay
+from .optimizer import MixedPrecisionOptimizer
 from .precision import first_problem, precision_aware_problems
 from .precision_adam import PrecisionAwareAdamW
 from .source import GradientSource, LocalGradients, as_gradient_source

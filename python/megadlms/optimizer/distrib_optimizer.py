@@ -61,7 +61,7 @@ import torch
 import megadlm_ext as ext
 
 from .grid import GridReductions
-from .optimizer import Entry, full_plain
+from .layouts import Entry, full_plain
 
 
 class ShardedBufferLayout:
