@@ -5,7 +5,7 @@
 Prints module sizes per package, every function over 60 lines, modules over 500 lines,
 own-line comments per 100 code lines, and the import picture: cycles between modules
 (function-local imports included) and imports from a lower layer to a higher one, with
-the layer order of docs/architecture.md ("Layers"; bottom first).
+one topological order of docs/architecture.md's layer graph ("Layers"; bottom first).
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import os
 import sys
 from collections import defaultdict
 
-# docs/architecture.md's layers, bottom first; a module may import only from its own layer or below.
+# A topological order of docs/architecture.md's layer graph, bottom first; a module may import only from
+# its own layer or below.
 LAYERS = [
     ("common",),
     ("parallel", "ops"),
@@ -28,7 +29,7 @@ LAYERS = [
     ("config",),
     ("checkpoint",),
     ("training",),
-    ("generate", "hf", "eval", "pretrain", "experiments"),
+    ("generate", "hf", "eval", "pretrain", "startup", "experiments"),
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
 
