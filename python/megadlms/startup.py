@@ -60,11 +60,30 @@ def _blend_problems(flag: str, blend: Sequence[str], shares: Optional[List[float
     return out
 
 
+def _sft_path_problems(data) -> List[str]:
+    """--sft: every path is a jsonl file of conversations or a megadlms-preprocess-sft prefix."""
+    out = []
+    for flag, paths in (
+        ("--data-path", data.data_path),
+        ("--train-data-path", data.train_data_path),
+        ("--valid-data-path", data.valid_data_path),
+    ):
+        for path in paths or ():
+            if not (os.path.isfile(path) or os.path.isfile(path + "_text_document.idx")):
+                out.append(
+                    f"{flag} {path}: no such jsonl file (nor megadlms-preprocess-sft output "
+                    f"{path}_text_document.idx); --sft reads conversations"
+                )
+    return out
+
+
 def data_problems(config: RunConfig) -> List[str]:
     """The dataset files every data flag names exist, open, and give the train split tokens."""
     data = config.data
     if data.mock_data:
         return []
+    if data.sft:
+        return _sft_path_problems(data)
     out: List[str] = []
     if data.data_path:
         out += _blend_problems("--data-path", data.data_path, parse_split(data.split or DEFAULT_SPLIT))

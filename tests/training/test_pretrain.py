@@ -199,6 +199,16 @@ def _distopt_world(rank, world, tmp):
         ),
         "vanilla": _run(NO_EVAL + ["--model-running-mode", "vanilla", "--train-iters", "4"]),
     }
+    # --pretrained-checkpoint: the first run starts from its weights (as --finetune), the restart resumes
+    # from its own --load / --save
+    sft = os.path.join(tmp, "from_pretrained")
+    start = (
+        UNTIED
+        + NO_EVAL
+        + ["--load", sft, "--save", sft, "--save-interval", "100", "--pretrained-checkpoint", fsdp]
+    )
+    out["pretrained"] = _run(start + ["--train-iters", "4", "--exit-interval", "2"])
+    out["pretrained_restart"] = _run(start + ["--train-iters", "4"])
     try:
         _run(UNTIED + NO_EVAL + ["--load", fsdp, "--hidden-size", "64"])
         out["mismatch"] = None
@@ -249,6 +259,8 @@ def test_fsdp2_resume_and_cross_wrapper_resharding(tmp_path, ddp_runs):
     # --finetune starts a new run from the weights; the time limit saves and stops; AR mode
     # trains; a checkpoint of another width is refused naming the field and its flag
     assert sorted(dist1["finetune"].losses) == [1, 2, 3, 4]
+    assert sorted(dist1["pretrained"].losses) == [1, 2] and sorted(dist1["pretrained_restart"].losses) == [3, 4]
+    assert dist1["pretrained"].losses[1] == dist1["finetune"].losses[1]  # the same weights, the same batch
     assert dist1["duration"].exit_reason == "exit_duration" and dist1["duration"].iteration == 1
     assert (tmp_path / "dur" / "latest_checkpointed_iteration.txt").read_text() == "1"
     assert all(math.isfinite(x) for x in dist1["vanilla"].losses.values())

@@ -27,7 +27,7 @@ from .layout import SINGLE, ParallelLayout
 from .load import TrainState, load_checkpoint
 from .nonpersistent import check_local_storage, drop_older, non_persistent_root, save_kind
 from .records import RunRecords
-from .resume import recorded_vocab, resume_path, with_fallback
+from .resume import from_pretrained, recorded_vocab, resume_path, with_fallback
 from .save import save_checkpoint
 
 
@@ -58,6 +58,11 @@ class Checkpointer:
         --auto-resume), decided on rank 0 for every rank; None: start fresh."""
         return resume_path(self.config)
 
+    def weights_only(self, path: Optional[str]) -> bool:
+        """Whether loading ``path`` (what :meth:`find` chose) takes the weights only: --finetune,
+        or the start of a run from --pretrained-checkpoint."""
+        return self.config.finetune or from_pretrained(self.config, path)
+
     def due(self, iteration: int) -> Optional[str]:
         """The save iteration ``iteration`` is due for: PERSISTENT, NON_PERSISTENT or None."""
         return save_kind(self.config, iteration)
@@ -71,7 +76,8 @@ class Checkpointer:
         self, path: str, model, optimizer=None, scheduler=None, *, model_config: Optional[dict] = None
     ) -> Tuple[str, TrainState]:
         """Verify and restore ``path`` into the model, optimizer, scheduler and this rank's RNG
-        (weights only with --finetune / --no-load-optim; RNG only at the same layout). With
+        (weights only with --finetune, a --pretrained-checkpoint start or --no-load-optim; RNG only
+        at the same layout). With
         --ckpt-fallback a checkpoint that fails verification gives way to the newest older
         one that passes. Returns the directory actually loaded and where the run continues."""
         ck = self.config
@@ -82,8 +88,8 @@ class Checkpointer:
                 model=model,
                 optimizer=optimizer,
                 scheduler=scheduler,
-                restore_optimizer=not (ck.finetune or ck.no_load_optim),
-                load_rng=not (ck.finetune or ck.no_load_rng),
+                restore_optimizer=not (self.weights_only(p) or ck.no_load_optim),
+                load_rng=not (self.weights_only(p) or ck.no_load_rng),
                 override_scheduler=self.override_scheduler,
                 model_config=model_config,
                 layout=self.layout,

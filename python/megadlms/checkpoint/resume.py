@@ -71,9 +71,28 @@ def _find(ck) -> Optional[str]:
         return np_path
     if np_path is not None:
         _log.warning(f"the non-persistent checkpoint {np_path} is older than the persistent {path}")
+    if path is None and ck.pretrained_checkpoint:
+        # Megatron's --pretrained-checkpoint: the start of a fine-tuning run (weights only, see
+        # from_pretrained); once the run has saved, its own checkpoints win above.
+        pretrained = resolve_checkpoint(ck.pretrained_checkpoint)
+        if pretrained is None:
+            raise ValueError(
+                f"--pretrained-checkpoint {ck.pretrained_checkpoint}: no checkpoint there (no "
+                f"{LATEST_FILE} nor an iter_* directory); pass a --save directory of a finished run"
+            )
+        return pretrained
     if path is None and ck.load:
         _log.warning(f"no checkpoint in --load {ck.load} (no {LATEST_FILE}); training from scratch")
     return path
+
+
+def from_pretrained(ck, path: Optional[str]) -> bool:
+    """Whether ``path`` (what :func:`resume_path` chose) is --pretrained-checkpoint's, which loads
+    as --finetune does: weights only."""
+    if path is None or not ck.pretrained_checkpoint:
+        return False
+    root = os.path.abspath(ck.pretrained_checkpoint)
+    return os.path.commonpath([root, os.path.abspath(path)]) == root
 
 
 def resume_path(ck) -> Optional[str]:

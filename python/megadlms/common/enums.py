@@ -109,6 +109,16 @@ class NonPersistentCkptType(enum.StrEnum):
     LOCAL = "local"
 
 
+class SFTLossNormalization(enum.StrEnum):
+    """--sft-loss-normalization: how the fine-tuning loss is averaged."""
+
+    SAMPLE = "sample"
+    """LLaDA's: each sample's loss over its answer length (EOS padding included), averaged
+    over the samples of the global batch."""
+    TOKEN = "token"
+    """The mean over every answer token of the global batch."""
+
+
 MODE_ENUMS = (
     RunningMode,
     Objective,
@@ -122,6 +132,7 @@ MODE_ENUMS = (
     OptimizerLayout,
     CkptFormat,
     NonPersistentCkptType,
+    SFTLossNormalization,
 )
 """Every mode enum: tests/config/test_modes.py checks that no code outside config/ compares
 one of their values as a string."""

@@ -164,6 +164,32 @@ def cross_flag_problems(
     ]
     if optimizer is not None:
         out += [flag_message(p) for p in _precision_aware(args, optimizer)]
+    return out + _sft_problems(args)
+
+
+def _sft_problems(args) -> List[str]:
+    """--sft's data and tokenizer: conversations need a chat template and an answer mask."""
+    sft_only = [f for f, on in (("--sft-sequence-packing", args.sft_sequence_packing),) if on]
+    if not args.sft:
+        return [f"{f} needs --sft" for f in sft_only]
+    out = []
+    if args.mock_data:
+        out.append("--sft needs conversations (--data-path / --train-data-path jsonl files), not --mock-data")
+    if args.tokenizer_type != "HuggingFaceTokenizer":
+        out.append(
+            "--sft needs --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR (a tokenizer with a "
+            f"chat template), got --tokenizer-type {args.tokenizer_type or 'ByteTokenizer (the default)'}"
+        )
+    if args.model_running_mode != "vanilla" and args.difflm_objective != "llada":
+        # LLaDA's layout: the model reads the conversation as the template renders it, from position 0
+        out.append(f"--sft trains LLaDA's SFT: add --difflm-objective llada (got {args.difflm_objective})")
+    if args.sft_sequence_packing and args.context_parallel_size > 1:
+        out.append(
+            "--sft-sequence-packing is not supported with --context-parallel-size > 1 (packed "
+            "conversations attend within themselves; context parallelism has no document mask)"
+        )
+    if args.reset_attention_mask or args.reset_position_ids:
+        out.append("--sft lays out its own samples: drop --reset-attention-mask / --reset-position-ids")
     return out
 
 

@@ -261,6 +261,11 @@ class DataConfig:
     """Position ids restart after every end-of-document token (Megatron)."""
     reset_attention_mask: bool = False
     """Document packing: attention only within each document (needs reset_position_ids)."""
+    sft: bool = False
+    """The paths name conversations (jsonl of {"messages": [...]}, or preprocessed SFT prefixes)."""
+    sft_tokenizer_prompt_format: str = "default"
+    sft_sequence_packing: bool = False
+    sft_skip_invalid_rows: bool = False
 
     def __post_init__(self) -> None:
         bad = Problems("DataConfig")
@@ -298,6 +303,8 @@ class CheckpointConfig:
     no_load_rng: bool = False
     finetune: bool = False
     """Load weights only; start at iteration 0 with a fresh optimizer and schedule."""
+    pretrained_checkpoint: Optional[str] = None
+    """Fine-tune from this checkpoint (weights only) when load / save hold none (Megatron's)."""
     checkpoint_steps: Tuple[int, ...] = ()
     """Extra iterations to save at, besides every save_interval (MegaDLMs' --checkpoint-steps)."""
     hf_init: Optional[str] = None
@@ -343,7 +350,10 @@ class CheckpointConfig:
         )
         bad.check(self.save is None or self.save_interval is not None, "save needs save_interval N")
         bad.positive(self, "save_interval", required=False)
-        bad.check(not self.finetune or bool(self.load), "finetune needs load DIR (the weights to start from)")
+        bad.check(
+            not self.finetune or bool(self.load or self.pretrained_checkpoint),
+            "finetune needs load DIR (or pretrained_checkpoint DIR): the weights to start from",
+        )
         bad.check(
             self.ckpt_convert_format in (None,) + CKPT_FORMATS,
             f"ckpt_convert_format must be one of {CKPT_FORMATS}, got {self.ckpt_convert_format!r}",

@@ -53,8 +53,23 @@ the padded vocabulary; the sampler and the answer likelihood see only the real t
 from .config import MODEL_RUNNING_MODES, OBJECTIVES, P_MASK_MODES, DiffusionConfig
 from .evaluation import validation_nelbo
 from .likelihood import answer_nll_draws, conditional_log_likelihood
-from .loss import LossSums, ar_loss, check_model_for_mode, diffusion_loss, token_cross_entropy_of
-from .noise import counter_uniform, forward_process, micro_batch_crop, validation_times, varilen_length
+from .loss import (
+    LossSums,
+    ar_loss,
+    check_model_for_mode,
+    diffusion_loss,
+    sft_loss,
+    sft_weights,
+    token_cross_entropy_of,
+)
+from .noise import (
+    counter_uniform,
+    forward_process,
+    micro_batch_crop,
+    sft_forward_process,
+    validation_times,
+    varilen_length,
+)
 from .objective import (
     MicroBatchLoss,
     ObjectiveBatch,
@@ -82,6 +97,9 @@ __all__ = [
     "objective_inputs",
     "micro_batch_crop",
     "forward_process",
+    "sft_forward_process",
+    "sft_loss",
+    "sft_weights",
     "varilen_length",
     "counter_uniform",
     "diffusion_loss",

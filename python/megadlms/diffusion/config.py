@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from megadlms.common.enums import Objective, PMaskMode, RunningMode
+from megadlms.common.enums import Objective, PMaskMode, RunningMode, SFTLossNormalization
 from megadlms.common.errors import Problems
 
 MODEL_RUNNING_MODES = tuple(m.value for m in RunningMode)
@@ -54,8 +54,16 @@ class DiffusionConfig:
       eps 1e-3 and the sampled p by default; one crop per step (counter-based).
     """
 
+    sft: bool = False
+    """Supervised fine-tuning (--sft): batches carry ``answer_mask``; only answer positions are
+    noised and scored (difflm-noshift), or carry the loss (vanilla: Megatron's SFT); no
+    variable-length crop (the answer must stay whole)."""
+    sft_loss_normalization: SFTLossNormalization = SFTLossNormalization.SAMPLE
+    """--sft-loss-normalization: 'sample' (LLaDA's) or 'token' (the global answer-token mean)."""
+
     def __post_init__(self) -> None:
         bad = Problems("DiffusionConfig")
+        bad.member(self, "sft_loss_normalization", SFTLossNormalization)
         bad.member(self, "objective", Objective)
         bad.member(self, "model_running_mode", RunningMode)
         bad.member(self, "p_mask", PMaskMode, optional=True)

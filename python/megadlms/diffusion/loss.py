@@ -8,7 +8,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 
-from megadlms.common.enums import AttnMaskType, RunningMode
+from megadlms.common.enums import AttnMaskType, RunningMode, SFTLossNormalization
 
 from .config import DiffusionConfig
 
@@ -89,6 +89,43 @@ def diffusion_loss(
     # The count is of all loss tokens, masked or not: the NELBO is per token of the sequence, and the trainer
     # divides the step's summed losses once by the global count.
     return LossSums((ce * weight[sel]).sum(), num_tokens(tokens, loss_mask))
+
+
+def sft_weights(answer_mask: torch.Tensor, normalization: SFTLossNormalization) -> torch.Tensor:
+    """Per-position loss weights [b, S] (fp32) of the fine-tuning objective: 'sample' (LLaDA's)
+    1 / (the row's answer length) on its answer positions, so a row's weights sum to 1 and the
+    trainer's division by the summed weights is the mean over samples; 'token' 1 on every
+    answer position (the global answer-token mean). Computed on whole rows, before any
+    context-parallel slice, so each slice keeps its row's true answer length."""
+    answer = answer_mask.to(torch.float32)
+    if normalization is SFTLossNormalization.TOKEN:
+        return answer
+    lengths = answer.sum(dim=1, keepdim=True)
+    return answer / lengths.clamp(min=1.0)
+
+
+def sft_loss(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    masked: torch.Tensor,
+    p_mask: torch.Tensor,
+    answer_mask: torch.Tensor,
+    cross_entropy: TokenCrossEntropy = plain_token_cross_entropy,
+) -> torch.Tensor:
+    """LLaDA's SFT loss of one batch (GUIDELINES.md, "SFT"): the sum over masked answer
+    positions of CE / p, each divided by its row's answer length (EOS padding included),
+    over the number of rows. 0-d fp32.
+
+    logits [b,S,V], targets int64 [b,S] (the clean sequence), masked bool [b,S] (from
+    :func:`~megadlms.diffusion.noise.sft_forward_process`: never True outside the answer),
+    p_mask [b,S], answer_mask bool [b,S] (True at answer positions; LLaDA's layout:
+    positions >= the prompt length). The trainer computes the same sum through
+    :func:`sft_weights` and :func:`diffusion_loss` and divides by the global row count."""
+    weights = sft_weights(answer_mask, SFTLossNormalization.SAMPLE)
+    sums = diffusion_loss(
+        logits, targets, masked & answer_mask.to(torch.bool), p_mask, weights, cross_entropy
+    )
+    return sums.loss_sum / targets.shape[0]
 
 
 def ar_loss(

@@ -108,7 +108,7 @@ def micro_batch_crop(
     same on every rank, different per micro-batch (a local RandomState: numpy's global
     state is untouched, as MegaDLMs restores it). 'llada': :func:`varilen_length`, one per step.
     """
-    if not config.diffusion:
+    if not config.diffusion or config.sft:  # fine-tuning never crops: the answer must stay whole
         return None
     if config.objective is Objective.LLADA:
         return varilen_length(config.seed, iteration, seq_length, config.varilen_prob)
@@ -187,6 +187,35 @@ def forward_process(
         raise ValueError(f"p_mask mode must be 'sampled' or 'realised', got {mode!r}")
     noisy = torch.where(masked, torch.full_like(tokens, config.mask_token_id), tokens)
     return noisy, masked, p_mask.contiguous()
+
+
+def sft_forward_process(
+    tokens: torch.Tensor,
+    answer_mask: torch.Tensor,
+    sample_idx: torch.Tensor,
+    config: DiffusionConfig,
+    *,
+    t: Optional[torch.Tensor] = None,
+    draw: int = 0,
+    p_mask_mode: Optional[PMaskMode] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`forward_process` for supervised fine-tuning: the prompt is never noised.
+
+    The same draws as pretraining (t and the per-position uniforms of (seed, sample index,
+    draw)), kept only where ``answer_mask`` [b, S] (bool) is True: a False position is never
+    masked, whatever t. With ``p_mask`` 'realised' the forced mask and the fraction count the
+    answer positions only. Returns (noisy, masked, p_mask) as :func:`forward_process`."""
+    if answer_mask.shape != tokens.shape:
+        raise ValueError(
+            f"answer_mask has shape {tuple(answer_mask.shape)}, tokens {tuple(tokens.shape)}: they must match"
+        )
+    answer = answer_mask.to(torch.bool)
+    _, masked, p_mask = forward_process(
+        tokens, sample_idx, config, answer.to(torch.float32), t=t, draw=draw, p_mask_mode=p_mask_mode
+    )
+    masked = masked & answer
+    noisy = torch.where(masked, torch.full_like(tokens, config.mask_token_id), tokens)
+    return noisy, masked, p_mask
 
 
 def validation_times(

@@ -19,12 +19,20 @@ from typing import Callable, Dict, NamedTuple, Optional, TypedDict
 
 import torch
 
-from megadlms.common.enums import AttnMaskType, Objective, PMaskMode, RunningMode
+from megadlms.common.enums import AttnMaskType, Objective, PMaskMode, RunningMode, SFTLossNormalization
 
 from .config import DiffusionConfig
-from .loss import LossSums, TokenCrossEntropy, ar_loss, check_model_for_mode, diffusion_loss, num_tokens
+from .loss import (
+    LossSums,
+    TokenCrossEntropy,
+    ar_loss,
+    check_model_for_mode,
+    diffusion_loss,
+    num_tokens,
+    sft_weights,
+)
 from .loss import token_cross_entropy_of as _scorer_of
-from .noise import forward_process, micro_batch_crop, validation_times
+from .noise import forward_process, micro_batch_crop, sft_forward_process, validation_times
 
 Batch = Dict[str, torch.Tensor]
 
@@ -71,6 +79,8 @@ class ObjectiveInputs(TypedDict):
     loss_mask: Optional[torch.Tensor]
     position_ids: Optional[torch.Tensor]
     document_ids: Optional[torch.Tensor]
+    answer_mask: Optional[torch.Tensor]
+    """Fine-tuning batches: True at the answer positions of ``clean`` (else None)."""
 
 
 def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] = None) -> ObjectiveInputs:
@@ -87,7 +97,7 @@ def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] 
     S = labels.shape[1]
     L = S if crop is None else crop
     loss_mask, position_ids = batch.get("loss_mask"), batch.get("position_ids")
-    document_ids = batch.get("document_ids")
+    document_ids, answer_mask = batch.get("document_ids"), batch.get("answer_mask")
     if config.objective is Objective.MEGADLMS:
         # labels[j] is text[j + 1] and position_ids[j + 1] is its position: the two slices are one token apart
         # but describe the same tokens text[1:L].
@@ -108,6 +118,7 @@ def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] 
         loss_mask=None if loss_mask is None else loss_mask[:, lab],
         position_ids=None if position_ids is None else position_ids[:, pos],
         document_ids=docs,
+        answer_mask=None if answer_mask is None else answer_mask[:, lab],
     )
 
 
@@ -127,11 +138,27 @@ def _ar_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int]) -> Ob
     )
 
 
+def _answer(inputs: ObjectiveInputs) -> torch.Tensor:
+    answer = inputs["answer_mask"]
+    if answer is None:
+        raise ValueError(
+            "--sft needs batch['answer_mask'] (True at answer positions): use the fine-tuning data "
+            "(megadlms.data.sft), not pretraining data"
+        )
+    return answer
+
+
 def _diffusion_training(batch: Batch, config: DiffusionConfig, crop: Optional[int]) -> ObjectiveBatch:
     sample_idx = _sample_idx(batch)
     inputs = objective_inputs(batch, config, crop)
     clean, loss_mask = inputs["clean"], inputs["loss_mask"]
-    noisy, masked, p_mask = forward_process(clean, sample_idx, config, loss_mask)
+    if config.sft:
+        # LLaDA's SFT: the prompt stays clean; the weights carry the per-sample normalisation.
+        answer = _answer(inputs)
+        noisy, masked, p_mask = sft_forward_process(clean, answer, sample_idx, config)
+        loss_mask = sft_weights(answer, config.sft_loss_normalization)
+    else:
+        noisy, masked, p_mask = forward_process(clean, sample_idx, config, loss_mask)
     targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
     return ObjectiveBatch(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
 
@@ -143,9 +170,16 @@ def _diffusion_validation(batch: Batch, config: DiffusionConfig, draw: int, num_
     t = validation_times(config.seed, sample_idx, draw, num_draws)
     # draw k+1: training uses draw 0, so validation masks never alias training ones.
     # 'sampled' even when training uses 'realised': only 1/p(t) makes the NELBO an unbiased bound.
-    noisy, masked, p_mask = forward_process(
-        clean, sample_idx, config, loss_mask, t=t, draw=draw + 1, p_mask_mode=PMaskMode.SAMPLED
-    )
+    if config.sft:  # the answer NELBO per answer token, the prompt clean
+        answer = _answer(inputs)
+        noisy, masked, p_mask = sft_forward_process(
+            clean, answer, sample_idx, config, t=t, draw=draw + 1, p_mask_mode=PMaskMode.SAMPLED
+        )
+        loss_mask = answer.to(torch.float32)
+    else:
+        noisy, masked, p_mask = forward_process(
+            clean, sample_idx, config, loss_mask, t=t, draw=draw + 1, p_mask_mode=PMaskMode.SAMPLED
+        )
     targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
     return ObjectiveBatch(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
 
@@ -186,6 +220,11 @@ def loss_token_count(
     if config is not None and config.diffusion:
         # The same objective_inputs as the loss, so the counted N is exactly the tokens the losses sum over.
         inputs = objective_inputs(batch, config, crop)
+        if config.sft:  # what the fine-tuning weights sum to: rows ('sample') or answer tokens
+            answer = _answer(inputs).to(torch.float32)
+            if config.sft_loss_normalization is SFTLossNormalization.TOKEN:
+                return answer.sum()
+            return (answer.sum(dim=1) > 0).to(torch.float32).sum()
         return num_tokens(inputs["clean"], inputs["loss_mask"])
     labels, loss_mask = batch["labels"], batch.get("loss_mask")
     if crop is not None:
@@ -236,7 +275,9 @@ def compute_loss(
             config, iteration, 0, 1, batch["labels"].shape[1], bidirectional=bidirectional
         )
     inputs = training_inputs(batch, config, crop)
-    loss_sum, count = inputs.score(inputs.forward(model), _scorer_of(model))
+    loss_sum, _ = inputs.score(inputs.forward(model), _scorer_of(model))
+    # The trainer's count (exact: fine-tuning's 'sample' weights only sum to the rows up to rounding).
+    count = loss_token_count(batch, crop, config)
     stats: Dict[str, object] = {"seq_length": inputs.tokens.shape[1]}
     masked = inputs.targets.get("masked")
     if masked is not None:

@@ -144,7 +144,23 @@ def build_datasets(
     with_test: bool = False,
 ):
     """(train, valid) datasets with the given numbers of samples; (train, valid, test) with
-    ``with_test``."""
+    ``with_test`` (--sft: conversations, no test split)."""
+    if data.sft:
+        train, valid = build_sft_datasets(
+            data_path=data.data_path,
+            split=data.split,
+            train_data_path=data.train_data_path,
+            valid_data_path=data.valid_data_path,
+            tokenizer_model=data.tokenizer.tokenizer_model,
+            seq_length=seq_length,
+            seed=seed,
+            train_samples=train_samples,
+            valid_samples=valid_samples,
+            packing=data.sft_sequence_packing,
+            skip_invalid=data.sft_skip_invalid_rows,
+            cache_dir=data.data_cache_path,
+        )
+        return (train, valid, None) if with_test else (train, valid)
     train, valid, test = build_pretraining_datasets(
         data_path=data.data_path,
         train_data_path=data.train_data_path,

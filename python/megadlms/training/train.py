@@ -172,9 +172,10 @@ class Trainer:
             path, self.model, self.optimizer, self.scheduler, model_config=self.config.model.to_dict()
         )
         common = state.common
-        # --finetune takes the weights only: iteration, consumed samples and NaN counts start at 0, as in
-        # Megatron.
-        if not ck.finetune:
+        # --finetune (or a --pretrained-checkpoint start) takes the weights only: iteration, consumed
+        # samples and NaN counts start at 0, as in Megatron.
+        weights_only = self.checkpointer.weights_only(path)
+        if not weights_only:
             if not ck.no_load_rng and not state.rng_restored:
                 _log.info(
                     f"RNG states not restored: {path} was saved by {common.get('world_size')} ranks "
@@ -186,7 +187,7 @@ class Trainer:
             self.counters.skipped_total = int(state.extra.get("skipped_iterations", 0))
         _log.info(
             f"loaded {path} (iteration {state.iteration}, saved by {common.get('wrapper')} on "
-            f"{common.get('world_size')} ranks)" + (" as the --finetune start" if ck.finetune else "")
+            f"{common.get('world_size')} ranks)" + (" as the --finetune start" if weights_only else "")
         )
         return path
 

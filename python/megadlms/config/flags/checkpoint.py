@@ -105,6 +105,14 @@ def ckpt_choice_args(p) -> None:
     g = p.add_argument_group("checkpointing: which checkpoint to load, non-persistent checkpoints")
     add_flag(
         g,
+        "--pretrained-checkpoint",
+        default=None,
+        help="Checkpoint directory to fine-tune from when --load holds none (Megatron's): its weights "
+        "only, as --finetune (iteration, optimizer and schedule start afresh); later restarts resume "
+        "from --load / --save.",
+    )
+    add_flag(
+        g,
         "--ckpt-step",
         type=int,
         default=None,
