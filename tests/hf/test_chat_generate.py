@@ -73,3 +73,16 @@ def test_chat_on_a_byte_tokenizer_checkpoint_needs_a_tokenizer(rope_swiglu_ckpt,
     assert main(["--load", str(ck), "--chat", "--prompt", "hi"] + GEN) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tokenizer-model" in err[0] and "ByteTokenizer" in err[0]
+
+
+def test_chat_cli_cuts_at_end_of_turn(chat_ckpt, monkeypatch, capsys):
+    """The answer ends at the first EOS / end-of-turn: LLaDA pads its answers with EOS."""
+    import megadlms.generate as gen
+
+    ck, _, _ = chat_ckpt
+    w = {t: i for i, t in enumerate(WORDS)}
+    sampled = [[w["the"], w["answer"], w["is"], w["four"], EOT, w["no"], EOS, EOS]]
+    sampled += [[w["yes"], EOS, w["no"], EOT, EOS, EOS, EOS, EOS]]
+    monkeypatch.setattr(gen, "sample_ids", lambda *a, **k: torch.tensor(sampled))
+    assert main(["--load", str(ck), "--chat", "--prompt", "hi", "--num-samples", "2"] + GEN) == 0
+    assert capsys.readouterr().out == "the answer is four\nyes\n"
