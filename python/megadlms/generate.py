@@ -2,22 +2,25 @@
 
 Loads a checkpoint of either format (torch_dist or torch), saved by any wrapper at any
 data-parallel size, into a single process (GPU if available), rebuilds the model and
-tokenizer from the checkpoint's own record, and prints the completion. Diffusion models
-use LLaDA's sampler (``megadlms.diffusion.generate``); causal (vanilla) models sample
-left to right.
+tokenizer from the checkpoint's own record, and prints the completion. With ``--chat
+--prompt USER_TEXT [--system TEXT]`` the prompt is a user turn of the tokenizer's chat
+template and only the assistant's answer is printed. Diffusion models use LLaDA's
+sampler (``megadlms.diffusion.generate``); causal (vanilla) models sample left to right.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-from typing import Optional, Sequence
+from typing import List, Optional, Sequence, Set
 
 import torch
 
 from megadlms.checkpoint import load_model_state, open_checkpoint, tokenizer_record
 from megadlms.common.enums import AttnMaskType
 from megadlms.data import TokenizerConfig
+from megadlms.data.chat import chat_prompt_ids, load_chat_tokenizer
 from megadlms.diffusion import generate, token_logits
 from megadlms.models import GPTModel, TransformerConfig
 
@@ -51,6 +54,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature / random remasking)")
     p.add_argument("--num-samples", type=int, default=1, help="completions of the same prompt")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="--prompt is a user turn: apply the chat template, print only the assistant's answer "
+        "(cut at EOS / end-of-turn)",
+    )
+    p.add_argument("--system", default=None, help="--chat: a system turn before the user turn")
+    p.add_argument(
+        "--tokenizer-model",
+        default=None,
+        help="--chat: tokenizer directory with a chat template (default: the checkpoint's tokenizer)",
+    )
     return p
 
 
@@ -101,11 +116,11 @@ def _sample_causal(
     return x
 
 
-def generate_text(
+def sample_ids(
     model,
-    tokenizer,
     common: dict,
-    prompt: str,
+    ids: Sequence[int],
+    mask_token_id: Optional[int],
     *,
     gen_length: int = 128,
     steps: Optional[int] = None,
@@ -115,11 +130,10 @@ def generate_text(
     cfg_scale: float = 0.0,
     seed: int = 0,
     num_samples: int = 1,
-) -> list:
-    """Completions (strings, prompt excluded) of ``prompt``."""
+) -> torch.Tensor:
+    """The ``gen_length`` new token ids [num_samples, gen_length] (CPU) after prompt ``ids``."""
 
     device = next(model.parameters()).device
-    ids = tokenizer.tokenize(prompt)
     max_len = model.config.max_position_embeddings
     if len(ids) + gen_length > max_len:
         raise ValueError(
@@ -127,7 +141,7 @@ def generate_text(
             f"model's {max_len} positions; shorten one of them"
         )
     # Samples differ only through the RNG: one batch of identical prompts.
-    prompt_t = torch.tensor([ids] * num_samples, dtype=torch.int64, device=device)
+    prompt_t = torch.tensor([list(ids)] * num_samples, dtype=torch.int64, device=device)
     if common["model_config"].get("attention") == AttnMaskType.CAUSAL:
         if not ids:
             # Left-to-right needs a last position to predict from; a DLM denoises from all-[MASK] instead.
@@ -135,10 +149,12 @@ def generate_text(
         g = torch.Generator().manual_seed(seed)
         out = _sample_causal(model, prompt_t, gen_length, temperature, g)
     else:
+        if mask_token_id is None:
+            raise ValueError("a diffusion model needs the tokenizer's [MASK] id to sample")
         out = generate(
             model,
             prompt_t,
-            mask_token_id=tokenizer.mask_token_id,
+            mask_token_id=mask_token_id,
             gen_length=gen_length,
             steps=steps or gen_length,
             block_length=block_length or gen_length,
@@ -147,30 +163,108 @@ def generate_text(
             cfg_scale=cfg_scale,
             seed=seed,
         )
-    return [tokenizer.detokenize(row[len(ids) :].tolist()) for row in out.cpu()]
+    return out[:, len(ids) :].cpu()
+
+
+def generate_text(model, tokenizer, common: dict, prompt: str, **sampling) -> list:
+    """Completions (strings, prompt excluded) of ``prompt``; ``sampling``: the keyword
+    arguments of :func:`sample_ids` (gen_length, steps, block_length, temperature,
+    remasking, cfg_scale, seed, num_samples)."""
+
+    mask_id = None if _is_causal(common) else tokenizer.mask_token_id
+    rows = sample_ids(model, common, tokenizer.tokenize(prompt), mask_id, **sampling)
+    return [tokenizer.detokenize(row.tolist()) for row in rows]
+
+
+def _is_causal(common: dict) -> bool:
+    return common["model_config"].get("attention") == AttnMaskType.CAUSAL
+
+
+# End-of-turn tokens of the common chat templates (LLaDA / Llama 3, ChatML, Phi, Gemma) and the usual
+# EOS strings: the assistant's answer ends at the first of them the tokenizer has.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+def chat_stop_ids(chat_tok) -> Set[int]:
+    """Ids that end an assistant turn: the tokenizer's EOS and its end-of-turn tokens."""
+    stops = {chat_tok.eos_token_id} if chat_tok.eos_token_id is not None else set()
+    vocab = chat_tok.get_vocab()
+    return stops | {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+
+
+def cut_at_stop(ids: Sequence[int], stop_ids: Set[int]) -> List[int]:
+    """``ids`` up to (without) the first stop id: LLaDA fills the rest of the answer with EOS."""
+    for i, t in enumerate(ids):
+        if int(t) in stop_ids:
+            return [int(x) for x in ids[:i]]
+    return [int(x) for x in ids]
+
+
+def chat_tokenizer_dir(tokenizer_model: Optional[str], common: dict) -> str:
+    """The tokenizer directory whose chat template --chat applies: --tokenizer-model, else
+    the directory of the checkpoint's recorded HuggingFaceTokenizer."""
+    if tokenizer_model:
+        return tokenizer_model
+    record = tokenizer_record(common)
+    path = record.get("tokenizer_model")
+    if record.get("tokenizer_type") != "HuggingFaceTokenizer" or not path:
+        raise ValueError(
+            f"--chat needs --tokenizer-model DIR (a tokenizer with a chat template); the checkpoint's "
+            f"tokenizer is {record.get('tokenizer_type', 'ByteTokenizer')}, which has none"
+        )
+    return path if os.path.isdir(path) else os.path.dirname(path)
+
+
+def generate_chat(
+    model, tokenizer, common: dict, chat_tok, user: str, *, system: Optional[str] = None, **sampling
+) -> List[str]:
+    """Assistant answers (strings) to one ``user`` turn (after an optional ``system`` turn),
+    rendered with ``chat_tok``'s template and cut at EOS / end-of-turn; ``sampling``: the
+    keyword arguments of :func:`sample_ids`."""
+
+    vocab = model.config.unpadded_vocab_size or model.config.vocab_size
+    if len(chat_tok) > vocab:
+        raise ValueError(
+            f"the chat tokenizer has {len(chat_tok)} tokens, more than the model's {vocab}: "
+            "pass the tokenizer the model was trained with"
+        )
+    turns = [("system", system)] if system else []
+    messages = [{"role": r, "content": c} for r, c in turns + [("user", user)]]
+    ids = chat_prompt_ids(chat_tok, messages, add_generation_prompt=True)
+    mask_id = None if _is_causal(common) else tokenizer.mask_token_id
+    stops = chat_stop_ids(chat_tok)
+    rows = sample_ids(model, common, ids, mask_id, **sampling)
+    return [chat_tok.decode(cut_at_stop(row.tolist(), stops), skip_special_tokens=True) for row in rows]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    sampling = dict(
+        gen_length=args.gen_length,
+        steps=args.steps,
+        block_length=args.block_length,
+        temperature=args.temperature,
+        remasking=args.remasking,
+        cfg_scale=args.cfg_scale,
+        seed=args.seed,
+        num_samples=args.num_samples,
+    )
     try:
+        if args.system is not None and not args.chat:
+            raise ValueError("--system needs --chat")
         model, tokenizer, common = load_for_inference(
             args.load, torch.device(args.device) if args.device else None
         )
-        texts = generate_text(
-            model,
-            tokenizer,
-            common,
-            args.prompt,
-            gen_length=args.gen_length,
-            steps=args.steps,
-            block_length=args.block_length,
-            temperature=args.temperature,
-            remasking=args.remasking,
-            cfg_scale=args.cfg_scale,
-            seed=args.seed,
-            num_samples=args.num_samples,
-        )
-    except ValueError as exc:
+        if args.chat:
+            chat_tok = load_chat_tokenizer(chat_tokenizer_dir(args.tokenizer_model, common))
+            texts = generate_chat(
+                model, tokenizer, common, chat_tok, args.prompt, system=args.system, **sampling
+            )
+        else:
+            texts = [
+                args.prompt + t for t in generate_text(model, tokenizer, common, args.prompt, **sampling)
+            ]
+    except (ValueError, FileNotFoundError) as exc:
         print(f"megadlms-generate: error: {exc}", file=sys.stderr)
         return 2
     print(
@@ -179,7 +273,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         file=sys.stderr,
     )
     for text in texts:
-        print(args.prompt + text)
+        print(text)
     return 0
 
 

@@ -69,6 +69,7 @@ def test_generate_until_uses_our_sampler(rope_swiglu_ckpt):
     from megadlms.data import ByteTokenizer
     from megadlms.diffusion import generate
     from megadlms.eval.lm_eval_adapter import MegaDLMsLM
+    from megadlms.generate import cut_at_stop
 
     ck, ours = rope_swiglu_ckpt
     lm = MegaDLMsLM(pretrained=str(ck), gen_length=8, steps=8, block_length=4)
@@ -76,6 +77,7 @@ def test_generate_until_uses_our_sampler(rope_swiglu_ckpt):
     text = lm.generate_until([req])[0]
     prompt = torch.tensor([ByteTokenizer().tokenize("And God")])
     ids = generate(ours, prompt, mask_token_id=257, gen_length=8, steps=8, block_length=4)[0, 7:].tolist()
+    ids = cut_at_stop(ids, {256})  # the text ends at EOS (lm-eval's HF model stops there too)
     # Real tokens only (the checkpoint's padding rows are never drawn), so the text is not empty.
     assert all(i < 259 for i in ids) and text == ByteTokenizer().detokenize(ids) and text
     stop = text[len(text) // 2 :]

@@ -14,7 +14,9 @@ model_args: ``pretrained`` (a --save directory or an iter_* directory), ``mc_sam
 own ``--batch_size`` is accepted and has no effect: requests are scored one by one),
 ``cfg_scale`` (0), ``seed`` (0), ``is_check_greedy`` (False: report is_greedy=False without
 the extra decode), ``gen_length`` / ``steps`` / ``block_length`` / ``temperature`` /
-``remasking`` for generate_until, ``device``.
+``remasking`` for generate_until (cut at EOS / end-of-turn tokens, then at the task's
+``until`` strings), ``device``, ``tokenizer`` (--apply_chat_template: the tokenizer directory
+whose chat template renders the requests; default: the checkpoint's recorded tokenizer).
 
 Scores and generations are over the checkpoint's real vocabulary: the loaded model carries
 its ``unpadded_vocab_size`` and both the estimator and the sampler cut Megatron's padding
@@ -32,8 +34,9 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from megadlms.common.enums import AttnMaskType
+from megadlms.data.chat import load_chat_tokenizer
 from megadlms.diffusion import conditional_log_likelihood, generate
-from megadlms.generate import load_for_inference
+from megadlms.generate import END_OF_TURN_TOKENS, chat_tokenizer_dir, cut_at_stop, load_for_inference
 
 
 def _bool(v) -> bool:
@@ -60,6 +63,7 @@ class MegaDLMsLM(LM):
         temperature: float = 0.0,
         remasking: str = "low_confidence",
         device: Optional[str] = None,
+        tokenizer: Optional[str] = None,
         **unused,
     ) -> None:
         super().__init__()
@@ -83,6 +87,13 @@ class MegaDLMsLM(LM):
         self.block_length = int(block_length) if block_length else self.gen_length
         self.temperature, self.remasking = float(temperature), remasking
         self.max_length = self.model.config.max_position_embeddings
+        # --apply_chat_template: the template of this tokenizer directory (None: the recorded one),
+        # loaded on first use, so checkpoints without a chat tokenizer evaluate as before.
+        self.chat_tokenizer_dir = tokenizer
+        self._chat_tok = None
+        # A generation ends at EOS / end-of-turn (lm-eval's HF model adds EOS to every `until` too).
+        vocab = self.tokenizer.vocab
+        self.stop_ids = {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab} | {self.tokenizer.eod}
 
     # ------------------------------------------------------------------ encoding
     def _split(self, context: str, continuation: str) -> Tuple[List[int], List[int]]:
@@ -195,13 +206,46 @@ class MegaDLMsLM(LM):
                 cfg_scale=self.cfg_scale,
                 seed=self.seed,
             )[0, len(prompt) :].tolist()
-            text = self.tokenizer.detokenize(ids)
+            text = self.tokenizer.detokenize(cut_at_stop(ids, self.stop_ids))
             # The sampler has no stop sequences (all positions are decoded at once): cut after the fact.
             for stop in until:
                 if stop and stop in text:
                     text = text[: text.index(stop)]
             out.append(text)
         return out
+
+    # ------------------------------------------------------------------ chat (--apply_chat_template)
+    @property
+    def chat_tokenizer(self):
+        """The transformers tokenizer whose chat template lm-eval applies (loaded once)."""
+        if self._chat_tok is None:
+            self._chat_tok = load_chat_tokenizer(chat_tokenizer_dir(self.chat_tokenizer_dir, self.common))
+        return self._chat_tok
+
+    @property
+    def tokenizer_name(self) -> str:
+        """The chat tokenizer's directory as one name (lm-eval keys its request cache by it)."""
+        return str(self.chat_tokenizer.name_or_path).replace("/", "__")
+
+    def chat_template(self, chat_template=False) -> Optional[str]:
+        """The template lm-eval records for --apply_chat_template (None: no template asked for);
+        a name picks one of a tokenizer's named templates."""
+        if chat_template is False or chat_template is None:
+            return None
+        template = self.chat_tokenizer.chat_template
+        if isinstance(template, dict):
+            name = chat_template if isinstance(chat_template, str) else "default"
+            if name not in template:
+                raise ValueError(f"chat template {name!r} is not one of {sorted(template)}")
+            return template[name]
+        return template
+
+    def apply_chat_template(self, chat_history: List[dict], add_generation_prompt: bool = True) -> str:
+        """The conversation rendered as text with the chat template; the requests then tokenize
+        it as any context (the template's special tokens become their ids)."""
+        return self.chat_tokenizer.apply_chat_template(
+            chat_history, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
 
 
 def main() -> None:

@@ -5,8 +5,9 @@ DIR receives ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shar
 ``model.safetensors.index.json``), ``config.json`` (``model_type`` "megadlms", ``auto_map``
 to the bundled ``modeling_megadlms.py`` for AutoConfig, AutoModel, AutoModelForCausalLM and
 AutoModelForMaskedLM, ``mask_token_id``), ``generation_config.json`` (the sampler
-settings), the modeling and sampler files and the tokenizer files. Load it as MegaDLMs'
-examples/dlm_generation/dlm_inference.py does:
+settings), the modeling and sampler files and the tokenizer files (with the chat template
+and the special tokens it uses, when the run's tokenizer directory has one). Load it as
+MegaDLMs' examples/dlm_generation/dlm_inference.py does:
 
     AutoModelForCausalLM.from_pretrained(DIR, torch_dtype="auto", trust_remote_code=True)
 
@@ -49,6 +50,7 @@ REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
 REMOTE_FILES = ("modeling_megadlms.py", "generation_megadlms.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EMBEDDING_KEY = "model/embedding.word_embeddings.weight"
+SPECIAL_IDS = ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
 def hf_config(cfg: TransformerConfig, special: Dict[str, Optional[int]], dtype: torch.dtype) -> dict:
@@ -85,6 +87,7 @@ def hf_config(cfg: TransformerConfig, special: Dict[str, Optional[int]], dtype: 
         "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
         "initializer_range": cfg.init_method_std,
         "mask_token_id": special.get("mask_token_id"),
+        "bos_token_id": special.get("bos_token_id"),
         "eos_token_id": special.get("eos_token_id"),
         "pad_token_id": special.get("pad_token_id"),
         "dtype": str(dtype).replace("torch.", ""),
@@ -205,7 +208,7 @@ def export_hf(
         json.dump(config, f, indent=2)
     with open(os.path.join(output, "generation_config.json"), "w") as f:
         json.dump(
-            {**generation, **{k: special.get(k) for k in ("mask_token_id", "eos_token_id", "pad_token_id")}},
+            {**generation, **{k: special.get(k) for k in SPECIAL_IDS}},
             f,
             indent=2,
         )

@@ -45,40 +45,78 @@ def byte_tokenizer_json(path: str) -> None:
     tok.save(path)
 
 
+# Special-token roles a source tokenizer_config.json declares and the export keeps: a chat template
+# writes bos_token / eos_token by name, so the export must resolve them to the same tokens.
+KEPT_ROLES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def source_tokenizer_settings(tokenizer_path: str) -> dict:
+    """The chat template and special-token roles of the tokenizer directory holding
+    ``tokenizer_path`` (its tokenizer_config.json, and transformers 5's chat_template.jinja
+    beside it); {} when there is neither."""
+    src = os.path.dirname(os.path.abspath(tokenizer_path))
+    out: dict = {}
+    config_path = os.path.join(src, "tokenizer_config.json")
+    if os.path.isfile(config_path):
+        with open(config_path) as f:
+            config = json.load(f)
+        for role in KEPT_ROLES:
+            value = config.get(role)
+            # An AddedToken is stored as {"content": "<s>", ...}: only the string names the token.
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                out[role] = value
+        if config.get("chat_template"):
+            out["chat_template"] = config["chat_template"]
+    jinja = os.path.join(src, "chat_template.jinja")
+    if "chat_template" not in out and os.path.isfile(jinja):
+        with open(jinja) as f:
+            out["chat_template"] = f.read()
+    return out
+
+
 def write_tokenizer_files(tokenizer, tokenizer_record: dict, out_dir: str, model_max_length: int) -> dict:
     """Write tokenizer.json + tokenizer_config.json for the run's tokenizer into ``out_dir``;
-    returns the special-token ids ({"eos_token_id", "pad_token_id", "mask_token_id"})."""
+    returns the special-token ids ({"bos_token_id", "eos_token_id", "pad_token_id",
+    "mask_token_id"}, None where the tokenizer has no such token).
+
+    A Hugging Face tokenizer's chat template and the special tokens its directory declares
+    (bos / eos / unk / pad) are kept, so ``AutoTokenizer.from_pretrained(out_dir)
+    .apply_chat_template(...)`` renders the conversations the run was trained on."""
     path = os.path.join(out_dir, "tokenizer.json")
     kind = tokenizer_record.get("tokenizer_type", "ByteTokenizer")
+    source: dict = {}
     if kind == "ByteTokenizer":
         byte_tokenizer_json(path)
     elif kind == "HuggingFaceTokenizer":
         shutil.copyfile(tokenizer.path, path)
+        source = source_tokenizer_settings(tokenizer.path)
     else:
         raise ValueError(f"cannot export tokenizer_type {kind!r}")
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(path)
-    ids = {
-        # Tokenizers without an eod / mask raise RuntimeError: those roles are left out, not guessed.
-        "eos_token_id": _optional(lambda: tokenizer.eod),
-        "pad_token_id": tokenizer.pad,
-        "mask_token_id": _optional(lambda: tokenizer.mask_token_id),
-    }
-    config = {
+    config: dict = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": model_max_length,
         "clean_up_tokenization_spaces": False,
     }
-    for role, key in (
-        ("eos_token", "eos_token_id"),
-        ("pad_token", "pad_token_id"),
-        ("mask_token", "mask_token_id"),
+    # Tokenizers without an eod / mask raise RuntimeError: those roles are left out, not guessed.
+    for role, tid in (
+        ("eos_token", _optional(lambda: tokenizer.eod)),
+        ("pad_token", tokenizer.pad),
+        ("mask_token", _optional(lambda: tokenizer.mask_token_id)),
     ):
-        if ids[key] is not None:
-            config[role] = tok.id_to_token(ids[key])
+        if tid is not None:
+            config[role] = tok.id_to_token(tid)
+    # The source directory's own declarations win over the names megadlms found by search (the mask
+    # stays the run's: it is the token the model was trained to denoise).
+    config.update(source)
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
+    ids = {}
+    for role in ("bos_token", "eos_token", "pad_token", "mask_token"):
+        ids[f"{role}_id"] = tok.token_to_id(config[role]) if role in config else None
     return ids
 
 

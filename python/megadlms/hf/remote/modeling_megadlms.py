@@ -17,7 +17,8 @@ script) is accepted and maps to it, with one warning.
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Mapping
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -265,7 +266,7 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
     @torch.no_grad()
     def generate(
         self,
-        input_ids: torch.Tensor,
+        input_ids: Union[torch.Tensor, Mapping],
         attention_mask: Optional[torch.Tensor] = None,
         *,
         mask_id: Optional[int] = None,
@@ -274,7 +275,8 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
         verbose: bool = False,
         **kwargs,
     ) -> torch.Tensor:
-        """Complete (left-padded) ``input_ids`` [b, P] -> [b, P + gen_length] with LLaDA's sampler.
+        """Complete (left-padded) ``input_ids`` [b, P] -> [b, P + gen_length] with LLaDA's sampler
+        (``input_ids`` may also be a tokenizer's output holding input_ids and attention_mask).
 
         Keyword arguments under MegaDLMs' names (``sample_steps``, ``inference_block_size``,
         ``max_new_tokens`` or ``max_length``, ``cfg``, ``remasking``, ``temperature``,
@@ -284,6 +286,7 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
         ``generation_defaults``), then temperature 0, and the model's positions after the
         prompt as MegaDLMs. ``verbose``: one line per finished block on stderr.
         """
+        input_ids, attention_mask = _unpack_inputs(input_ids, attention_mask)
         unknown = sorted(k for k in kwargs if k not in IGNORED and k not in _GENERATE_NAMES)
         if unknown:
             logger.warning_once(f"megadlms export: generate ignores {unknown}")
@@ -313,6 +316,17 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
             return diffusion_generate(self, input_ids, attention_mask, s, mask_id, generator, verbose)
         finally:
             self.train(was_training)
+
+
+def _unpack_inputs(
+    inputs: Union[torch.Tensor, Mapping], attention_mask: Optional[torch.Tensor]
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(input_ids, attention_mask) from a tensor or a tokenizer's output: transformers 5's
+    ``apply_chat_template(..., return_tensors="pt")`` returns a BatchEncoding (input_ids +
+    attention_mask), which ``generate`` takes as is."""
+    if not isinstance(inputs, Mapping):
+        return inputs, attention_mask
+    return inputs["input_ids"], inputs.get("attention_mask") if attention_mask is None else attention_mask
 
 
 _GENERATE_NAMES = (
