@@ -261,7 +261,10 @@ def test_bad_rows_raise_or_are_skipped_and_counted(tmp_path, tok_dir):
     code = preprocess_sft_main(
         ["--input", path, "--output-prefix", str(tmp_path / "p"), "--tokenizer-model", tok_dir]
     )
-    assert code == 1
+    assert code == 1 and not list(tmp_path.glob("p*"))  # nothing half-written is left
+    bad_json = _write_jsonl(tmp_path / "j.jsonl", ["", "{not json"])
+    with pytest.raises(ValueError, match=f"^{bad_json}:2: not valid JSON"):
+        open_conversations(bad_json, tok_dir)
 
 
 def test_cache_is_hit_on_the_second_build(tmp_path, tok_dir, monkeypatch):

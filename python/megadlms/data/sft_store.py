@@ -15,6 +15,7 @@ Both are memory-mapped on read (:class:`IndexedConversations`). A store answers
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -120,18 +121,23 @@ def _init_worker(tokenizer_dir: str, skip_invalid: bool) -> None:
     _worker_state.update(tok=load_chat_tokenizer(tokenizer_dir), skip_invalid=skip_invalid)
 
 
-def _encode(item: Tuple[str, str]) -> Optional[List[Sample]]:
+def _encode_row(tok: Any, skip_invalid: bool, item: Tuple[str, str]) -> Optional[List[Sample]]:
     where, line = item
     try:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as exc:
             raise ValueError(f"{where}: not valid JSON ({exc.msg})") from None
-        return conversation_samples(_worker_state["tok"], row, where)
+        return conversation_samples(tok, row, where)
     except ValueError:
-        if _worker_state["skip_invalid"]:
-            return None  # counted by the writer
+        if skip_invalid:
+            return None  # counted by the caller
         raise
+
+
+def _encode(item: Tuple[str, str]) -> Optional[List[Sample]]:
+    """Pool workers' entry: the tokenizer is loaded once per worker (_init_worker), not pickled per row."""
+    return _encode_row(_worker_state["tok"], _worker_state["skip_invalid"], item)
 
 
 def _rows(path: str) -> Iterator[Tuple[str, str]]:
@@ -146,11 +152,8 @@ def _tokenized(
 ) -> Iterator[Optional[List[Sample]]]:
     """The samples of each row of ``input_path`` in order (None for a row skip_invalid dropped)."""
     if workers <= 1:
-        _init_worker(tokenizer_dir, skip_invalid)
-        try:
-            yield from map(_encode, _rows(input_path))
-        finally:
-            _worker_state.clear()
+        encode = functools.partial(_encode_row, load_chat_tokenizer(tokenizer_dir), skip_invalid)
+        yield from map(encode, _rows(input_path))
         return
     pool = multiprocessing.get_context().Pool(
         workers, initializer=_init_worker, initargs=(tokenizer_dir, skip_invalid)
