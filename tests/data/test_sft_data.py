@@ -6,13 +6,16 @@ import json
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megadlms.data import chat, sft_store
 from megadlms.data.chat import chat_prompt_ids, conversation_samples, load_chat_tokenizer
 from megadlms.data.preprocess_sft import main as preprocess_sft_main
+from megadlms.data.sampler import build_pretraining_data_loader
 from megadlms.data.sft import SFTDataset, build_sft_datasets, open_conversations, truncate_sample
 from megadlms.data.tokenizers import HuggingFaceTokenizer
-from tests.data.sft_fixtures import end_of_turn_token, make_chat_tokenizer
+from tests.data.sft_fixtures import WORDS, end_of_turn_token, make_chat_tokenizer
 
 QA = [
     {"role": "system", "content": "you are a helpful bot ."},
@@ -355,3 +358,52 @@ def test_separate_train_and_valid_paths(tmp_path, tok_dir):
             train_samples=1,
             valid_samples=0,
         )
+
+
+def test_the_pretraining_loader_batches_sft_items_in_worker_processes(tmp_path, tok_dir):
+    """The trainer's loader (PretrainingSampler + default collate) over packed items read from
+    a preprocessed prefix by worker processes (the mmapped store pickles by path)."""
+    path = _write_jsonl(tmp_path / "l.jsonl", _rows(10))
+    prefix = str(tmp_path / "l")
+    argv = ["--input", path, "--output-prefix", prefix, "--tokenizer-model", tok_dir]
+    assert preprocess_sft_main(argv) == 0
+    train, _ = build_sft_datasets(
+        data_path=prefix,
+        split="1,0,0",
+        tokenizer_model=tok_dir,
+        seq_length=40,
+        seed=0,
+        train_samples=8,
+        valid_samples=0,
+        packing=True,
+    )
+    loader = build_pretraining_data_loader(train, 0, 4, 0, 1, num_workers=1)
+    batches = list(loader)
+    assert len(batches) == 2 and batches[1]["sample_idx"].tolist() == [4, 5, 6, 7]
+    b = batches[0]
+    assert b["answer_mask"].shape == (4, 40) and b["answer_mask"].dtype == torch.bool
+    assert b["document_ids"].shape == (4, 40) and torch.equal(b["tokens"][2], train[2]["tokens"])
+
+
+_CONTENT = st.lists(st.sampled_from(WORDS[1:]), min_size=1, max_size=6).map(" ".join)
+_TURNS = st.lists(st.tuples(_CONTENT, _CONTENT), min_size=1, max_size=4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(system=st.one_of(st.none(), _CONTENT), turns=_TURNS)
+def test_answer_mask_over_random_dialogues(tok, tok_dir, system, turns):
+    """For any dialogue: one sample per assistant turn, whose answer is exactly that turn's
+    words and the end-of-turn token, placed right after the generation prompt."""
+    msgs = [] if system is None else [{"role": "system", "content": system}]
+    eot = end_of_turn_token("llada" if "llada" in tok_dir else "qwen")
+    expected = []
+    for user, answer in turns:
+        msgs += [{"role": "user", "content": user}]
+        expected.append((list(msgs), answer))
+        msgs += [{"role": "assistant", "content": answer}]
+    samples = conversation_samples(tok, msgs, "h:1")
+    assert len(samples) == len(turns)
+    for (ids, mask), (history, answer) in zip(samples, expected):
+        prompt = chat_prompt_ids(tok, history)
+        assert ids[: len(prompt)] == prompt and mask.index(True) == len(prompt)
+        assert [w for w, a in zip(_words(tok, ids), mask) if a] == answer.split() + [eot]
