@@ -407,3 +407,17 @@ def test_answer_mask_over_random_dialogues(tok, tok_dir, system, turns):
         prompt = chat_prompt_ids(tok, history)
         assert ids[: len(prompt)] == prompt and mask.index(True) == len(prompt)
         assert [w for w, a in zip(_words(tok, ids), mask) if a] == answer.split() + [eot]
+
+
+def test_template_text_after_the_end_of_turn_is_prompt(tmp_path):
+    """ChatML writes a newline after <|im_end|>: tokens after the end-of-turn special token
+    are template (prompt), not answer. Here the template writes a visible word there."""
+    tok = load_chat_tokenizer(make_chat_tokenizer(tmp_path / "q", "qwen"))
+    tok.chat_template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + ' ' + m['content'] + '<|im_end|>' + ' good ' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant ' }}{% endif %}"
+    )
+    [(ids, answer)] = conversation_samples(tok, QA, "q:1")
+    words = _words(tok, ids)
+    assert words[-2:] == ["<|im_end|>", "good"]
+    assert [w for w, a in zip(words, answer) if a] == ["three", ".", "<|im_end|>"]
