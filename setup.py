@@ -222,6 +222,7 @@ setup(
             "megadlms-pretrain=megadlms.pretrain:main",
             "megadlms-generate=megadlms.generate:main",
             "megadlms-preprocess=megadlms.data.preprocess:main",
+            "megadlms-preprocess-sft=megadlms.data.preprocess_sft:main",
             "megadlms-export-hf=megadlms.hf.export:main",
             "megadlms-import-hf=megadlms.hf.import_cli:main",
             "megadlms-lm-eval=megadlms.eval.lm_eval_adapter:main",

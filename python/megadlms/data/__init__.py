@@ -1,4 +1,5 @@
-"""megadlms.data: tokenizers, Megatron .bin/.idx datasets, GPT samples, blends, samplers.
+"""megadlms.data: tokenizers, Megatron .bin/.idx datasets, GPT samples, blends, samplers,
+SFT conversations (chat templates, answer masks).
 
 Knows nothing about models, diffusion or distribution: the training loop builds the
 datasets with ``build_pretraining_datasets`` and feeds them through ``PretrainingSampler``.
@@ -10,6 +11,7 @@ from .corpus import kjv_jsonl_path
 from .gpt_dataset import GPTDataset, MockGPTDataset
 from .indexed_dataset import DTYPE_CODES, IndexedDataset, IndexedDatasetBuilder
 from .sampler import PretrainingSampler, build_pretraining_data_loader
+from .sft import SFTDataset, build_sft_datasets
 from .tokenizers import ByteTokenizer, HuggingFaceTokenizer, TokenizerConfig, build_tokenizer
 
 __all__ = [
@@ -32,4 +34,6 @@ __all__ = [
     "PretrainingSampler",
     "build_pretraining_data_loader",
     "kjv_jsonl_path",
+    "SFTDataset",
+    "build_sft_datasets",
 ]
