@@ -28,7 +28,7 @@ SPAWNERS = ("run_distributed", "_Pool")
 # lists cover all of them).
 NOT_SPAWNERS: tuple = ("shutdown_pool",)  # stops the pool at session end; starts nothing
 # gpu-check: `make gpu-check` runs tools/gpu_check.sh, which starts the benchmark and the test runs.
-LAUNCHER_TEXT = ("torch.distributed.run", "torchrun", "demo.sh", "gpu-check")
+LAUNCHER_TEXT = ("torch.distributed.run", "torchrun", "demo.sh", "sft.sh", "gpu-check")
 
 # node id -> what it smokes (one multi-rank test per wrapper and per parallel dimension).
 SMOKE = {

@@ -149,8 +149,9 @@ def test_items_pad_with_eod_as_answer(tmp_path, tok, tok_dir):
     assert len(ds) == 3 and ds.num_truncated == 0
     [(ids, answer)] = conversation_samples(tok, QA, "w")
     item = ds[1]
-    seq = np.array(ids + [eod] * (33 - len(ids)))
-    ans = np.array(answer + [True] * (33 - len(ids)))
+    # a leading eod (the autoregressive input's first token), the sample from labels[0], eod padding
+    seq = np.array([eod] + ids + [eod] * (32 - len(ids)))
+    ans = np.array([False] + answer + [True] * (32 - len(ids)))
     assert torch.equal(item["tokens"], torch.from_numpy(seq[:-1])) and torch.equal(
         item["labels"], torch.from_numpy(seq[1:])
     )
@@ -171,7 +172,7 @@ def test_items_pad_with_eod_as_answer(tmp_path, tok, tok_dir):
 
 def test_long_conversations_are_truncated_and_counted(tmp_path, tok, tok_dir):
     ds, store, _ = _dataset(tmp_path, tok_dir, [{"messages": TWO_TURNS}], 12, n=2)
-    assert ds.num_truncated == 2  # both turns are longer than 13 tokens
+    assert ds.num_truncated == 2  # both turns are longer than 12 tokens
     assert ds.num_answer_truncated == 0
     for i in range(2):
         item = ds[i]
@@ -184,16 +185,15 @@ def test_long_conversations_are_truncated_and_counted(tmp_path, tok, tok_dir):
             and item["answer_mask"].tolist() == ans[-12:].tolist()
         )
         assert len(ids) - start <= 12
-    # S + 1 = 5: the second turn's answer (8 tokens + end-of-turn) loses its end, the first keeps it whole
+    # S = 4: the second turn's answer (8 tokens + end-of-turn) loses its end, the first keeps it whole
     ds, store, _ = _dataset(tmp_path, tok_dir, [{"messages": TWO_TURNS}], 4, n=2)
     assert ds.num_answer_truncated == 1
     for i in range(2):
         s = int(ds.order[i])
         ids, ans = store.tokens(s), store.answer(s)
-        text = torch.cat([ds[i]["tokens"], ds[i]["labels"][-1:]]).tolist()
         start = int(np.argmax(ans))
-        expected = ids[start : start + 5] if len(ids) - start > 5 else ids[-5:]
-        assert text == expected.tolist()
+        expected = ids[start : start + 4] if len(ids) - start > 4 else ids[-4:]
+        assert ds[i]["labels"].tolist() == expected.tolist()
 
 
 def test_epochs_repeat_and_shuffle_like_gpt_dataset(tmp_path, tok_dir):
@@ -218,18 +218,21 @@ def test_packing_document_ids_and_positions(tmp_path, tok_dir):
         item = ds[r]
         samples = ds.order[ds.row_starts[r] : ds.row_starts[r + 1]]
         lengths = [int(store.sequence_lengths[s]) for s in samples]
-        assert sum(lengths) <= 49 and len(samples) >= 1
+        assert sum(lengths) <= 48 and len(samples) >= 1
         multi += len(samples) > 1
         seq = np.concatenate([store.tokens(s) for s in samples])
-        assert item["tokens"][: len(seq)].tolist() == seq[:48].tolist()
-        # labels[j] belongs to the conversation of text[j + 1]; positions restart per conversation
+        assert item["labels"][: len(seq)].tolist() == seq.tolist()
+        # the row: a leading eod (conversation 0's), the samples, the padding (the last one's);
+        # labels[j] is row[j + 1]; positions (of tokens = row[:-1]) restart per conversation
         conv = np.concatenate(
-            [np.full(n, k) for k, n in enumerate(lengths)] + [np.full(49 - len(seq), len(lengths) - 1)]
+            [[0]]
+            + [np.full(n, k) for k, n in enumerate(lengths)]
+            + [np.full(48 - len(seq), len(lengths) - 1)]
         )
         assert item["document_ids"].tolist() == conv[1:].tolist()
-        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        expected_pos = np.arange(48) - starts[conv[:-1]]
-        assert item["position_ids"].tolist() == expected_pos.tolist()
+        first = {k: int(np.argmax(conv == k)) for k in set(conv.tolist())}
+        expected_pos = [j - first[int(conv[j])] for j in range(48)]
+        assert item["position_ids"].tolist() == expected_pos
         assert item["answer_mask"][len(seq) - 1 :].all()  # the tail padding is answer
     assert multi > 0
     # one conversation per row is the unpacked item

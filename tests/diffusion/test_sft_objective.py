@@ -128,6 +128,8 @@ def test_normalisations_counts_and_validation():
     assert loss_token_count(batch, None, _config()).item() == 4.0  # 'sample': the rows
     tok = _config(sft_loss_normalization="token")
     assert loss_token_count(batch, None, tok).item() == float(answer.sum())
+    # validation counts answer tokens (the NELBO per answer token) whatever the normalisation
+    assert loss_token_count(batch, None, _config(), validation=True).item() == float(answer.sum())
     weights = training_inputs(batch, _config()).targets["loss_mask"]
     assert torch.allclose(weights.sum(dim=1), torch.ones(4))
     # validation: the answer NELBO per answer token, the prompt clean

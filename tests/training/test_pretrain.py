@@ -259,7 +259,10 @@ def test_fsdp2_resume_and_cross_wrapper_resharding(tmp_path, ddp_runs):
     # --finetune starts a new run from the weights; the time limit saves and stops; AR mode
     # trains; a checkpoint of another width is refused naming the field and its flag
     assert sorted(dist1["finetune"].losses) == [1, 2, 3, 4]
-    assert sorted(dist1["pretrained"].losses) == [1, 2] and sorted(dist1["pretrained_restart"].losses) == [3, 4]
+    assert sorted(dist1["pretrained"].losses) == [1, 2] and sorted(dist1["pretrained_restart"].losses) == [
+        3,
+        4,
+    ]
     assert dist1["pretrained"].losses[1] == dist1["finetune"].losses[1]  # the same weights, the same batch
     assert dist1["duration"].exit_reason == "exit_duration" and dist1["duration"].iteration == 1
     assert (tmp_path / "dur" / "latest_checkpointed_iteration.txt").read_text() == "1"

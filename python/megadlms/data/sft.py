@@ -1,19 +1,21 @@
 """Supervised fine-tuning samples over tokenized conversations (LLaDA's SFT layout).
 
 An item has GPTDataset's shape plus the answer mask. With ``seq`` the sample's ids (history
-+ one assistant turn, data/chat.py) padded to ``seq_length + 1`` with the tokenizer's eod,
-the padding being ANSWER (LLaDA: the model learns where to stop):
++ one assistant turn, data/chat.py, BOS first) padded to ``seq_length`` with the tokenizer's
+eod, the padding being ANSWER (LLaDA: the model learns where to stop):
 
-    tokens       int64[S]   seq[:-1]
-    labels       int64[S]   seq[1:]
-    answer_mask  bool[S]    answer(seq)[1:]        (aligned with labels)
+    labels       int64[S]   seq: the conversation as the template renders it, from position 0
+    tokens       int64[S]   [eod] + seq[:-1] (the shifted input of the autoregressive mode)
+    answer_mask  bool[S]    answer(seq)            (aligned with labels)
     loss_mask    float32[S] answer_mask as 1.0 / 0.0
     position_ids int64[S]   0..S-1 (packing: restarting at each conversation)
     sample_idx   int64      the global sample index (seeds the diffusion noise)
     document_ids int64[S]   packing only: the conversation of each labels position, as
                             data/packing.py's ``document_ids``
 
-A sample longer than ``S + 1`` loses the start of its prompt (never the answer's start);
+The diffusion objective reads ``labels`` (--sft needs --difflm-objective llada), so the model
+sees a conversation exactly as generation feeds it (megadlms-generate --chat): BOS at position 0.
+A sample longer than ``S`` loses the start of its prompt (never the answer's start);
 when the answer alone is longer, the prompt goes and the answer's end is cut. Both are
 counted (``num_truncated``, ``num_answer_truncated``) for the trainer to log.
 
@@ -108,12 +110,12 @@ class SFTDataset(torch.utils.data.Dataset):
             )
         self.skipped = int(getattr(store, "skipped", 0))
         lengths = np.asarray(store.sequence_lengths, dtype=np.int64)[self.sample_ids]
-        long = self.sample_ids[lengths > self.seq_length + 1]
+        long = self.sample_ids[lengths > self.seq_length]
         self.num_truncated = len(long)
         self.num_answer_truncated = sum(
             1
             for i in long
-            if int(store.sequence_lengths[i]) - int(np.argmax(store.answer(i))) > self.seq_length + 1
+            if int(store.sequence_lengths[i]) - int(np.argmax(store.answer(i))) > self.seq_length
         )
         self.num_samples = num_samples
         rng = np.random.RandomState(self.seed)
@@ -133,7 +135,7 @@ class SFTDataset(torch.utils.data.Dataset):
 
     def _pack(self, rng: np.random.RandomState) -> Tuple[np.ndarray, np.ndarray]:
         # Greedy, in the shuffled order, one epoch at a time until num_samples rows are complete.
-        limit = self.seq_length + 1
+        limit = self.seq_length
         lengths = np.minimum(np.asarray(self.store.sequence_lengths, dtype=np.int64), limit)
         order: List[np.ndarray] = []
         starts, pos, fill = [0], 0, 0
@@ -158,10 +160,11 @@ class SFTDataset(torch.utils.data.Dataset):
     def _sample(self, s: int) -> Tuple[np.ndarray, np.ndarray]:
         ids = np.asarray(self.store.tokens(s), dtype=np.int64)
         answer = np.asarray(self.store.answer(s), dtype=bool)
-        return truncate_sample(ids, answer, self.seq_length + 1)
+        return truncate_sample(ids, answer, self.seq_length)
 
     def row(self, idx: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Row ``idx`` as (ids, answer, conversation number) over ``seq_length + 1`` tokens."""
+        """Row ``idx`` as (ids, answer, conversation number) over ``seq_length + 1`` tokens: a
+        leading eod (the autoregressive input's first token, never a label) and the samples."""
         samples = (
             self.order[self.row_starts[idx] : self.row_starts[idx + 1]]
             if self.packing
@@ -171,11 +174,11 @@ class SFTDataset(torch.utils.data.Dataset):
         ids = np.concatenate([p[0] for p in parts])
         answer = np.concatenate([p[1] for p in parts])
         conv = np.concatenate([np.full(len(p[0]), k, dtype=np.int64) for k, p in enumerate(parts)])
-        pad = self.seq_length + 1 - len(ids)
+        pad = self.seq_length - len(ids)
         # eod padding is answer and belongs to the last conversation: the model learns to stop.
-        ids = np.concatenate([ids, np.full(pad, self.eod, dtype=np.int64)])
-        answer = np.concatenate([answer, np.ones(pad, dtype=bool)])
-        conv = np.concatenate([conv, np.full(pad, len(parts) - 1, dtype=np.int64)])
+        ids = np.concatenate([[self.eod], ids, np.full(pad, self.eod, dtype=np.int64)])
+        answer = np.concatenate([[False], answer, np.ones(pad, dtype=bool)])
+        conv = np.concatenate([[0], conv, np.full(pad, len(parts) - 1, dtype=np.int64)])
         return ids, answer, conv
 
     def __getitem__(self, idx: int) -> Dict[str, torch.Tensor]:

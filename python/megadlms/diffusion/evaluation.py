@@ -54,7 +54,7 @@ def validation_nelbo(
                 # The K draws are averaged into the sum while the tokens are counted once: K copies estimate
                 # one sequence's NELBO, they are not K more sequences.
                 total += loss_sum.double().item() / k
-            count += loss_token_count(batch, None, config).double().item()
+            count += loss_token_count(batch, None, config, validation=True).double().item()
     finally:
         model.train(was_training)
     if count <= 0:

@@ -212,17 +212,23 @@ def validation_inputs(batch: Batch, config: DiffusionConfig, draw: int, num_draw
 
 
 def loss_token_count(
-    batch: Batch, crop: Optional[int] = None, config: Optional[DiffusionConfig] = None
+    batch: Batch,
+    crop: Optional[int] = None,
+    config: Optional[DiffusionConfig] = None,
+    *,
+    validation: bool = False,
 ) -> torch.Tensor:
     """Loss tokens of ``batch`` after an optional crop to ``crop`` positions (0-d fp32), the
     count ``compute_loss`` returns; the trainer sums it over the step before the forward.
-    With a difflm-noshift ``config`` its objective's inputs are counted (MegaDLMs': L-1)."""
+    With a difflm-noshift ``config`` its objective's inputs are counted (MegaDLMs': L-1).
+    Fine-tuning counts what its weights sum to: the rows ('sample') or the answer tokens
+    ('token', and always for ``validation``: the NELBO per answer token)."""
     if config is not None and config.diffusion:
         # The same objective_inputs as the loss, so the counted N is exactly the tokens the losses sum over.
         inputs = objective_inputs(batch, config, crop)
         if config.sft:  # what the fine-tuning weights sum to: rows ('sample') or answer tokens
             answer = _answer(inputs).to(torch.float32)
-            if config.sft_loss_normalization is SFTLossNormalization.TOKEN:
+            if validation or config.sft_loss_normalization is SFTLossNormalization.TOKEN:
                 return answer.sum()
             return (answer.sum(dim=1) > 0).to(torch.float32).sum()
         return num_tokens(inputs["clean"], inputs["loss_mask"])

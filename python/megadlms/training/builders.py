@@ -7,12 +7,14 @@ wrapper, optimizer, schedule, datasets, loaders). The wrapper class is chosen in
 
 from __future__ import annotations
 
+import logging
 from typing import Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 
 from megadlms.config import DataConfig, LRScheduleConfig, RunConfig, fsdp_mixed_precision
-from megadlms.data import build_pretraining_data_loader, build_pretraining_datasets
+from megadlms.data import build_pretraining_data_loader, build_pretraining_datasets, build_sft_datasets
 from megadlms.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -34,6 +36,9 @@ __all__ = [
     "device_for_rank",
     "wrap_model",
 ]
+
+
+_log = logging.getLogger(__name__)
 
 
 def device_for_rank() -> torch.device:
@@ -146,21 +151,7 @@ def build_datasets(
     """(train, valid) datasets with the given numbers of samples; (train, valid, test) with
     ``with_test`` (--sft: conversations, no test split)."""
     if data.sft:
-        train, valid = build_sft_datasets(
-            data_path=data.data_path,
-            split=data.split,
-            train_data_path=data.train_data_path,
-            valid_data_path=data.valid_data_path,
-            tokenizer_model=data.tokenizer.tokenizer_model,
-            seq_length=seq_length,
-            seed=seed,
-            train_samples=train_samples,
-            valid_samples=valid_samples,
-            packing=data.sft_sequence_packing,
-            skip_invalid=data.sft_skip_invalid_rows,
-            cache_dir=data.data_cache_path,
-        )
-        return (train, valid, None) if with_test else (train, valid)
+        return _sft_datasets(data, seq_length, seed, train_samples, valid_samples, with_test)
     train, valid, test = build_pretraining_datasets(
         data_path=data.data_path,
         train_data_path=data.train_data_path,
@@ -178,6 +169,44 @@ def build_datasets(
         mock=data.mock_data,
     )
     return (train, valid, test) if with_test else (train, valid)
+
+
+def _sft_datasets(data: DataConfig, seq_length, seed, train_samples, valid_samples, with_test):
+    """--sft's (train, valid[, None]): conversations through the tokenizer's chat template. With a
+    cache directory rank 0 tokenizes first and the others then read its cache (no rank
+    tokenizes twice; the writes are atomic either way)."""
+    assert data.tokenizer.tokenizer_model is not None  # --sft's rule (config/rules.py)
+
+    def build():
+        return build_sft_datasets(
+            data_path=data.data_path,
+            split=data.split,
+            train_data_path=data.train_data_path,
+            valid_data_path=data.valid_data_path,
+            tokenizer_model=data.tokenizer.tokenizer_model,
+            seq_length=seq_length,
+            seed=seed,
+            train_samples=train_samples,
+            valid_samples=valid_samples,
+            packing=data.sft_sequence_packing,
+            skip_invalid=data.sft_skip_invalid_rows,
+            cache_dir=data.data_cache_path,
+        )
+
+    shared_cache = data.data_cache_path and dist.is_initialized() and dist.get_world_size() > 1
+    train = valid = None
+    if not shared_cache or dist.get_rank() == 0:
+        train, valid = build()
+    if shared_cache:
+        dist.barrier()
+        if dist.get_rank() != 0:
+            train, valid = build()
+    if train is not None:  # (INFO reaches the log on rank 0 only)
+        _log.info(
+            f"sft data: {len(train)} training samples ({train.num_truncated} truncated from the prompt's "
+            f"start, {train.num_answer_truncated} in the answer; {train.skipped} invalid rows skipped)"
+        )
+    return (train, valid, None) if with_test else (train, valid)
 
 
 def build_loader(

@@ -216,5 +216,5 @@ class PipelineRunner:
         # Under context parallelism every cp rank sees the whole micro-batch: cp rank 0 counts it.
         tokens = 0.0
         for b in batches if self.cp is None or self.cp.rank == 0 else ():
-            tokens += float(loss_token_count(b, None, cfg).double())
+            tokens += float(loss_token_count(b, None, cfg, validation=True).double())
         return ValidationSums(loss_sum=float(sum(float(x) for x in losses)), num_tokens=tokens)
