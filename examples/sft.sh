@@ -32,7 +32,7 @@ MODEL=(--num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 24
   --disable-bias-linear --untie-embeddings-and-output-weights --attention-dropout 0.0 --hidden-dropout 0.0
   --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$OUT/tokenizer" --difflm-objective llada)
 TRAIN=(--micro-batch-size 32 --global-batch-size 64 --lr 2e-3 --min-lr 1e-4 --lr-decay-style cosine
-  --lr-warmup-iters 20 --weight-decay 0.0 --clip-grad 1.0 --seed 1234 --num-workers 0
+  --lr-warmup-iters $(( ITERS >= 200 ? 20 : 0 )) --weight-decay 0.0 --clip-grad 1.0 --seed 1234 --num-workers 0
   --log-interval 100 --eval-interval 100000 --eval-iters 1)
 
 train() {  # NAME ITERS FLAGS...: train, save OUT/NAME, print the held-out exact match
