@@ -81,9 +81,10 @@ def make_data(out: str) -> None:
     print(f"{out}: {len(train)} training conversations, {len(held)} held-out ones (disjoint words)")
 
 
-def exact_match(ckpt: str, out: str, gen_length: int = 8) -> float:
+def exact_match(ckpt: str, out: str, gen_length: int = 8, threshold=None, stats=None) -> float:
     """Held-out exact match of the checkpoint's greedy low-confidence samples (the answer cut at
-    the end-of-turn token), one batch."""
+    the end-of-turn token), one batch; ``threshold``: Fast-dLLM's parallel decoding (``stats``
+    receives the forward passes, "nfe")."""
     import torch
 
     from megadlms.data.chat import chat_prompt_ids, load_chat_tokenizer
@@ -99,7 +100,8 @@ def exact_match(ckpt: str, out: str, gen_length: int = 8) -> float:
     with torch.no_grad():
         x = generate(
             model, prompts, mask_token_id=tokenizer.mask, gen_length=gen_length, steps=gen_length,
-            block_length=gen_length, temperature=0.0, remasking="low_confidence",
+            block_length=gen_length, temperature=0.0, remasking="low_confidence", threshold=threshold,
+            stats=stats,
         )  # fmt: skip
     right = 0
     for row, ids in zip(rows, x[:, prompts.shape[1] :].tolist()):
@@ -116,11 +118,16 @@ def main(argv=None) -> int:
     e = sub.add_parser("eval")
     e.add_argument("ckpt")
     e.add_argument("out")
+    e.add_argument("--threshold", type=float, default=None, help="parallel decoding (Fast-dLLM)")
     args = p.parse_args(argv)
     if args.cmd == "data":
         make_data(args.out)
-    else:
+    elif args.threshold is None:
         print(f"{100 * exact_match(args.ckpt, args.out):.1f}")
+    else:
+        stats: dict = {}
+        score = exact_match(args.ckpt, args.out, threshold=args.threshold, stats=stats)
+        print(f"{100 * score:.1f}% in {stats['nfe']} forward passes")
     return 0
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set
 
 import torch
 
@@ -51,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="which predictions to keep at each step (LLaDA)",
     )
     p.add_argument("--cfg-scale", type=float, default=0.0, help="classifier-free guidance scale")
+    p.add_argument(
+        "--threshold",
+        type=float,
+        default=None,
+        help="Fast-dLLM's parallel decoding: each step commits every masked token of the block whose "
+        "confidence reaches T (at least one); the forward passes used (NFE) are reported",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature / random remasking)")
     p.add_argument("--num-samples", type=int, default=1, help="completions of the same prompt")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
@@ -130,8 +137,11 @@ def sample_ids(
     cfg_scale: float = 0.0,
     seed: int = 0,
     num_samples: int = 1,
+    threshold: Optional[float] = None,
+    stats: Optional[Dict[str, int]] = None,
 ) -> torch.Tensor:
-    """The ``gen_length`` new token ids [num_samples, gen_length] (CPU) after prompt ``ids``."""
+    """The ``gen_length`` new token ids [num_samples, gen_length] (CPU) after prompt ``ids``;
+    ``threshold`` and ``stats`` (receives "nfe"): :func:`megadlms.diffusion.generate`'s."""
 
     device = next(model.parameters()).device
     max_len = model.config.max_position_embeddings
@@ -162,6 +172,8 @@ def sample_ids(
             remasking=remasking,
             cfg_scale=cfg_scale,
             seed=seed,
+            threshold=threshold,
+            stats=stats,
         )
     return out[:, len(ids) :].cpu()
 
@@ -248,6 +260,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         cfg_scale=args.cfg_scale,
         seed=args.seed,
         num_samples=args.num_samples,
+        threshold=args.threshold,
+        stats={},
     )
     try:
         if args.system is not None and not args.chat:
@@ -267,9 +281,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"megadlms-generate: error: {exc}", file=sys.stderr)
         return 2
+    nfe = sampling["stats"].get("nfe")
     print(
         f"# checkpoint {args.load} (iteration {common['iteration']}), "
-        f"{args.gen_length} tokens, {args.steps or args.gen_length} steps",
+        f"{args.gen_length} tokens, {args.steps or args.gen_length} steps"
+        + ("" if args.threshold is None else f", threshold {args.threshold}")
+        + ("" if nfe is None else f", NFE {nfe}"),
         file=sys.stderr,
     )
     for text in texts:

@@ -24,7 +24,7 @@ no probability from the confidences (LLaDA's released models have no padding row
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,11 @@ def _check_arguments(prompt, gen_length, steps, block_length, temperature, remas
         raise ValueError(f"temperature ({temperature}) and cfg_scale ({cfg_scale}) must be >= 0")
 
 
+def _check_threshold(threshold: Optional[float]) -> None:
+    if threshold is not None and not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must be in (0, 1] (a confidence), got {threshold}")
+
+
 def _denoise_step(
     model,
     x,
@@ -92,9 +97,12 @@ def _denoise_step(
     cfg_scale,
     generator,
     vocab_size,
+    threshold=None,
 ) -> torch.Tensor:
     """One denoising step: predict every position, commit the ``num_transfer`` [b] most
-    confident masked positions of the current block (those before ``end``)."""
+    confident masked positions of the current block (those before ``end``); with
+    ``threshold`` (Fast-dLLM's parallel decoding) every one whose confidence reaches it, and
+    always at least the most confident one."""
     mask_index = x == mask_token_id
     if cfg_scale > 0:
         uncond = x.clone()
@@ -126,6 +134,13 @@ def _denoise_step(
     x0 = torch.where(mask_index, x0, x)
     conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
     transfer = torch.zeros_like(mask_index)
+    if threshold is not None:
+        # Fast-dLLM's rule: every masked position of the block at or above the threshold, and the
+        # row's most confident one even when none reaches it (a row with no mask left commits nothing).
+        has_mask = torch.isfinite(conf).any(dim=1)
+        transfer = (conf >= threshold) & torch.isfinite(conf)
+        transfer[has_mask, conf[has_mask].argmax(dim=1)] = True
+        return torch.where(transfer, x0, x)
     k_per_row = num_transfer.tolist()
     # topk row by row: rows may commit different k (their blocks held different numbers of masks).
     for j, k in enumerate(k_per_row):
@@ -149,6 +164,8 @@ def generate(
     generator: Optional[torch.Generator] = None,
     seed: Optional[int] = None,
     vocab_size: Optional[int] = None,
+    threshold: Optional[float] = None,
+    stats: Optional[Dict[str, int]] = None,
 ) -> torch.Tensor:
     """Complete ``prompt`` int64 [b, P] with ``gen_length`` tokens -> int64 [b, P + gen_length].
 
@@ -162,8 +179,15 @@ def generate(
     Hugging Face export drops Megatron's padding rows (``megadlms.diffusion.vocab``). Under
     tensor parallelism every TP rank calls this with the same prompt and seed (the vocab
     slices are all-gathered: the ranks draw the same tokens).
+
+    ``threshold`` (Fast-dLLM's confidence-threshold parallel decoding, arXiv 2505.22618): each
+    step of a block commits every masked position of the block whose confidence is at least
+    ``threshold``, and always the most confident one, until the block is filled (``steps`` then
+    only has to divide into the blocks). ``stats``: a dict that receives ``"nfe"``, the number of
+    model forward passes (the CFG pair counts as one, as Fast-dLLM counts).
     """
     _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
+    _check_threshold(threshold)
     num_blocks = gen_length // block_length
     # The real vocabulary when the model (or the caller) knows it, else the output rows; a model that records
     # neither is checked at its first logits (_denoise_step).
@@ -181,17 +205,28 @@ def generate(
     # By value, as LLaDA: a [MASK] id inside the prompt counts as a position to fill, not as prompt.
     prompt_index = x != mask_token_id
     steps_per_block = steps // num_blocks
+    nfe = 0
     was_training = model.training
     model.eval()
     try:
         for block in range(num_blocks):
             start, end = P + block * block_length, P + (block + 1) * block_length
             num_transfer = get_num_transfer_tokens(x[:, start:end] == mask_token_id, steps_per_block)
-            for step in range(steps_per_block):
+            step = 0
+            # The schedule's steps; with a threshold, as many as the block needs (each commits >= 1 per row).
+            while (
+                (step < steps_per_block)
+                if threshold is None
+                else bool((x[:, start:end] == mask_token_id).any())
+            ):
+                k = num_transfer[:, step] if threshold is None else None
                 x = _denoise_step(
-                    model, x, prompt_index, end, num_transfer[:, step], mask_token_id, temperature,
-                    remasking, cfg_scale, generator, vocab_size,
+                    model, x, prompt_index, end, k, mask_token_id, temperature, remasking, cfg_scale,
+                    generator, vocab_size, threshold,
                 )  # fmt: skip
+                step, nfe = step + 1, nfe + 1
     finally:
         model.train(was_training)
+    if stats is not None:
+        stats["nfe"] = nfe
     return x

@@ -1,0 +1,126 @@
+"""NVlabs/Fast-dLLM's sampler without a cache (llada/generate.py: ``generate`` and
+``get_transfer_index``), as published, for token-for-token comparisons; only the imports of its
+model classes and its ``main`` are left out.
+
+Copyright 2025 NVIDIA CORPORATION & AFFILIATES. Licensed under the Apache License, Version 2.0
+(http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0.
+Modified from LLaDA repos: https://github.com/ML-GSAI/LLaDA
+"""
+# ruff: noqa
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def add_gumbel_noise(logits, temperature):
+    if temperature == 0:
+        return logits
+    logits = logits.to(torch.float64)
+    noise = torch.rand_like(logits, dtype=torch.float64)
+    gumbel_noise = (-torch.log(noise)) ** temperature
+    return logits.exp() / gumbel_noise
+
+
+def get_num_transfer_tokens(mask_index, steps):
+    mask_num = mask_index.sum(dim=1, keepdim=True)
+
+    base = mask_num // steps
+    remainder = mask_num % steps
+
+    num_transfer_tokens = (
+        torch.zeros(mask_num.size(0), steps, device=mask_index.device, dtype=torch.int64) + base
+    )
+
+    for i in range(mask_num.size(0)):
+        num_transfer_tokens[i, : remainder[i]] += 1
+
+    return num_transfer_tokens
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompt,
+    steps=128,
+    gen_length=128,
+    block_length=128,
+    temperature=0.0,
+    remasking="low_confidence",
+    mask_id=126336,
+    threshold=None,
+):
+    x = torch.full((1, prompt.shape[1] + gen_length), mask_id, dtype=torch.long).to(model.device)
+    x[:, : prompt.shape[1]] = prompt.clone()
+
+    assert gen_length % block_length == 0
+    num_blocks = gen_length // block_length
+
+    assert steps % num_blocks == 0
+    steps = steps // num_blocks
+
+    nfe = 0
+    for num_block in range(num_blocks):
+        block_mask_index = (
+            x[
+                :,
+                prompt.shape[1] + num_block * block_length : prompt.shape[1] + (num_block + 1) * block_length,
+            ]
+            == mask_id
+        )
+        num_transfer_tokens = get_num_transfer_tokens(block_mask_index, steps)
+        i = 0
+        while True:
+            nfe += 1
+            mask_index = x == mask_id
+            logits = model(x).logits
+            mask_index[:, prompt.shape[1] + (num_block + 1) * block_length :] = 0
+            x0, transfer_index = get_transfer_index(
+                logits,
+                temperature,
+                remasking,
+                mask_index,
+                x,
+                num_transfer_tokens[:, i] if threshold is None else None,
+                threshold,
+            )
+            x[transfer_index] = x0[transfer_index]
+            i += 1
+            if (
+                x[
+                    :,
+                    prompt.shape[1] + num_block * block_length : prompt.shape[1]
+                    + (num_block + 1) * block_length,
+                ]
+                == mask_id
+            ).sum() == 0:
+                break
+    return x, nfe
+
+
+def get_transfer_index(logits, temperature, remasking, mask_index, x, num_transfer_tokens, threshold=None):
+    logits_with_noise = add_gumbel_noise(logits, temperature=temperature)
+    x0 = torch.argmax(logits_with_noise, dim=-1)  # b, l
+
+    if remasking == "low_confidence":
+        p = F.softmax(logits.to(torch.float64), dim=-1)
+        x0_p = torch.squeeze(torch.gather(p, dim=-1, index=torch.unsqueeze(x0, -1)), -1)  # b, l
+    elif remasking == "random":
+        x0_p = torch.rand((x0.shape[0], x0.shape[1]), device=x0.device)
+    else:
+        raise NotImplementedError(remasking)
+
+    x0 = torch.where(mask_index, x0, x)
+    confidence = torch.where(mask_index, x0_p, -np.inf)
+
+    transfer_index = torch.zeros_like(x0, dtype=torch.bool, device=x0.device)
+    if threshold is not None:
+        num_transfer_tokens = mask_index.sum(dim=1, keepdim=True)
+    for j in range(confidence.shape[0]):
+        _, select_index = torch.topk(confidence[j], k=num_transfer_tokens[j])
+        transfer_index[j, select_index] = True
+        if threshold is not None:
+            for k in range(1, num_transfer_tokens[j]):
+                if confidence[j, select_index[k]] < threshold:
+                    transfer_index[j, select_index[k]] = False
+    return x0, transfer_index
