@@ -89,12 +89,19 @@ def rope_swiglu_hf(rope_swiglu_export):
         # several steps per block: both rank by p(x0) of the unmodified logits (LLaDA)
         dict(gen_length=16, steps=8, block_length=8, remasking="low_confidence"),
         dict(gen_length=12, steps=12, block_length=4, remasking="low_confidence", cfg_scale=1.0),
+        # Fast-dLLM's parallel decoding: the same commits and the same number of forward passes
+        dict(gen_length=16, steps=16, block_length=8, remasking="low_confidence", threshold=0.02),
+        dict(gen_length=16, steps=16, block_length=16, remasking="random", threshold=0.5),
     ],
 )
 def test_generate_matches_megadlms_sampler(rope_swiglu_hf, kw):
     ours, hf = rope_swiglu_hf
     prompt = torch.tensor([list(b"And God said"), list(b"In the begin")], dtype=torch.int64)
-    ref = generate(ours, prompt, mask_token_id=257, temperature=0.0, seed=3, vocab_size=259, **kw)
-    got = hf.generate(prompt, temperature=0.0, seed=3, **kw)
+    ours_stats, hf_stats = {}, {}
+    ref = generate(
+        ours, prompt, mask_token_id=257, temperature=0.0, seed=3, vocab_size=259, stats=ours_stats, **kw
+    )
+    got = hf.generate(prompt, temperature=0.0, seed=3, stats=hf_stats, **kw)
     assert torch.equal(got, ref)
     assert not (got == 257).any()
+    assert ours_stats["nfe"] == hf_stats["nfe"] <= kw["steps"]

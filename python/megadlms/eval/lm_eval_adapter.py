@@ -14,8 +14,9 @@ model_args: ``pretrained`` (a --save directory or an iter_* directory), ``mc_sam
 own ``--batch_size`` is accepted and has no effect: requests are scored one by one),
 ``cfg_scale`` (0), ``seed`` (0), ``is_check_greedy`` (False: report is_greedy=False without
 the extra decode), ``gen_length`` / ``steps`` / ``block_length`` / ``temperature`` /
-``remasking`` for generate_until (cut at EOS / end-of-turn tokens, then at the task's
-``until`` strings), ``device``, ``tokenizer`` (--apply_chat_template: the tokenizer directory
+``remasking`` / ``threshold`` (Fast-dLLM's parallel decoding; the forward passes summed over
+the requests are ``self.nfe``) for generate_until (cut at EOS / end-of-turn tokens, then at the
+task's ``until`` strings), ``device``, ``tokenizer`` (--apply_chat_template: the tokenizer directory
 whose chat template renders the requests; default: the checkpoint's recorded tokenizer).
 
 Scores and generations are over the checkpoint's real vocabulary: the loaded model carries
@@ -62,6 +63,7 @@ class MegaDLMsLM(LM):
         block_length: Optional[int] = None,
         temperature: float = 0.0,
         remasking: str = "low_confidence",
+        threshold: Optional[float] = None,
         device: Optional[str] = None,
         tokenizer: Optional[str] = None,
         **unused,
@@ -86,6 +88,8 @@ class MegaDLMsLM(LM):
         self.steps = int(steps) if steps else self.gen_length
         self.block_length = int(block_length) if block_length else self.gen_length
         self.temperature, self.remasking = float(temperature), remasking
+        self.threshold = None if threshold in (None, "", "None") else float(threshold)
+        self.nfe = 0  # forward passes of generate_until so far
         self.max_length = self.model.config.max_position_embeddings
         # --apply_chat_template: the template of this tokenizer directory (None: the recorded one),
         # loaded on first use, so checkpoints without a chat tokenizer evaluate as before.
@@ -194,6 +198,7 @@ class MegaDLMsLM(LM):
                 self.tokenizer.eod
             ]
             x = torch.tensor([prompt], dtype=torch.int64, device=device)
+            stats: dict = {}
             ids = generate(
                 self.model,
                 x,
@@ -205,7 +210,10 @@ class MegaDLMsLM(LM):
                 remasking=self.remasking,
                 cfg_scale=self.cfg_scale,
                 seed=self.seed,
+                threshold=self.threshold,
+                stats=stats,
             )[0, len(prompt) :].tolist()
+            self.nfe += stats["nfe"]
             text = self.tokenizer.detokenize(cut_at_stop(ids, self.stop_ids))
             # The sampler has no stop sequences (all positions are decoded at once): cut after the fact.
             for stop in until:

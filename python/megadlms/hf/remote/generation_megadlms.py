@@ -13,6 +13,8 @@ MegaDLMs               LLaDA                  meaning
 ``remasking``          ``remasking``          "low_confidence" or "random"
 ``temperature``        ``temperature``        0: argmax; > 0: sample softmax(logits / T)
 ``top_p``              (none)                 nucleus filter of the logits before sampling
+``threshold``          (Fast-dLLM)            commit every masked token of the block whose
+                                              confidence reaches it (>= 1 a step; default off)
 (config)               ``mask_id``            the [MASK] id (default: config.mask_token_id)
 =====================  =====================  ==============================================
 
@@ -69,6 +71,7 @@ def resolve(args: dict, defaults: dict, prompt_len: int, max_positions: int) -> 
     out = {}
     for name in ("steps", "gen_length", "block_length", "cfg_scale", "remasking", "temperature", "top_p"):
         out[name] = _pick(args, name, reverse.get(name))
+    out["threshold"] = None if args.get("threshold") is None else float(args["threshold"])
     if out["gen_length"] is None and args.get("max_length") is not None:
         out["gen_length"] = int(args["max_length"]) - prompt_len  # HF: max_length counts the prompt
     # The export's steps / block length belong to its gen_length: a caller's own length gets
@@ -107,6 +110,9 @@ def _check(s: dict) -> None:
             f"generate: temperature ({s['temperature']}) and cfg ({s['cfg_scale']}) must be >= 0, "
             f"top_p ({s['top_p']}) in (0, 1]"
         )
+    threshold = s.get("threshold")
+    if threshold is not None and not 0.0 < threshold <= 1.0:
+        raise ValueError(f"generate: threshold must be in (0, 1] (a confidence), got {threshold}")
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -158,8 +164,11 @@ def _logits(model, x, keep, position_ids, prompt_index, s, mask_id):
 
 
 @torch.no_grad()
-def diffusion_generate(model, prompt, attention_mask, s: dict, mask_id: int, generator, verbose=False):
-    """Complete left-padded ``prompt`` [b, P] -> [b, P + gen_length] (settings ``s``)."""
+def diffusion_generate(
+    model, prompt, attention_mask, s: dict, mask_id: int, generator, verbose=False, stats=None
+):
+    """Complete left-padded ``prompt`` [b, P] -> [b, P + gen_length] (settings ``s``); ``stats``
+    receives "nfe", the forward passes."""
     b, P = prompt.shape
     gen, block_len = s["gen_length"], s["block_length"]
     device = prompt.device
@@ -175,11 +184,17 @@ def diffusion_generate(model, prompt, attention_mask, s: dict, mask_id: int, gen
     # Padding is never a position to fill, even when its id is the [MASK] id.
     prompt_index = (x != mask_id) | ~keep
     num_blocks = gen // block_len
-    steps = s["steps"] // num_blocks
+    steps, threshold, nfe = s["steps"] // num_blocks, s.get("threshold"), 0
     for block in range(num_blocks):
         start, end = P + block * block_len, P + (block + 1) * block_len
         num_transfer = _num_transfer(x[:, start:end] == mask_id, steps)
-        for step in range(steps):
+        step = 0
+        # The schedule's steps; with a threshold, as many as the block needs (each commits >= 1 per row).
+        while (
+            (step < steps)
+            if threshold is None
+            else bool(((x[:, start:end] == mask_id) & keep[:, start:end]).any())
+        ):
             mask_index = (x == mask_id) & keep
             logits = _logits(model, x, keep, position_ids, prompt_index, s, mask_id)
             x0 = draw(logits, s, mask_id, generator)
@@ -190,16 +205,33 @@ def diffusion_generate(model, prompt, attention_mask, s: dict, mask_id: int, gen
             conf[:, end:] = float("-inf")  # later blocks wait their turn
             x0 = torch.where(mask_index, x0, x)
             conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
-            transfer = torch.zeros_like(mask_index)
-            # Row by row: rows may commit different numbers of tokens.
-            for j, k in enumerate(num_transfer[:, step].tolist()):
-                if k > 0:
-                    transfer[j, torch.topk(conf[j], k).indices] = True
-            x = torch.where(transfer, x0, x)
+            x = torch.where(
+                _transfer(conf, num_transfer[:, step] if threshold is None else None, threshold), x0, x
+            )
+            step, nfe = step + 1, nfe + 1
         if verbose:
             left = int(((x[:, start:end] == mask_id) & keep[:, start:end]).sum())
             print(
-                f"generate: block {block + 1}/{num_blocks} done ({steps} steps, {left} masks left)",
+                f"generate: block {block + 1}/{num_blocks} done ({step} steps, {left} masks left)",
                 file=sys.stderr,
             )
+    if stats is not None:
+        stats["nfe"] = nfe
     return x
+
+
+def _transfer(conf: torch.Tensor, k: Optional[torch.Tensor], threshold: Optional[float]) -> torch.Tensor:
+    """The positions to commit: each row's ``k`` most confident, or (``threshold``, Fast-dLLM)
+    every one at or above it and always the row's most confident one."""
+    finite = torch.isfinite(conf)
+    if threshold is not None:
+        transfer = (conf >= threshold) & finite
+        rows = finite.any(dim=1)
+        transfer[rows, conf[rows].argmax(dim=1)] = True
+        return transfer
+    transfer = torch.zeros_like(finite)
+    # Row by row: rows may commit different numbers of tokens.
+    for j, n in enumerate(k.tolist() if k is not None else []):
+        if n > 0:
+            transfer[j, torch.topk(conf[j], n).indices] = True
+    return transfer

@@ -273,6 +273,7 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
         seed: int = 0,
         generator: Optional[torch.Generator] = None,
         verbose: bool = False,
+        stats: Optional[dict] = None,
         **kwargs,
     ) -> torch.Tensor:
         """Complete (left-padded) ``input_ids`` [b, P] -> [b, P + gen_length] with LLaDA's sampler
@@ -285,6 +286,9 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
         generation_megadlms.py. Unset: the export's defaults (config.json
         ``generation_defaults``), then temperature 0, and the model's positions after the
         prompt as MegaDLMs. ``verbose``: one line per finished block on stderr.
+        ``threshold``: Fast-dLLM's parallel decoding (every masked token of the block whose
+        confidence reaches it, at least one a step); ``stats``: a dict that receives "nfe", the
+        forward passes used.
         """
         input_ids, attention_mask = _unpack_inputs(input_ids, attention_mask)
         unknown = sorted(k for k in kwargs if k not in IGNORED and k not in _GENERATE_NAMES)
@@ -313,7 +317,7 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
         was_training = self.training
         self.eval()
         try:
-            return diffusion_generate(self, input_ids, attention_mask, s, mask_id, generator, verbose)
+            return diffusion_generate(self, input_ids, attention_mask, s, mask_id, generator, verbose, stats)
         finally:
             self.train(was_training)
 
@@ -330,6 +334,7 @@ def _unpack_inputs(
 
 
 _GENERATE_NAMES = (
+    "threshold",
     "steps",
     "gen_length",
     "block_length",
