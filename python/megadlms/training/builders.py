@@ -193,19 +193,19 @@ def _sft_datasets(data: DataConfig, seq_length, seed, train_samples, valid_sampl
             cache_dir=data.data_cache_path,
         )
 
-    shared_cache = data.data_cache_path and dist.is_initialized() and dist.get_world_size() > 1
-    train = valid = None
-    if not shared_cache or dist.get_rank() == 0:
+    shared_cache = bool(data.data_cache_path) and dist.is_initialized() and dist.get_world_size() > 1
+    first = not shared_cache or dist.get_rank() == 0
+    if first:
         train, valid = build()
     if shared_cache:
         dist.barrier()
-        if dist.get_rank() != 0:
-            train, valid = build()
-    if train is not None:  # (INFO reaches the log on rank 0 only)
-        _log.info(
-            f"sft data: {len(train)} training samples ({train.num_truncated} truncated from the prompt's "
-            f"start, {train.num_answer_truncated} in the answer; {train.skipped} invalid rows skipped)"
-        )
+    if not first:
+        train, valid = build()
+    # (INFO reaches the log on rank 0 only; an empty train split has raised in build)
+    _log.info(
+        f"sft data: {len(train)} training samples ({train.num_truncated} truncated from the prompt's "
+        f"start, {train.num_answer_truncated} in the answer; {train.skipped} invalid rows skipped)"
+    )
     return (train, valid, None) if with_test else (train, valid)
 
 
