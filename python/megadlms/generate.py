@@ -22,6 +22,7 @@ from megadlms.common.enums import AttnMaskType
 from megadlms.data import TokenizerConfig
 from megadlms.data.chat import chat_prompt_ids, load_chat_tokenizer
 from megadlms.diffusion import generate, token_logits
+from megadlms.diffusion.sampler import CACHE_MODES
 from megadlms.models import GPTModel, TransformerConfig
 
 
@@ -57,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="Fast-dLLM's parallel decoding: each step commits every masked token of the block whose "
         "confidence reaches T (at least one); the forward passes used (NFE) are reported",
+    )
+    p.add_argument(
+        "--cache",
+        choices=CACHE_MODES,
+        default="none",
+        help="Fast-dLLM's block-wise approximate KV cache, refreshed at each block: prefix (keys/values "
+        "before the block kept) or dual (those after it too); none recomputes every position",
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (temperature / random remasking)")
     p.add_argument("--num-samples", type=int, default=1, help="completions of the same prompt")
@@ -138,10 +146,11 @@ def sample_ids(
     seed: int = 0,
     num_samples: int = 1,
     threshold: Optional[float] = None,
+    cache: Optional[str] = None,
     stats: Optional[Dict[str, int]] = None,
 ) -> torch.Tensor:
     """The ``gen_length`` new token ids [num_samples, gen_length] (CPU) after prompt ``ids``;
-    ``threshold`` and ``stats`` (receives "nfe"): :func:`megadlms.diffusion.generate`'s."""
+    ``threshold``, ``cache`` and ``stats`` (receives "nfe"): :func:`megadlms.diffusion.generate`'s."""
 
     device = next(model.parameters()).device
     max_len = model.config.max_position_embeddings
@@ -173,6 +182,7 @@ def sample_ids(
             cfg_scale=cfg_scale,
             seed=seed,
             threshold=threshold,
+            cache=cache,
             stats=stats,
         )
     return out[:, len(ids) :].cpu()
@@ -261,6 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         seed=args.seed,
         num_samples=args.num_samples,
         threshold=args.threshold,
+        cache=args.cache,
         stats={},
     )
     try:
@@ -286,6 +297,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"# checkpoint {args.load} (iteration {common['iteration']}), "
         f"{args.gen_length} tokens, {args.steps or args.gen_length} steps"
         + ("" if args.threshold is None else f", threshold {args.threshold}")
+        + ("" if args.cache == "none" else f", {args.cache} cache")
         + ("" if nfe is None else f", NFE {nfe}"),
         file=sys.stderr,
     )

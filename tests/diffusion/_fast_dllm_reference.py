@@ -1,6 +1,7 @@
-"""NVlabs/Fast-dLLM's sampler without a cache (llada/generate.py: ``generate`` and
-``get_transfer_index``), as published, for token-for-token comparisons; only the imports of its
-model classes and its ``main`` are left out.
+"""NVlabs/Fast-dLLM's sampler (llada/generate.py at commit 24cc59e: ``generate``,
+``generate_with_prefix_cache``, ``generate_with_dual_cache`` and ``get_transfer_index``), as
+published (ruff-formatted), for token-for-token comparisons; only the imports of its model
+classes and its ``main`` are left out.
 
 Copyright 2025 NVIDIA CORPORATION & AFFILIATES. Licensed under the Apache License, Version 2.0
 (http://www.apache.org/licenses/LICENSE-2.0). SPDX-License-Identifier: Apache-2.0.
@@ -95,6 +96,194 @@ def generate(
                 == mask_id
             ).sum() == 0:
                 break
+    return x, nfe
+
+
+@torch.no_grad()
+def generate_with_prefix_cache(
+    model,
+    prompt,
+    steps=128,
+    gen_length=128,
+    block_length=128,
+    temperature=0.0,
+    remasking="low_confidence",
+    mask_id=126336,
+    threshold=None,
+):
+    """
+    Args:
+        model: Mask predictor.
+        prompt: A tensor of shape (1, L).
+        steps: Sampling steps, less than or equal to gen_length.
+        gen_length: Generated answer length.
+        block_length: Block length, less than or equal to gen_length. If less than gen_length, it means using semi_autoregressive remasking.
+        temperature: Categorical distribution sampling temperature.
+        cfg_scale: Unsupervised classifier-free guidance scale.
+        remasking: Remasking strategy. 'low_confidence' or 'random'.
+        mask_id: The toke id of [MASK] is 126336.
+    """
+    x = torch.full((1, prompt.shape[1] + gen_length), mask_id, dtype=torch.long).to(model.device)
+    x[:, : prompt.shape[1]] = prompt.clone()
+
+    assert gen_length % block_length == 0
+    num_blocks = gen_length // block_length
+
+    assert steps % num_blocks == 0
+    steps = steps // num_blocks
+
+    nfe = 0
+
+    for num_block in range(num_blocks):
+        current_block_start = prompt.shape[1] + num_block * block_length
+        current_block_end = current_block_start + block_length
+
+        block_mask_index = x[:, current_block_start:current_block_end] == mask_id
+        num_transfer_tokens = get_num_transfer_tokens(block_mask_index, steps)
+
+        output = model(x, use_cache=True)
+        past_key_values = output.past_key_values
+
+        mask_index = x == mask_id
+        mask_index[:, current_block_end:] = 0
+        x0, transfer_index = get_transfer_index(
+            output.logits,
+            temperature,
+            remasking,
+            mask_index,
+            x,
+            num_transfer_tokens[:, 0] if threshold is None else None,
+            threshold,
+        )
+        x[transfer_index] = x0[transfer_index]
+
+        new_past_key_values = []
+        for i in range(len(past_key_values)):
+            new_past_key_values.append(())
+            for j in range(len(past_key_values[i])):
+                new_past_key_values[i] += (past_key_values[i][j][:, :, :current_block_start],)
+
+        past_key_values = new_past_key_values
+        nfe += 1
+
+        i = 1
+        while True:
+            nfe += 1
+            mask_index = x[:, current_block_start:] == mask_id
+            mask_index[:, block_length:] = 0
+
+            logits = model(
+                x[:, current_block_start:],
+                past_key_values=past_key_values,
+                use_cache=True,
+            ).logits
+
+            logits_with_noise = add_gumbel_noise(logits, temperature=temperature)
+            x0 = torch.argmax(logits_with_noise, dim=-1)  # b, l
+
+            x0, transfer_index = get_transfer_index(
+                logits,
+                temperature,
+                remasking,
+                mask_index,
+                x[:, current_block_start:],
+                num_transfer_tokens[:, i] if threshold is None else None,
+                threshold,
+            )
+            x[:, current_block_start:][transfer_index] = x0[transfer_index]
+            if (x[:, current_block_start:current_block_end] == mask_id).sum() == 0:
+                break
+            i += 1
+
+    return x, nfe
+
+
+@torch.no_grad()
+def generate_with_dual_cache(
+    model,
+    prompt,
+    steps=128,
+    gen_length=128,
+    block_length=128,
+    temperature=0.0,
+    remasking="low_confidence",
+    mask_id=126336,
+    threshold=None,
+):
+    """
+    Args:
+        model: Mask predictor.
+        prompt: A tensor of shape (1, L).
+        steps: Sampling steps, less than or equal to gen_length.
+        gen_length: Generated answer length.
+        block_length: Block length, less than or equal to gen_length. If less than gen_length, it means using semi_autoregressive remasking.
+        temperature: Categorical distribution sampling temperature.
+        cfg_scale: Unsupervised classifier-free guidance scale.
+        remasking: Remasking strategy. 'low_confidence' or 'random'.
+        mask_id: The toke id of [MASK] is 126336.
+    """
+    x = torch.full((1, prompt.shape[1] + gen_length), mask_id, dtype=torch.long).to(model.device)
+    x[:, : prompt.shape[1]] = prompt.clone()
+
+    assert gen_length % block_length == 0
+    num_blocks = gen_length // block_length
+
+    assert steps % num_blocks == 0
+    steps = steps // num_blocks
+
+    nfe = 0
+    for num_block in range(num_blocks):
+        current_block_start = prompt.shape[1] + num_block * block_length
+        current_block_end = current_block_start + block_length
+
+        block_mask_index = x[:, current_block_start:current_block_end] == mask_id
+        num_transfer_tokens = get_num_transfer_tokens(block_mask_index, steps)
+
+        # cache init and update
+        output = model(x, use_cache=True)
+        past_key_values = output.past_key_values
+        mask_index = x == mask_id
+        mask_index[:, current_block_end:] = 0
+        x0, transfer_index = get_transfer_index(
+            output.logits,
+            temperature,
+            remasking,
+            mask_index,
+            x,
+            num_transfer_tokens[:, 0] if threshold is None else None,
+            threshold,
+        )
+        x[transfer_index] = x0[transfer_index]
+        nfe += 1
+
+        i = 1
+        replace_position = torch.zeros_like(x, dtype=torch.bool)
+        replace_position[:, current_block_start:current_block_end] = 1
+        while True:
+            nfe += 1
+            mask_index = x[:, current_block_start:current_block_end] == mask_id
+            # cache position is the position between current_block_start and current_block_end
+            logits = model(
+                x[:, current_block_start:current_block_end],
+                past_key_values=past_key_values,
+                use_cache=True,
+                replace_position=replace_position,
+            ).logits
+
+            x0, transfer_index = get_transfer_index(
+                logits,
+                temperature,
+                remasking,
+                mask_index,
+                x[:, current_block_start:current_block_end],
+                num_transfer_tokens[:, i] if threshold is None else None,
+                threshold,
+            )
+            x[:, current_block_start:current_block_end][transfer_index] = x0[transfer_index]
+            if (x[:, current_block_start:current_block_end] == mask_id).sum() == 0:
+                break
+            i += 1
+
     return x, nfe
 
 

@@ -85,12 +85,15 @@ def test_generate_until_uses_our_sampler(rope_swiglu_ckpt):
     assert lm.generate_until([req])[0] == text[: text.index(stop)]
     assert lm.nfe == 16  # two requests, one forward a step
 
-    # model_args threshold=...: Fast-dLLM's parallel decoding, its forward passes counted
-    fast = MegaDLMsLM(pretrained=str(ck), gen_length=8, steps=8, block_length=4, threshold="0.02")
+    # model_args threshold=..., cache=...: Fast-dLLM's parallel decoding and KV cache, forward passes counted
+    fast = MegaDLMsLM(
+        pretrained=str(ck), gen_length=8, steps=8, block_length=4, threshold="0.02", cache="dual"
+    )
     stats: dict = {}
     ids = generate(
-        ours, prompt, mask_token_id=257, gen_length=8, steps=8, block_length=4, threshold=0.02, stats=stats
-    )[0, 7:].tolist()
+        ours, prompt, mask_token_id=257, gen_length=8, steps=8, block_length=4, threshold=0.02, cache="dual",
+        stats=stats,
+    )[0, 7:].tolist()  # fmt: skip
     req = Instance("generate_until", {}, ("And God", {"until": []}), 0)
     assert fast.generate_until([req])[0] == ByteTokenizer().detokenize(cut_at_stop(ids, {256}))
     assert fast.nfe == stats["nfe"] <= 8

@@ -89,17 +89,29 @@ def test_chat_cli_cuts_at_end_of_turn(chat_ckpt, monkeypatch, capsys):
 
 
 def test_cli_threshold_reports_the_forward_passes(chat_ckpt, capsys):
-    """--threshold: Fast-dLLM's parallel decoding; the CLI prints the forward passes (NFE)."""
+    """--threshold / --cache: Fast-dLLM's parallel decoding and KV cache; the CLI prints the forward
+    passes (NFE)."""
     ck, tok_dir, model = chat_ckpt
     tok = load_chat_tokenizer(tok_dir)
-    argv = ["--load", str(ck), "--chat", "--prompt", "what is two plus two", "--threshold", "0.05"]
+    argv = [
+        "--load",
+        str(ck),
+        "--chat",
+        "--prompt",
+        "what is two plus two",
+        "--threshold",
+        "0.05",
+        "--cache",
+        "prefix",
+    ]
     assert main(argv + GEN) == 0
     captured = capsys.readouterr()
     ids = torch.tensor([chat_prompt_ids(tok, [{"role": "user", "content": "what is two plus two"}])])
     stats: dict = {}
     ref = generate(
-        model, ids, mask_token_id=MASK, gen_length=8, steps=8, block_length=4, threshold=0.05, stats=stats
-    )
+        model, ids, mask_token_id=MASK, gen_length=8, steps=8, block_length=4, threshold=0.05, cache="prefix",
+        stats=stats,
+    )  # fmt: skip
     new = ref[0, ids.shape[1] :].tolist()
     assert captured.out == tok.decode(cut_at_stop(new, {EOS, EOT}), skip_special_tokens=True) + "\n"
-    assert f"threshold 0.05, NFE {stats['nfe']}" in captured.err and stats["nfe"] <= 8
+    assert f"threshold 0.05, prefix cache, NFE {stats['nfe']}" in captured.err and stats["nfe"] <= 8

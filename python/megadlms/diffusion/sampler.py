@@ -24,14 +24,17 @@ no probability from the confidences (LLaDA's released models have no padding row
 
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
+from megadlms.models.kv_cache import KVCache
+
 from .vocab import real_vocab_size, token_logits
 
 REMASKING = ("low_confidence", "random")
+CACHE_MODES = ("none", "prefix", "dual")
 
 
 def get_num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -85,32 +88,17 @@ def _check_threshold(threshold: Optional[float]) -> None:
         raise ValueError(f"threshold must be in (0, 1] (a confidence), got {threshold}")
 
 
-def _denoise_step(
-    model,
-    x,
-    prompt_index,
-    end,
-    num_transfer,
-    mask_token_id,
-    temperature,
-    remasking,
-    cfg_scale,
-    generator,
-    vocab_size,
-    threshold=None,
-) -> torch.Tensor:
-    """One denoising step: predict every position, commit the ``num_transfer`` [b] most
-    confident masked positions of the current block (those before ``end``); with
-    ``threshold`` (Fast-dLLM's parallel decoding) every one whose confidence reaches it, and
-    always at least the most confident one."""
-    mask_index = x == mask_token_id
+def _logits(model, x, prompt_index, mask_token_id, cfg_scale, vocab_size, forward) -> torch.Tensor:
+    """Token logits of ``x`` (a slice of the sequence, with its part of ``prompt_index``) through
+    ``forward(batch) -> logits``; with classifier-free guidance the pair [x; x with the prompt
+    masked] in one batch."""
     if cfg_scale > 0:
         uncond = x.clone()
         uncond[prompt_index] = mask_token_id
-        cond_logits, uncond_logits = model(torch.cat([x, uncond])).chunk(2)
+        cond_logits, uncond_logits = forward(torch.cat([x, uncond])).chunk(2)
         logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
     else:
-        logits = model(x)
+        logits = forward(x)
     # The real tokens only (vocab-parallel slices gathered, Megatron's padding rows cut): no padding id can be
     # drawn, and confidences are probabilities over the tokens, as the Hugging Face export computes them.
     logits = token_logits(model, logits, vocab_size)
@@ -118,6 +106,16 @@ def _denoise_step(
         raise ValueError(
             f"mask_token_id {mask_token_id} is outside the model's vocabulary of {logits.shape[-1]}"
         )
+    return logits
+
+
+def _commit(
+    logits, x, mask_index, end, num_transfer, mask_token_id, temperature, remasking, generator, threshold
+):
+    """One denoising step's commits on ``x`` [b, L] (a slice of the sequence) from its ``logits``:
+    the ``num_transfer`` [b] most confident masked positions before ``end`` (the current block's
+    end, in the slice); with ``threshold`` (Fast-dLLM's parallel decoding) every one whose
+    confidence reaches it, and always at least the most confident one."""
     # [MASK] is excluded from the draw only; confidence is LLaDA's p(x0) from the
     # unmodified logits (not renormalised over the non-[MASK] tokens).
     draw_logits = logits.clone()
@@ -149,6 +147,73 @@ def _denoise_step(
     return torch.where(transfer, x0, x)
 
 
+def _cache_mode(cache: Optional[str]) -> Optional[str]:
+    """None (recompute every position at every step), "prefix" or "dual"; "none" is None."""
+    if cache is None or cache == "none":
+        return None
+    if cache not in CACHE_MODES:
+        raise ValueError(f"cache must be one of {CACHE_MODES} (or None), got {cache!r}")
+    return cache
+
+
+def _padding(attention_mask: Optional[torch.Tensor], b: int, P: int, gen_length: int, device):
+    """(keep, position_ids) of a left-padded batch: keep bool [b, P + gen] (False = padding) and
+    positions counted from each row's first token (MegaDLMs' ``cumsum - 1``, as the Hugging Face
+    export); (None, None) when no row is padded, so an unpadded batch runs today's exact path."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None, None
+    if attention_mask.shape != (b, P):
+        raise ValueError(
+            f"attention_mask must be [batch, prompt] = {(b, P)}, got {tuple(attention_mask.shape)}"
+        )
+    keep = torch.cat(
+        [attention_mask.to(device).bool(), torch.ones(b, gen_length, dtype=torch.bool, device=device)], 1
+    )
+    position_ids = keep.to(torch.int64).cumsum(-1) - 1
+    return keep, position_ids.masked_fill_(~keep, 1)  # padding: any position, it is never attended to
+
+
+class _Forwards:
+    """The model calls of one generation: every position at every step, or (``cache``) Fast-dLLM's
+    block-wise approximate cache, refreshed by a full forward at each block's first step:
+    "prefix" keeps the keys/values before the block and recomputes the block and everything after
+    it; "dual" also keeps those after the block and recomputes the block only."""
+
+    def __init__(self, model, cache, keep, position_ids, rows: int) -> None:
+        self.model, self.mode, self.keep, self.position_ids, self.rows = (
+            model,
+            cache,
+            keep,
+            position_ids,
+            rows,
+        )
+        self.kv: Optional[KVCache] = None
+        self.nfe = 0
+
+    def span(self, step: int, start: int, end: int, total: int) -> Tuple[int, int]:
+        """The slice [lo, hi) of the sequence this step recomputes."""
+        if self.mode is None or step == 0:
+            return 0, total
+        return start, (total if self.mode == "prefix" else end)
+
+    def __call__(self, batch: torch.Tensor, lo: int, step: int, start: int) -> torch.Tensor:
+        """The logits of ``batch`` (slots [lo, lo + L), the CFG pair stacked as rows)."""
+        self.nfe += 1
+        kwargs: Dict[str, object] = {}
+        if self.position_ids is not None:
+            kwargs["position_ids"] = self.position_ids[:, lo : lo + batch.shape[1]].repeat(self.rows, 1)
+        if self.mode is None:
+            if self.keep is not None:  # padding is its own document: no real token attends to it
+                kwargs["document_ids"] = torch.where(self.keep, 0, -1).repeat(self.rows, 1)
+            return self.model(batch, **kwargs)
+        if step == 0:  # a block starts: refresh the cache with every position
+            self.kv = KVCache(None if self.keep is None else self.keep.repeat(self.rows, 1))
+        logits = self.model(batch, kv_cache=self.kv, cache_offset=lo, **kwargs)
+        if step == 0 and self.mode == "prefix" and self.kv is not None:
+            self.kv.truncate(start)  # the block and what follows are recomputed at every step
+        return logits
+
+
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -165,6 +230,8 @@ def generate(
     seed: Optional[int] = None,
     vocab_size: Optional[int] = None,
     threshold: Optional[float] = None,
+    cache: Optional[str] = None,
+    attention_mask: Optional[torch.Tensor] = None,
     stats: Optional[Dict[str, int]] = None,
 ) -> torch.Tensor:
     """Complete ``prompt`` int64 [b, P] with ``gen_length`` tokens -> int64 [b, P + gen_length].
@@ -183,14 +250,18 @@ def generate(
     ``threshold`` (Fast-dLLM's confidence-threshold parallel decoding, arXiv 2505.22618): each
     step of a block commits every masked position of the block whose confidence is at least
     ``threshold``, and always the most confident one, until the block is filled (``steps`` then
-    only has to divide into the blocks). ``stats``: a dict that receives ``"nfe"``, the number of
-    model forward passes (the CFG pair counts as one, as Fast-dLLM counts).
+    only has to divide into the blocks). ``cache`` (Fast-dLLM's approximate KV cache; a
+    GPTModel): None, "prefix" or "dual" (see :class:`_Forwards`). ``attention_mask`` int/bool
+    [b, P] (1 = token): a left-padded batch of prompts of different lengths. ``stats``: a dict
+    that receives ``"nfe"``, the number of model forward passes (the CFG pair counts as one, as
+    Fast-dLLM counts), and ``"block_nfe"``, those of each block.
     """
     _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
     _check_threshold(threshold)
+    mode = _cache_mode(cache)
     num_blocks = gen_length // block_length
     # The real vocabulary when the model (or the caller) knows it, else the output rows; a model that records
-    # neither is checked at its first logits (_denoise_step).
+    # neither is checked at its first logits (_logits).
     real = real_vocab_size(model, vocab_size) or getattr(getattr(model, "config", None), "vocab_size", None)
     if real is not None and not 0 <= mask_token_id < real:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the model's vocabulary of {real}")
@@ -200,12 +271,16 @@ def generate(
     if prompt.dtype != torch.int64:
         raise ValueError(f"prompt must hold int64 token ids, got {prompt.dtype}")
     b, P = prompt.shape
-    x = torch.full((b, P + gen_length), mask_token_id, dtype=torch.int64, device=device)
+    total = P + gen_length
+    keep, position_ids = _padding(attention_mask, b, P, gen_length, device)
+    x = torch.full((b, total), mask_token_id, dtype=torch.int64, device=device)
     x[:, :P] = prompt
-    # By value, as LLaDA: a [MASK] id inside the prompt counts as a position to fill, not as prompt.
-    prompt_index = x != mask_token_id
+    # By value, as LLaDA: a [MASK] id inside the prompt counts as a position to fill, not as prompt
+    # (padding never does, whatever its id).
+    prompt_index = x != mask_token_id if keep is None else (x != mask_token_id) | ~keep
+    forwards = _Forwards(model, mode, keep, position_ids, rows=2 if cfg_scale > 0 else 1)
     steps_per_block = steps // num_blocks
-    nfe = 0
+    block_nfe = []
     was_training = model.training
     model.eval()
     try:
@@ -219,14 +294,29 @@ def generate(
                 if threshold is None
                 else bool((x[:, start:end] == mask_token_id).any())
             ):
-                k = num_transfer[:, step] if threshold is None else None
-                x = _denoise_step(
-                    model, x, prompt_index, end, k, mask_token_id, temperature, remasking, cfg_scale,
-                    generator, vocab_size, threshold,
+                lo, hi = forwards.span(step, start, end, total)
+                part = x[:, lo:hi]
+                logits = _logits(
+                    model, part, prompt_index[:, lo:hi], mask_token_id, cfg_scale, vocab_size,
+                    lambda batch: forwards(batch, lo, step, start),  # noqa: B023 (called at once)
                 )  # fmt: skip
-                step, nfe = step + 1, nfe + 1
+                mask_index = (
+                    part == mask_token_id if keep is None else (part == mask_token_id) & keep[:, lo:hi]
+                )
+                k = num_transfer[:, step] if threshold is None else None
+                committed = _commit(
+                    logits, part, mask_index, end - lo, k, mask_token_id, temperature, remasking, generator,
+                    threshold,
+                )  # fmt: skip
+                x = (
+                    torch.cat([x[:, :lo], committed, x[:, hi:]], dim=1)
+                    if (lo, hi) != (0, total)
+                    else committed
+                )
+                step += 1
+            block_nfe.append(step)
     finally:
         model.train(was_training)
     if stats is not None:
-        stats["nfe"] = nfe
+        stats["nfe"], stats["block_nfe"] = forwards.nfe, block_nfe
     return x

@@ -14,10 +14,11 @@ model_args: ``pretrained`` (a --save directory or an iter_* directory), ``mc_sam
 own ``--batch_size`` is accepted and has no effect: requests are scored one by one),
 ``cfg_scale`` (0), ``seed`` (0), ``is_check_greedy`` (False: report is_greedy=False without
 the extra decode), ``gen_length`` / ``steps`` / ``block_length`` / ``temperature`` /
-``remasking`` / ``threshold`` (Fast-dLLM's parallel decoding; the forward passes summed over
-the requests are ``self.nfe``) for generate_until (cut at EOS / end-of-turn tokens, then at the
-task's ``until`` strings), ``device``, ``tokenizer`` (--apply_chat_template: the tokenizer directory
-whose chat template renders the requests; default: the checkpoint's recorded tokenizer).
+``remasking`` / ``threshold`` (Fast-dLLM's parallel decoding) / ``cache`` (none, prefix or dual:
+Fast-dLLM's KV cache; the forward passes summed over the requests are ``self.nfe``) for
+generate_until (cut at EOS / end-of-turn tokens, then at the task's ``until`` strings),
+``device``, ``tokenizer`` (--apply_chat_template: the tokenizer directory whose chat template
+renders the requests; default: the checkpoint's recorded tokenizer).
 
 Scores and generations are over the checkpoint's real vocabulary: the loaded model carries
 its ``unpadded_vocab_size`` and both the estimator and the sampler cut Megatron's padding
@@ -37,6 +38,7 @@ from lm_eval.api.registry import register_model
 from megadlms.common.enums import AttnMaskType
 from megadlms.data.chat import load_chat_tokenizer
 from megadlms.diffusion import conditional_log_likelihood, generate
+from megadlms.diffusion.sampler import CACHE_MODES
 from megadlms.generate import END_OF_TURN_TOKENS, chat_tokenizer_dir, cut_at_stop, load_for_inference
 
 
@@ -64,6 +66,7 @@ class MegaDLMsLM(LM):
         temperature: float = 0.0,
         remasking: str = "low_confidence",
         threshold: Optional[float] = None,
+        cache: Optional[str] = None,
         device: Optional[str] = None,
         tokenizer: Optional[str] = None,
         **unused,
@@ -89,6 +92,9 @@ class MegaDLMsLM(LM):
         self.block_length = int(block_length) if block_length else self.gen_length
         self.temperature, self.remasking = float(temperature), remasking
         self.threshold = None if threshold in (None, "", "None") else float(threshold)
+        self.cache = None if cache in (None, "", "None", "none") else str(cache)
+        if self.cache not in (None, *CACHE_MODES):
+            raise ValueError(f"model_args cache={cache!r}: use one of {CACHE_MODES}")
         self.nfe = 0  # forward passes of generate_until so far
         self.max_length = self.model.config.max_position_embeddings
         # --apply_chat_template: the template of this tokenizer directory (None: the recorded one),
@@ -211,6 +217,7 @@ class MegaDLMsLM(LM):
                 cfg_scale=self.cfg_scale,
                 seed=self.seed,
                 threshold=self.threshold,
+                cache=self.cache,
                 stats=stats,
             )[0, len(prompt) :].tolist()
             self.nfe += stats["nfe"]

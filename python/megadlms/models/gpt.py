@@ -45,6 +45,7 @@ from megadlms.parallel.sharding import REPLICATED, set_sharding, sharding_of
 from .chunk import WHOLE_MODEL, PipelineChunk
 from .config import TransformerConfig, check_tensor_parallel, expert_parallel_problems
 from .init import init_normal_, init_transformer_weights
+from .kv_cache import CachedAttention, KVCache
 from .transformer import (
     CORE_ATTN_IMPLEMENTATIONS,
     NO_TENSOR_PARALLEL,
@@ -158,6 +159,9 @@ class GPTModel(nn.Module):
     them with :meth:`token_cross_entropy`.
     ``document_ids`` int64 [B,S] (document packing): each position attends only to the
     positions of its own document.
+    ``kv_cache`` (:class:`~megadlms.models.kv_cache.KVCache`, generation): the call's tokens are
+    slots [cache_offset, cache_offset + S) (default positions: those slot numbers); their keys
+    and values are written there and their queries attend to every slot of the cache.
 
     ``pipeline``: the :class:`PipelineChunk` this model builds (default: the whole model).
     Its weights are bitwise the whole model's for the same seed (the parts other chunks hold
@@ -298,8 +302,12 @@ class GPTModel(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         document_ids: Optional[torch.Tensor] = None,
         hidden_states: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+        cache_offset: int = 0,
     ) -> torch.Tensor:
         B, S, device = self._check_inputs(input_ids, position_ids, hidden_states)
+        if kv_cache is not None:
+            self._check_cache(document_ids, S, cache_offset)
         if input_ids is None:  # a later pipeline chunk: only the shape matters (padding)
             input_ids = torch.zeros(B, S, dtype=torch.int64, device=device)
         if S > self.config.max_position_embeddings:
@@ -309,7 +317,7 @@ class GPTModel(nn.Module):
         if position_ids is None:
             if self.tp.cp_group is not None:  # a local arange would be the wrong (non-global) positions
                 ContextParallelPlan.build(None, self.tp.cp_group, False)  # raises, naming the fix
-            position_ids = torch.arange(S, device=device).expand(B, S)
+            position_ids = torch.arange(cache_offset, cache_offset + S, device=device).expand(B, S)
         elif position_ids.shape != input_ids.shape:
             # A shared [S] / [1, S] row broadcast over the batch (a view, no copy).
             position_ids = position_ids.expand(B, S)
@@ -322,7 +330,11 @@ class GPTModel(nn.Module):
             raise ValueError(f"context parallelism: this rank's {S} tokens must split over tp {self.tp.size}")
         if pad:  # the sequence is split over the TP ranks: pad it to a multiple, masked out exactly
             input_ids, position_ids, document_ids = _pad_sequence(input_ids, position_ids, document_ids, pad)
-        out = self._forward(input_ids, position_ids, document_ids, hidden_states)
+        cached = None
+        if kv_cache is not None:  # the padding of the sequence split is never written to the cache
+            cached = CachedAttention(kv_cache, cache_offset, S, self.attention == AttnMaskType.CAUSAL)
+            document_ids = None
+        out = self._forward(input_ids, position_ids, document_ids, hidden_states, cached)
         # Only logits are cropped: a later pipeline chunk expects the padded length it splits over TP.
         return out[:, :S] if pad and self.pipeline.post_process else out
 
@@ -360,8 +372,28 @@ class GPTModel(nn.Module):
                 S = hidden_states.shape[1]
         return B, S, hidden_states.device
 
-    def _forward(self, input_ids, position_ids, document_ids, hidden_states=None) -> torch.Tensor:
-        doc_mask = None
+    def _check_cache(self, document_ids, S: int, cache_offset: int) -> None:
+        """The rules of a cached forward (generation), each a ValueError naming the fix."""
+        if self.training:
+            raise ValueError(
+                "kv_cache is for generation: call model.eval() first (training recomputes every key)"
+            )
+        if self.tp.cp_group is not None:
+            raise ValueError(
+                "kv_cache: cached generation does not run under context parallelism; build cp = 1"
+            )
+        if document_ids is not None:
+            raise ValueError("kv_cache: document_ids (packing) cannot be combined with a cache")
+        if cache_offset < 0 or cache_offset + S > self.config.max_position_embeddings:
+            raise ValueError(
+                f"kv_cache: slots [{cache_offset}, {cache_offset + S}) are outside the model's "
+                f"{self.config.max_position_embeddings} positions"
+            )
+
+    def _forward(
+        self, input_ids, position_ids, document_ids, hidden_states=None, cached=None
+    ) -> torch.Tensor:
+        doc_mask = cached
         if self.tp.cp_group is not None:  # this rank holds part of the sequence (context parallelism)
             if document_ids is not None:
                 raise ValueError("document_ids (document packing) are not supported with context parallelism")

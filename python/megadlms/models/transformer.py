@@ -37,6 +37,7 @@ from megadlms.parallel.context_parallel import ContextParallelPlan
 from megadlms.parallel.sharding import set_sharding
 
 from .config import ATTENTION_KINDS, TransformerConfig
+from .kv_cache import CachedAttention
 from .moe import MoELayer
 from .recompute import checkpoint, checkpointed_layers_forward, recompute_problems
 
@@ -165,8 +166,10 @@ class SelfAttention(nn.Module):
         attention: str,
         *,
         tp: TensorParallelContext = NO_TENSOR_PARALLEL,
+        layer_number: int = 1,
     ) -> None:
         super().__init__()
+        self.layer_number = layer_number  # the slot of its keys/values in a KVCache
         if attention not in ATTENTION_KINDS:
             raise ValueError(f"attention must be one of {ATTENTION_KINDS}, got {attention!r}")
         self.attention = AttnMaskType(attention)
@@ -214,8 +217,9 @@ class SelfAttention(nn.Module):
         doc_mask=None,
     ) -> torch.Tensor:
         """``x_BSH``: [B, S, H], or [B, Sl, H] under sequence parallelism (linear_qkv gathers
-        the sequence, so attention always sees all S positions). ``doc_mask``: None, or
-        :func:`document_attention_mask`'s mask (document packing)."""
+        the sequence, so attention always sees all S positions). ``doc_mask``: None,
+        :func:`document_attention_mask`'s mask (document packing), a ContextParallelPlan or a
+        CachedAttention (generation with a KV cache)."""
         G, D = self.num_groups, self.head_dim
         per_group = self.num_heads // G
         qkv_BSX = self.linear_qkv(x_BSH)
@@ -234,7 +238,9 @@ class SelfAttention(nn.Module):
             k_BSGD = apply_rotary(k_BSGD, *rotary, fused=self.apply_rope_fusion)
         dropout_p = self.attention_dropout if self.training else 0.0
         q, k, v = q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2)
-        if isinstance(doc_mask, ContextParallelPlan):  # context parallelism: K/V gathered over cp
+        if isinstance(doc_mask, CachedAttention):  # generation: keys/values of the cache (eval only)
+            out_BNSD = doc_mask.attention(self.layer_number, q, k, v, enable_gqa=G != self.num_heads)
+        elif isinstance(doc_mask, ContextParallelPlan):  # context parallelism: K/V gathered over cp
             with dropout_rng(self.tp, split=dropout_p > 0):
                 out_BNSD = doc_mask.attention(q, k, v, dropout_p, enable_gqa=G != self.num_heads)
         elif doc_mask is not None and not isinstance(doc_mask, torch.Tensor):  # flex BlockMask
@@ -354,7 +360,7 @@ class TransformerLayer(nn.Module):
         self.tp = tp
         # SP: the norms see only this rank's tokens, so their weight grads are partial over TP.
         self.input_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
-        self.self_attention = SelfAttention(config, attention, tp=tp)
+        self.self_attention = SelfAttention(config, attention, tp=tp, layer_number=layer_number)
         self.pre_mlp_layernorm = build_norm(config, config.hidden_size, grad_is_partial=tp.sequence_parallel)
         self.mlp = build_mlp(config, layer_number, tp)
         self.hidden_dropout = nn.Dropout(config.hidden_dropout)

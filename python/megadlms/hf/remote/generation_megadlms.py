@@ -15,6 +15,8 @@ MegaDLMs               LLaDA                  meaning
 ``top_p``              (none)                 nucleus filter of the logits before sampling
 ``threshold``          (Fast-dLLM)            commit every masked token of the block whose
                                               confidence reaches it (>= 1 a step; default off)
+``cache``              (Fast-dLLM)            "prefix" / "dual": the block-wise approximate KV
+                                              cache, refreshed at each block (default none)
 (config)               ``mask_id``            the [MASK] id (default: config.mask_token_id)
 =====================  =====================  ==============================================
 
@@ -72,6 +74,7 @@ def resolve(args: dict, defaults: dict, prompt_len: int, max_positions: int) -> 
     for name in ("steps", "gen_length", "block_length", "cfg_scale", "remasking", "temperature", "top_p"):
         out[name] = _pick(args, name, reverse.get(name))
     out["threshold"] = None if args.get("threshold") is None else float(args["threshold"])
+    out["cache"] = None if args.get("cache") in (None, "none") else args["cache"]
     if out["gen_length"] is None and args.get("max_length") is not None:
         out["gen_length"] = int(args["max_length"]) - prompt_len  # HF: max_length counts the prompt
     # The export's steps / block length belong to its gen_length: a caller's own length gets
@@ -113,6 +116,8 @@ def _check(s: dict) -> None:
     threshold = s.get("threshold")
     if threshold is not None and not 0.0 < threshold <= 1.0:
         raise ValueError(f"generate: threshold must be in (0, 1] (a confidence), got {threshold}")
+    if s.get("cache") not in (None, "prefix", "dual"):
+        raise ValueError(f"generate: cache must be 'none', 'prefix' or 'dual', got {s['cache']!r}")
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -147,20 +152,53 @@ def _num_transfer(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
     return num // steps + (ids < num % steps).to(torch.int64)
 
 
-def _logits(model, x, keep, position_ids, prompt_index, s, mask_id):
-    # The mask only when a row is padded: an unpadded batch runs the plain attention path.
-    mask = None if bool(keep.all()) else keep.to(torch.int64)
-    if s["cfg_scale"] <= 0:
-        return model(x, attention_mask=mask, position_ids=position_ids).logits
-    uncond = x.clone()
-    uncond[prompt_index] = mask_id
-    both = model(
-        torch.cat([x, uncond]),
-        attention_mask=None if mask is None else torch.cat([mask, mask]),
-        position_ids=torch.cat([position_ids, position_ids]),
-    ).logits
-    cond, unc = both.chunk(2)
-    return unc + (s["cfg_scale"] + 1) * (cond - unc)
+class _Forwards:
+    """The model calls of one generation, through Fast-dLLM's cache protocol when ``cache`` is
+    "prefix" (keys/values before the block kept, the block and the rest recomputed) or "dual"
+    (only the block recomputed, at its ``replace_position``); every block starts with a full
+    forward that refreshes the cache. ``nfe`` counts the forward passes (a CFG pair is one)."""
+
+    def __init__(self, model, keep, position_ids, prompt_index, s, mask_id) -> None:
+        self.model, self.keep, self.position_ids = model, keep, position_ids
+        self.prompt_index, self.s, self.mask_id = prompt_index, s, mask_id
+        self.rows = 2 if s["cfg_scale"] > 0 else 1
+        # The mask only when a row is padded: an unpadded batch runs the plain attention path.
+        self.mask = None if bool(keep.all()) else keep.to(torch.int64).repeat(self.rows, 1)
+        self.past, self.nfe = None, 0
+
+    def span(self, step: int, start: int, end: int, total: int):
+        if self.s["cache"] is None or step == 0:
+            return 0, total
+        return start, (total if self.s["cache"] == "prefix" else end)
+
+    def logits(self, x, lo: int, hi: int, step: int, start: int):
+        """Logits of x[:, lo:hi] (CFG mixed)."""
+        self.nfe += 1
+        part = x[:, lo:hi]
+        if self.rows == 2:
+            uncond = part.clone()
+            uncond[self.prompt_index[:, lo:hi]] = self.mask_id
+            part = torch.cat([part, uncond])
+        kwargs = {
+            "attention_mask": self.mask,
+            "position_ids": self.position_ids[:, lo:hi].repeat(self.rows, 1),
+        }
+        if self.s["cache"] is not None and step > 0:
+            kwargs["past_key_values"] = self.past
+            if self.s["cache"] == "dual":
+                replace = torch.zeros(part.shape[0], x.shape[1], dtype=torch.bool, device=x.device)
+                replace[:, lo:hi] = True
+                kwargs["replace_position"] = replace
+            elif self.mask is not None:
+                kwargs["attention_mask"] = self.mask[:, :hi]
+        out = self.model(part, use_cache=self.s["cache"] is not None and step == 0, **kwargs)
+        if self.s["cache"] is not None and step == 0:
+            keep_to = start if self.s["cache"] == "prefix" else x.shape[1]
+            self.past = [(k[:, :, :keep_to], v[:, :, :keep_to]) for k, v in out.past_key_values]
+        if self.rows == 1:
+            return out.logits
+        cond, unc = out.logits.chunk(2)
+        return unc + (self.s["cfg_scale"] + 1) * (cond - unc)
 
 
 @torch.no_grad()
@@ -183,8 +221,9 @@ def diffusion_generate(
     x[:, :P] = prompt
     # Padding is never a position to fill, even when its id is the [MASK] id.
     prompt_index = (x != mask_id) | ~keep
+    forwards = _Forwards(model, keep, position_ids, prompt_index, s, mask_id)
     num_blocks = gen // block_len
-    steps, threshold, nfe = s["steps"] // num_blocks, s.get("threshold"), 0
+    steps, threshold = s["steps"] // num_blocks, s.get("threshold")
     for block in range(num_blocks):
         start, end = P + block * block_len, P + (block + 1) * block_len
         num_transfer = _num_transfer(x[:, start:end] == mask_id, steps)
@@ -195,20 +234,22 @@ def diffusion_generate(
             if threshold is None
             else bool(((x[:, start:end] == mask_id) & keep[:, start:end]).any())
         ):
-            mask_index = (x == mask_id) & keep
-            logits = _logits(model, x, keep, position_ids, prompt_index, s, mask_id)
+            lo, hi = forwards.span(step, start, end, P + gen)
+            part = x[:, lo:hi]
+            mask_index = (part == mask_id) & keep[:, lo:hi]
+            logits = forwards.logits(x, lo, hi, step, start)
             x0 = draw(logits, s, mask_id, generator)
             if s["remasking"] == "low_confidence":
                 conf = F.softmax(logits.to(torch.float64), dim=-1).gather(-1, x0[..., None]).squeeze(-1)
             else:
                 conf = torch.rand(x0.shape, dtype=torch.float64, device=device, generator=generator)
-            conf[:, end:] = float("-inf")  # later blocks wait their turn
-            x0 = torch.where(mask_index, x0, x)
+            conf[:, end - lo :] = float("-inf")  # later blocks wait their turn
+            x0 = torch.where(mask_index, x0, part)
             conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
-            x = torch.where(
-                _transfer(conf, num_transfer[:, step] if threshold is None else None, threshold), x0, x
-            )
-            step, nfe = step + 1, nfe + 1
+            k = num_transfer[:, step] if threshold is None else None
+            x = x.clone()
+            x[:, lo:hi] = torch.where(_transfer(conf, k, threshold), x0, part)
+            step += 1
         if verbose:
             left = int(((x[:, start:end] == mask_id) & keep[:, start:end]).sum())
             print(
@@ -216,7 +257,7 @@ def diffusion_generate(
                 file=sys.stderr,
             )
     if stats is not None:
-        stats["nfe"] = nfe
+        stats["nfe"] = forwards.nfe
     return x
 
 

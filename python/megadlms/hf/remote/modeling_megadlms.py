@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
-from transformers.modeling_outputs import MaskedLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
 from transformers.utils import logging
 
 from .generation_megadlms import IGNORED, diffusion_generate, resolve
@@ -122,7 +122,9 @@ class MegaDLMsAttention(nn.Module):
         if config.qk_layernorm:
             self.q_norm, self.k_norm = _norm(config, self.d), _norm(config, self.d)
 
-    def forward(self, x, rotary, attn_mask):
+    def forward(self, x, rotary, attn_mask, layer_past=None, slots=None):
+        """(output, (k, v)): ``layer_past`` the layer's cached (keys, values) [B, n_kv, T, D]
+        (rotated); the new keys/values go after them, or at ``slots`` (the dual cache)."""
         B, S, _ = x.shape
         q = self.q_proj(x).view(B, S, self.n_heads, self.d)
         k = self.k_proj(x).view(B, S, self.n_kv, self.d)
@@ -131,15 +133,23 @@ class MegaDLMsAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rotary is not None:
             q, k = _apply_rotary(q, *rotary), _apply_rotary(k, *rotary)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if layer_past is not None:
+            past_k, past_v = layer_past
+            if slots is None:
+                k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+            else:  # in place, as Fast-dLLM's dual cache refreshes its block
+                past_k[:, :, slots], past_v[:, :, slots] = k, v
+                k, v = past_k, past_v
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
+            q,
+            k,
+            v,
             attn_mask=attn_mask,
-            is_causal=self.causal and attn_mask is None,
+            is_causal=self.causal and attn_mask is None and layer_past is None,
             enable_gqa=self.n_kv != self.n_heads,
         )
-        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.d))
+        return self.o_proj(out.transpose(1, 2).reshape(B, S, self.n_heads * self.d)), (k, v)
 
 
 class MegaDLMsMLP(nn.Module):
@@ -165,9 +175,10 @@ class MegaDLMsLayer(nn.Module):
         self.post_attention_layernorm = _norm(config, config.hidden_size)
         self.mlp = MegaDLMsMLP(config)
 
-    def forward(self, x, rotary, attn_mask):
-        x = x + self.self_attn(self.input_layernorm(x), rotary, attn_mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, rotary, attn_mask, layer_past=None, slots=None):
+        attn, present = self.self_attn(self.input_layernorm(x), rotary, attn_mask, layer_past, slots)
+        x = x + attn
+        return x + self.mlp(self.post_attention_layernorm(x)), present
 
 
 class MegaDLMsPreTrainedModel(PreTrainedModel):
@@ -212,30 +223,78 @@ class MegaDLMsModel(MegaDLMsPreTrainedModel):
         self.norm = _norm(config, config.hidden_size)
         self.post_init()
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None):
+    def forward(
+        self, input_ids, attention_mask=None, position_ids=None, past_key_values=None, replace_position=None
+    ):
+        """(hidden states, per-layer (keys, values)). Fast-dLLM's cache protocol: the new tokens sit
+        after ``past_key_values``' T slots, or at the slots ``replace_position`` (bool [B, T]) marks;
+        ``attention_mask`` covers the query tokens, or every key slot when a cache is given."""
         B, S = input_ids.shape
-        if position_ids is None and attention_mask is not None:
-            # MegaDLMs' rule: positions count from each row's first token, so left padding shifts nothing.
-            position_ids = attention_mask.to(torch.int64).cumsum(-1) - 1
-            position_ids = position_ids.masked_fill(attention_mask == 0, 1)
-        elif position_ids is None:
-            position_ids = torch.arange(S, device=input_ids.device).expand(B, S)
+        past = _check_past(past_key_values, len(self.layers))
+        slots = _replace_slots(replace_position, S, past)
+        T = S if past is None else (past[0][0].shape[2] + (S if slots is None else 0))
+        if position_ids is None:
+            position_ids = _positions(attention_mask, B, S, T, slots, input_ids.device)
         x = self.embed_tokens(input_ids)
         if self.embed_positions is not None:
             x = x + self.embed_positions(position_ids)
         rotary = None
         if self.config.position_embedding_type == "rope":
             rotary = _rotary(position_ids, self.config.head_dim, self.config.rope_theta)
-        mask = None
-        if attention_mask is not None and not bool(attention_mask.all()):
-            # key padding mask (True = attend), [B, 1, 1 or S, S]
-            mask = attention_mask.to(torch.bool)[:, None, None, :]
-            if self.config.attention == "causal":
-                causal = torch.ones(S, S, dtype=torch.bool, device=x.device).tril()
-                mask = mask & causal[None, None]
-        for layer in self.layers:
-            x = layer(x, rotary, mask)
-        return self.norm(x)
+        mask = _attention_mask(attention_mask, self.config.attention == "causal", S, T, slots, x.device, past)
+        presents = []
+        for i, layer in enumerate(self.layers):
+            x, present = layer(x, rotary, mask, None if past is None else past[i], slots)
+            presents.append(present)
+        return self.norm(x), tuple(presents)
+
+
+def _check_past(past_key_values, num_layers: int):
+    """The cache as a list of per-layer (keys, values), or None (empty or absent)."""
+    if past_key_values is None or len(past_key_values) == 0:
+        return None
+    if len(past_key_values) != num_layers or not all(len(kv) == 2 for kv in past_key_values):
+        raise ValueError(
+            f"past_key_values must hold one (key, value) pair per layer ({num_layers}), as "
+            "model(x, use_cache=True).past_key_values returns"
+        )
+    return list(past_key_values)
+
+
+def _replace_slots(replace_position, S: int, past):
+    """The cache slots [L] that the new tokens replace (Fast-dLLM's dual cache), or None."""
+    if replace_position is None:
+        return None
+    if past is None:
+        raise ValueError("replace_position needs past_key_values (the cache whose slots it replaces)")
+    slots = replace_position[0].nonzero(as_tuple=True)[0]
+    if not bool((replace_position == replace_position[:1]).all()) or slots.numel() != S:
+        raise ValueError(f"replace_position must mark the same {S} slots (the input's length) in every row")
+    return slots
+
+
+def _positions(attention_mask, B: int, S: int, T: int, slots, device):
+    """Position ids of the new tokens: MegaDLMs' rule (positions count from each row's first
+    token, so left padding shifts nothing) over the T key slots, taken at the new tokens' slots."""
+    if attention_mask is None:
+        all_positions = torch.arange(T, device=device).expand(B, T)
+    else:
+        all_positions = attention_mask.to(torch.int64).cumsum(-1) - 1
+        all_positions = all_positions.masked_fill(attention_mask == 0, 1)
+    return all_positions[:, T - S :] if slots is None else all_positions[:, slots]
+
+
+def _attention_mask(attention_mask, causal: bool, S: int, T: int, slots, device, past):
+    """The SDPA mask [B, 1, 1 or S, T] (True = attend): padded keys out, causal models' later
+    keys out; None when nothing is masked (the plain attention path)."""
+    mask = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        mask = attention_mask.to(torch.bool)[:, None, None, :]  # key padding mask
+    if causal and (mask is not None or past is not None):
+        rows = torch.arange(T - S, T, device=device) if slots is None else slots.to(device)
+        allowed = torch.arange(T, device=device)[None, :] <= rows[:, None]
+        mask = allowed[None, None] if mask is None else mask & allowed[None, None]
+    return mask
 
 
 class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
@@ -259,9 +318,30 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
     def get_output_embeddings(self):
         return self.lm_head
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None, **kwargs):
-        hidden = self.model(input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        return MaskedLMOutput(logits=self.lm_head(hidden))
+    def forward(
+        self,
+        input_ids,
+        attention_mask=None,
+        position_ids=None,
+        labels=None,
+        past_key_values=None,
+        use_cache: bool = False,
+        replace_position=None,
+        **kwargs,
+    ):
+        """``.logits`` [B, S, V]; with ``use_cache`` also ``.past_key_values`` (one (key, value)
+        pair [B, kv heads, T, head_dim] per layer), Fast-dLLM's protocol (see MegaDLMsModel)."""
+        hidden, presents = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            replace_position=replace_position,
+        )
+        logits = self.lm_head(hidden)
+        if use_cache:
+            return CausalLMOutputWithPast(logits=logits, past_key_values=presents)
+        return MaskedLMOutput(logits=logits)
 
     @torch.no_grad()
     def generate(
@@ -335,6 +415,7 @@ def _unpack_inputs(
 
 _GENERATE_NAMES = (
     "threshold",
+    "cache",
     "steps",
     "gen_length",
     "block_length",
