@@ -13,7 +13,8 @@ TFLOP/s per device, MFU against the bf16 matmul ceiling measured in this run (81
 Rows: ``{ddp,fsdp2}-s{2048,4096}[-recompute]``: DDP (+ the distributed optimizer, overlapped
 reduce) or FSDP2 at world size 1, sequence 2048 (micro-batch 8) or 4096 (micro-batch 4),
 global batch two micro-batches, with ``-recompute`` Megatron's selective recomputation
-(``--recompute-activations``: core attention). Each row names the SDPA backend the model's
+(``--recompute-activations``: core attention), with ``-compile`` ``--use-torch-compile`` (its
+medians leave out iteration 1, which holds the compile). Each row names the SDPA backend the model's
 attention call takes at that shape (profiled once here, outside the runs: cuDNN, flash,
 mem-efficient, math). ``--deadline`` seconds bound all rows together: a row with less than
 ``--min-row`` seconds left is "not reached" (not a failure). A row also records the run's exit
@@ -59,8 +60,12 @@ ROWS = {
     for name, flags in (("ddp", DDP), ("fsdp2", FSDP2))
     for suffix, extra in (("", []), ("-recompute", RECOMPUTE))
 }
+for _n in ("ddp-s4096", "fsdp2-s4096", "ddp-s2048"):
+    ROWS[f"{_n}-compile"] = (*ROWS[_n][:3], [*ROWS[_n][3], "--use-torch-compile"])
 ROWS["fsdp2-zero2-s4096"] = (4096, 4, 8, [*FSDP2, "--torch-fsdp2-no-reshard-after-forward"])
-DEFAULT_ROWS = "ddp-s4096,fsdp2-s4096,ddp-s2048,fsdp2-s2048,ddp-s4096-recompute,fsdp2-s4096-recompute"
+DEFAULT_ROWS = (
+    "ddp-s4096,fsdp2-s4096,ddp-s2048,fsdp2-s2048,ddp-s4096-recompute,fsdp2-s4096-recompute,ddp-s4096-compile"
+)
 TINY_SEQ = 64
 
 
