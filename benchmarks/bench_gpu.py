@@ -30,7 +30,7 @@ Sections:
        the datasheet figure is printed beside it. Memory: peak allocated during the step,
        and the optimizer state (fp32 main params + Adam moments) per rank.
 Times are medians of --reps timed runs after warm-up (CUDA events on GPU). --out FILE
-also writes the tables (rank 0) to FILE.
+also appends the tables (rank 0) to FILE.
 """
 
 from __future__ import annotations
@@ -462,7 +462,7 @@ def parse(argv=None):
     p.add_argument("--dry-run", action="store_true", help="tiny sizes (CI / CPU check of this script)")
     p.add_argument("--peak-tflops", type=float, default=None, help="bf16 peak for MFU (default: measured)")
     p.add_argument("--mbs", type=int, default=4, help="micro-batch of the MFU step")
-    p.add_argument("--out", default=None, help="also write the tables to this file (rank 0)")
+    p.add_argument("--out", default=None, help="also append the tables to this file (rank 0)")
     a = p.parse_args(argv)
     a.sections = [s.strip() for s in a.sections.split(",") if s.strip()]
     bad = sorted(set(a.sections) - set(SECTIONS))
@@ -487,9 +487,7 @@ def main(argv=None):
     info = ext.backend_info()
     if device.type == "cuda" and not info["cuda"]:
         raise SystemExit(f"megadlm_ext was built without CUDA ({info}); rebuild with MEGADLM_EXT_CUDA=1")
-    _OUT["file"] = a.out
-    if a.out and _rank() == 0:
-        open(a.out, "w").close()  # this run's tables only
+    _OUT["file"] = a.out  # appended to: gpu_check.sh collects every benchmark's tables in one file
     emit(
         f"bench_gpu: device={device} ({torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}), "
         f"torch {torch.__version__}, megadlm_ext {info}, dry_run={a.dry_run}"

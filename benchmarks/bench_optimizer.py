@@ -180,7 +180,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes: checks the script (CI)")
     ap.add_argument("--reps", type=int, default=None, help="timed steps per variant (default 10; 2 dry)")
     ap.add_argument("--variants", default=None, help=f"comma-separated subset of: {', '.join(VARIANTS)}")
-    ap.add_argument("--out", default=None, help="also write the table to this file")
+    ap.add_argument("--out", default=None, help="also append the table to this file")
     a = ap.parse_args(argv)
     device = torch.device(a.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -198,7 +198,7 @@ def main(argv=None) -> int:
     text = table(device, n, bw, rows)
     print(text, flush=True)
     if a.out:
-        with open(a.out, "w") as f:
+        with open(a.out, "a") as f:  # appended: gpu_check.sh collects every benchmark's tables in one file
             f.write(text + "\n")
     return 0
 

@@ -3,23 +3,27 @@
 # it is (its own python with torch, no package index) inside one total time budget
 # (default 8 minutes). Steps, most valuable first; each gets what is left of the budget
 # (up to its own cap) and is not started, but reported as "not reached", when too little
-# is left:
+# is left (the caps up to pytest-gpu fit the default budget; --dry-run writes the plan):
 #   1. environment: GPU, driver, nvcc, torch / CUDA / NCCL versions, tools found;
 #   2. build: the extension with CUDA, all cores, SASS for the GPUs present only
 #      (pip install --no-deps --no-build-isolation --no-index -e .: nothing is fetched);
-#   3. pytest-gpu: `pytest -m gpu` over the test files that hold GPU tests (a child process
+#   3. trainer: the real trainer (benchmarks/bench_trainer.py: the ~1B DLM, bf16, mock data,
+#      one GPU, seq 2048 and 4096, DDP and FSDP2, with and without selective recompute):
+#      s/iter, tokens/s, TFLOP/s/GPU, MFU of the bf16 matmul ceiling measured in the run and
+#      of the datasheet, memory, the SDPA backend, each run's exit status; its rows share the
+#      step's limit, a row without time left is "not reached";
+#   4. pytest-gpu: `pytest -m gpu` over the test files that hold GPU tests (a child process
 #      that used every CUDA object must exit 0: tests/training/test_cuda_exit.py);
-#   4. trainer: the real trainer (benchmarks/bench_trainer.py: MegaDLMs' 1.7B model, seq
-#      4096, bf16, mock data, one GPU): DDP, FSDP2 and FSDP2 ZeRO-2 at micro-batch 4, DDP at
-#      2: s/iter, TFLOP/s/GPU, MFU of the datasheet peak, memory, and each run's exit status;
-#   5. optimizer: AdamW on 1.41B params, torch foreach / fused and ours against the memory floor
-#      (benchmarks/bench_optimizer.py); bench-gpu: the figures table (benchmarks/bench_gpu.py: the extension's ops, eager and
-#      kernel-only, the ~1B DLM step's MFU against the measured bf16 matmul ceiling);
-#   6. wrappers: FSDP2 against DDP on one GPU, where the difference goes
+#   5. optimizer: AdamW on 1.41B params, torch foreach / fused and ours against the memory
+#      floor (benchmarks/bench_optimizer.py);
+#   6. bench-gpu: the figures table (benchmarks/bench_gpu.py: the extension's ops, eager and
+#      kernel-only by graph replay, the ~1B DLM step's MFU against the measured ceiling);
+#   7. wrappers: FSDP2 against DDP on one GPU, where the difference goes
 #      (benchmarks/bench_wrappers.py, a profile by kernel family);
-#   7. memcheck: compute-sanitizer memcheck of the extension's kernel tests with
+#   8. memcheck: compute-sanitizer memcheck of the extension's kernel tests with
 #      PYTORCH_NO_CUDA_MEMORY_CACHING=1 (no profiler or CUDA-graph test: CUPTI conflicts
-#      with the sanitizer, and the uncached allocator cannot allocate under capture);
+#      with the sanitizer, and the uncached allocator cannot allocate under capture; API
+#      errors not reported: a non-success return is an answer, not a memory error);
 #      no compute-sanitizer on PATH is a SKIP.
 # With 2+ GPUs bench-gpu-multi adds the DDP step and a collective sweep under torchrun.
 # The summary has one PASS / FAIL / SKIP line per step; the exit status is non-zero if a
@@ -51,7 +55,7 @@ while [[ $# -gt 0 ]]; do
       shift
       ;;
     -h | --help)
-      sed -n '2,38p' "$0"
+      sed -n '2,41p' "$0"
       exit 0
       ;;
     *)
@@ -140,7 +144,8 @@ step() {
   limit=$((cap < avail ? cap : avail))
   echo
   echo "=== [$name] $* (limit ${limit}s, budget left $(left)s)"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
+  # STEP_LIMIT: a command that bounds its own parts (the trainer's rows) fits them into it
+  STEP_LIMIT=$limit timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$log"
   rc=${PIPESTATUS[0]}
   local took=$((SECONDS - t0))
   if [[ $rc -eq 0 ]]; then
@@ -216,7 +221,7 @@ INSTALL=("$PY" -m pip install --no-deps --no-build-isolation --no-index -e .)
 # CPU-only test module imports (missing on the box) cannot stop the collection.
 mapfile -t GPU_TESTS < <(grep -rlE "mark\.gpu|pytestmark = .*gpu" tests --include='test_*.py' | sort)
 TIMEOUT_ARGS=()
-if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then TIMEOUT_ARGS=(--timeout=240); fi
+if "$PY" -c "import pytest_timeout" >/dev/null 2>&1; then TIMEOUT_ARGS=(--timeout=60); fi
 
 NGPU=0
 if [[ $DRY -eq 0 ]]; then
@@ -227,56 +232,96 @@ if [[ $DRY -eq 0 ]]; then
   fi
 fi
 
-step environment 60 10 bash -c environment
-step self-check 30 5 bash -c self_check
-
 # The kernel tests memcheck runs (compiled ops; no multi-process NCCL test).
 MEMCHECK_TESTS=(tests/ext/test_cuda.py tests/ext/test_cuda_gpu_path.py tests/ext/test_grouped_gemm.py
   tests/ext/test_wgrad.py tests/ext/test_fused_gpu.py tests/ext/test_adamw.py tests/ext/test_table_gpu.py)
 
+# The GPU steps, most valuable first: NAME CAP MIN, then the command. The caps of the steps up
+# to pytest-gpu add up to less than the default budget (the budget never cuts them; only a
+# hang does); what follows gets what is left, and a step the budget does not reach is a
+# "not reached" SKIP. Measured on the first run (H200): build 44 s, pytest -m gpu 25 s, a
+# trainer row ~20-25 s.
+ARCHS="${MEGADLM_CUDA_ARCHS:-}"
+if [[ $DRY -eq 0 && -z "$ARCHS" ]]; then
+  ARCHS="$("$PY" -c "import torch; print(';'.join(sorted({'%d%d' % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})))")"
+fi
+STEP_BUILD=(build 120 60 env MEGADLM_EXT_CUDA=1 MAX_JOBS="$JOBS" MEGADLM_CUDA_ARCHS="$ARCHS" CFLAGS=-g0 "${INSTALL[@]}")
+STEP_CUDA_CHECK=(cuda-build-check 20 10 "$PY" -c "import megadlm_ext as e, megadlm_ext.nccl as n; \
+i = e.backend_info(); assert i['cuda'] and i['nccl'], i; print(i, 'libnccl', n.version())")
+# The real trainer (~1B DLM, seq 2048 / 4096, DDP / FSDP2, +- selective recompute): its rows
+# share the step's limit (--deadline); a row without time left is "not reached" in its table.
+trainer_rows() {
+  echo "$PY benchmarks/bench_trainer.py --iters 6 --deadline $((STEP_LIMIT - 10)) --out $FIGURES"
+  "$PY" benchmarks/bench_trainer.py --iters 6 --deadline $((STEP_LIMIT - 10)) --out "$FIGURES"
+}
+STEP_TRAINER=(trainer 190 90 bash -c trainer_rows)
+STEP_PYTEST=(pytest-gpu 90 45 "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}" -p no:cacheprovider -rfEs "${TIMEOUT_ARGS[@]}")
+STEP_OPTIMIZER=(optimizer 60 30 "$PY" benchmarks/bench_optimizer.py --out "$FIGURES")
+STEP_BENCH=(bench-gpu 120 60 "$PY" benchmarks/bench_gpu.py --out "$FIGURES")
+STEP_BENCH_MULTI=(bench-gpu-multi 120 45 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU"
+  benchmarks/bench_gpu.py --sections ddp,comm --out "$FIGURES")
+STEP_WRAPPERS=(wrappers 90 60 "$PY" benchmarks/bench_wrappers.py --micro 2 --reps 2 --out "$FIGURES")
+# No caching allocator: every tensor its own allocation, so an out-of-bounds access is not
+# hidden inside a larger cached segment. That allocator refuses allocation under CUDA-graph
+# capture, so the capture tests (marked cuda_graph) stay out, as do the profiler tests (CUPTI
+# conflicts with the sanitizer). --report-api-errors no: a CUDA API call's non-success return
+# (a cudaStreamQuery answering "not ready", torch probing a feature) is an answer, not a memory
+# error, and with --error-exitcode it would fail the step; memory errors still count.
+STEP_MEMCHECK=(memcheck 120 45 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck
+  --error-exitcode 1 --report-api-errors no --target-processes all "$PY" -m pytest -q
+  -m "gpu and not slow and not profiler and not cuda_graph" "${MEMCHECK_TESTS[@]}" -p no:cacheprovider)
+GPU_STEPS=(STEP_BUILD STEP_CUDA_CHECK STEP_TRAINER STEP_PYTEST STEP_OPTIMIZER STEP_BENCH STEP_BENCH_MULTI
+  STEP_WRAPPERS STEP_MEMCHECK)
+export -f trainer_rows
+export FIGURES
+
+# The plan of a GPU run: each step's cap, minimum and command, and what the caps add up to.
+plan() {
+  local total=$((ENV_CAP + SELF_CAP)) must=0 s
+  for s in "${GPU_STEPS[@]}"; do
+    local -n st="$s"
+    printf '%-16s cap %4ss  min %3ss  %s\n' "${st[0]}" "${st[1]}" "${st[2]}" "${st[*]:3}"
+    total=$((total + st[1]))
+    [[ "${st[0]}" == pytest-gpu ]] && must=$total
+  done
+  echo "caps through pytest-gpu: ${must}s of the ${BUDGET_S}s budget; all caps: ${total}s" \
+    "(the budget cuts the steps after pytest-gpu: a SKIP that says not reached, never a FAIL)"
+}
+
+ENV_CAP=20
+SELF_CAP=10
+step environment "$ENV_CAP" 10 bash -c environment
+step self-check "$SELF_CAP" 5 bash -c self_check
+
 if [[ $DRY -eq 1 ]]; then
+  plan | tee "$WORK/plan.log"
   # What the real run would install, resolved offline (builds nothing, installs nothing).
   step install-plan 120 20 "${INSTALL[@]}" --dry-run
+  # The real run's trainer, wrapper and figures benchmarks, on a tiny model on the CPU (gloo).
+  step trainer-dry-run 120 20 "$PY" benchmarks/bench_trainer.py --tiny --rows ddp-s2048,fsdp2-s4096-recompute \
+    --iters 2 --out "$FIGURES"
   step bench-gpu-dry-run 180 20 "$PY" benchmarks/bench_gpu.py --dry-run --device cpu --reps 2 --out "$FIGURES"
-  # The real run's trainer and wrapper benchmarks, on a tiny model on the CPU (gloo).
-  step trainer-dry-run 120 20 "$PY" benchmarks/bench_trainer.py --tiny --rows ddp-mbs4 --iters 2 --out "$FIGURES"
   step wrappers-dry-run 120 20 "$PY" benchmarks/bench_wrappers.py --device cpu --tiny --reps 1 --micro 2 \
     --wrappers ddp+distopt,fsdp2 --out "$FIGURES"
-  echo
-  echo "=== plan of a GPU run (budget ${BUDGET_S}s): build, cuda-build-check, pytest-gpu" \
-    "(${#GPU_TESTS[@]} files), trainer, optimizer, bench-gpu [+ bench-gpu-multi at 2+ GPUs], wrappers, memcheck"
-  for s in build cuda-build-check pytest-gpu trainer optimizer bench-gpu wrappers memcheck; do
+  for s in build cuda-build-check trainer pytest-gpu optimizer bench-gpu wrappers memcheck; do
     skip "$s" "dry run (needs a GPU)"
   done
   command -v compute-sanitizer >/dev/null 2>&1 || echo "note: compute-sanitizer not on PATH here: memcheck would SKIP"
 else
-  if [[ "${SKIP_BUILD:-0}" == 1 ]]; then
-    skip build "SKIP_BUILD=1"
-  else
-    ARCHS="${MEGADLM_CUDA_ARCHS:-$("$PY" -c "import torch; print(';'.join(sorted({'%d%d' % torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})))")}"
-    step build 300 60 env MEGADLM_EXT_CUDA=1 MAX_JOBS="$JOBS" MEGADLM_CUDA_ARCHS="$ARCHS" CFLAGS=-g0 "${INSTALL[@]}"
-  fi
-  step cuda-build-check 60 10 "$PY" -c "import megadlm_ext as e, megadlm_ext.nccl as n; i = e.backend_info(); \
-assert i['cuda'] and i['nccl'], i; print(i, 'libnccl', n.version())"
-  step pytest-gpu 240 45 "$PY" -m pytest -q -m gpu "${GPU_TESTS[@]}" -p no:cacheprovider -rfEs "${TIMEOUT_ARGS[@]}"
-  step trainer 300 90 "$PY" benchmarks/bench_trainer.py --rows ddp-mbs4,fsdp2-mbs4,fsdp2-zero2-mbs4,ddp-mbs2 \
-    --iters 6 --out "$FIGURES"
-  step optimizer 90 30 "$PY" benchmarks/bench_optimizer.py --out "$FIGURES"
-  step bench-gpu 180 60 "$PY" benchmarks/bench_gpu.py --out "$FIGURES"
+  if [[ "${SKIP_BUILD:-0}" == 1 ]]; then skip build "SKIP_BUILD=1"; else step "${STEP_BUILD[@]}"; fi
+  step "${STEP_CUDA_CHECK[@]}"
+  step "${STEP_TRAINER[@]}"
+  step "${STEP_PYTEST[@]}"
+  step "${STEP_OPTIMIZER[@]}"
+  step "${STEP_BENCH[@]}"
   if [[ "$NGPU" -ge 2 ]]; then
-    step bench-gpu-multi 180 45 "$PY" -m torch.distributed.run --nproc-per-node "$NGPU" \
-      benchmarks/bench_gpu.py --sections ddp,comm --out "$FIGURES"
+    step "${STEP_BENCH_MULTI[@]}"
   else
     skip bench-gpu-multi "1 GPU: the collective sweep and DDP comparison need 2+ GPUs"
   fi
-  step wrappers 150 60 "$PY" benchmarks/bench_wrappers.py --micro 2 --reps 2 --out "$FIGURES"
+  step "${STEP_WRAPPERS[@]}"
   if command -v compute-sanitizer >/dev/null 2>&1; then
-    # No caching allocator: every tensor its own allocation, so an out-of-bounds access
-    # is not hidden inside a larger cached segment. API errors are not counted as memory
-    # errors (a failed cudaStreamQuery is an answer, not a fault).
-    step memcheck 180 45 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \
-      --error-exitcode 1 --report-api-errors no --target-processes all "$PY" -m pytest -q \
-      -m "gpu and not slow and not profiler and not cuda_graph" "${MEMCHECK_TESTS[@]}" -p no:cacheprovider
+    step "${STEP_MEMCHECK[@]}"
   else
     skip memcheck "compute-sanitizer not on PATH (it comes with the CUDA toolkit)"
   fi

@@ -24,6 +24,21 @@ def route(name: str):
         yield
 
 
+@contextlib.contextmanager
+def eagerly():
+    """The ops of the block run once, eagerly, on a side stream ordered after the current
+    stream's work and before whatever is queued next: the warm-up before a CUDA-graph capture
+    of the same ops. CUDA loads a kernel at its first launch (lazy module loading, the
+    default), and a first launch inside a capture would load it while the stream is
+    captured. The same op on the same dtypes warms the captured kernel; tensors of the same
+    shapes but new pointers keep the segment-table miss a test may want under capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        yield
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def packed_offsets(tensors, gaps=None):
     """Offsets of a layout with optional gap (in elements) before each tensor."""
     offs, pos = [], 0

@@ -14,7 +14,7 @@ import torch
 
 import megadlm_ext
 
-from .helpers import route
+from .helpers import eagerly, route
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8)
 SIZES = (0, 1, 7, 33, 1000, 4099, (17, 31))
@@ -276,11 +276,8 @@ def test_cuda_graph_capture_replays_the_step():
     ps, grads, ms, vs, mps = _to_cuda(_state((5, 4099, 70_001), *dts, seed=9))
     eager = [_clone(x) for x in (ps, ms, vs, mps)]
     kw = dict(**HYPER, weight_decay=0.1, step=3)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), route("compiled"):  # warm-up outside capture, on other tensors
-        megadlm_ext.adamw_step(_clone(ps), grads[0], _clone(ms), _clone(vs), **kw)
-    torch.cuda.current_stream().wait_stream(side)
+    with eagerly(), route("compiled"):  # the captured call once outside capture, on other tensors
+        megadlm_ext.adamw_step(_clone(ps), grads[0], _clone(ms), _clone(vs), **kw, model_params=_clone(mps))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), route("compiled"):
         megadlm_ext.adamw_step(ps, grads[0], ms, vs, **kw, model_params=mps)

@@ -11,7 +11,7 @@ import torch
 import megadlm_ext
 from megadlm_ext import _C
 
-from .helpers import route
+from .helpers import eagerly, route
 
 pytestmark = pytest.mark.gpu
 
@@ -69,11 +69,10 @@ def test_cuda_graph_capture_and_replay():
     ts = [torch.randn(n, device="cuda", generator=g).bfloat16() for n in (7, 1000, 4099, 65_536)]
     numel = sum(t.numel() for t in ts)
     flat, acc = torch.empty(numel, device="cuda"), torch.zeros(numel, device="cuda")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), route("compiled"):  # warm-up outside capture
+    with eagerly(), route("compiled"):  # every captured op once outside capture (acc is zeroed below)
         megadlm_ext.flatten(ts, flat)
-    torch.cuda.current_stream().wait_stream(s)
+        megadlm_ext.accumulate_into(acc, ts)
+        megadlm_ext.l2_norm(ts)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), route("compiled"):
         megadlm_ext.flatten(ts, flat, scale=2.0)
@@ -102,6 +101,8 @@ def test_table_first_seen_under_capture_is_filled_for_eager_calls():
     ts = [torch.randn(n, device="cuda") for n in (5, 300, 4099)]
     numel = sum(t.numel() for t in ts)
     flat = torch.zeros(numel, device="cuda")
+    with eagerly(), route("compiled"):  # the kernel loaded on other tensors: the capture still misses
+        megadlm_ext.accumulate_into(torch.zeros_like(flat), [t.clone() for t in ts])
     _C._cuda_clear_table_cache()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), route("compiled"):

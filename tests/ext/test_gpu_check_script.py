@@ -135,8 +135,12 @@ def test_make_gpu_check_dry_run_offline(make_dry_run):
     plan = logs["install-plan.log"]
     assert "Would install megadlms" in plan, plan
     figures = (tmp_path / "figures.md").read_text()
-    assert "## trainer throughput (tiny model" in figures and "| ddp-mbs4 | 4 | 16 |" in figures, figures
+    assert "## trainer throughput (tiny model" in figures and "| ddp-s2048 | 64 | 8 | 16 |" in figures, (
+        figures
+    )
+    assert "## ops (cpu" in figures and "## mfu (" in figures, figures  # every benchmark appends
     assert "## FSDP2 vs DDP, world size 1, cpu" in figures and "| fsdp2 |" in figures, figures
+    _check_plan(logs["plan.log"])
     bench = logs["bench-gpu-dry-run.log"]
     for header in ("## ops (cpu", "## ddp step", "## mfu (", "## memory"):
         assert header in bench
@@ -147,6 +151,22 @@ def test_make_gpu_check_dry_run_offline(make_dry_run):
     # a read-only op moves half the bytes of a copy-like one: it is compared with a copy that size
     assert moved["l2_norm"] * 2 == pytest.approx(moved["flatten"], rel=0.01)
     assert "n/a (1 rank" in bench and "matmul ceiling" in bench
+
+
+def _check_plan(plan: str) -> None:
+    """The GPU run's plan (written by the dry run): the steps in order of value, caps that
+    leave the must-have steps uncut by the budget, memcheck's deliberate settings."""
+    steps = {line.split()[0]: line for line in plan.splitlines() if " cap " in line}
+    order = list(steps)
+    assert order[:4] == ["build", "cuda-build-check", "trainer", "pytest-gpu"], order
+    assert order[-1] == "memcheck", order
+    must = int(re.search(r"caps through pytest-gpu: (\d+)s of the (\d+)s budget", plan).group(1))
+    assert must <= 480, plan  # environment .. pytest-gpu: never cut by the default budget
+    memcheck = steps["memcheck"]
+    for flag in ("PYTORCH_NO_CUDA_MEMORY_CACHING=1", "--error-exitcode 1", "--report-api-errors no",
+                 "not profiler and not cuda_graph"):  # fmt: skip
+        assert flag in memcheck, (flag, memcheck)
+    assert "--dry-run" not in steps["build"] and "--no-index" in steps["build"], steps["build"]
 
 
 @pytest.mark.parametrize(

@@ -302,6 +302,7 @@ def test_cuda_grouped_matmul_fusion_on_a_side_stream():
     w = torch.randn(3, 16, 32, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     w.main_grad = torch.zeros(3, 16, 32, device="cuda")
     s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())  # x, w and main_grad were made on the default stream
     with torch.cuda.stream(s):
         y = grouped_matmul(x, w, torch.tensor(sizes), gradient_accumulation_fusion=True)
         y.float().sum().backward()

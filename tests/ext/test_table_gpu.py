@@ -15,7 +15,7 @@ import torch
 import megadlm_ext
 from megadlm_ext import _C
 
-from .helpers import packed_offsets, random_list, route
+from .helpers import eagerly, packed_offsets, random_list, route
 
 pytestmark = pytest.mark.gpu
 
@@ -99,12 +99,10 @@ def test_graph_capture_and_replay_outlive_the_table():
     numel = sum(t.numel() for t in ts)
     flat, acc = torch.empty(numel, device="cuda"), torch.zeros(numel, device="cuda")
     table = megadlm_ext.TensorTable(ts)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), route("compiled"):  # warm-up outside capture (uploads on s)
+    with eagerly(), route("compiled"):  # every captured op once outside capture (uploads; acc zeroed below)
         megadlm_ext.flatten(table, flat)
+        megadlm_ext.accumulate_into(acc, table)
         megadlm_ext.l2_norm(table)
-    torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), route("compiled"):
         megadlm_ext.flatten(table, flat, scale=2.0)
@@ -136,6 +134,11 @@ def test_table_first_used_under_capture():
     ts = [torch.randn(n, device="cuda") for n in (5, 300, 4099)]
     flat = torch.zeros(sum(t.numel() for t in ts), device="cuda")
     table = megadlm_ext.TensorTable(ts)
+    with (
+        eagerly(),
+        route("compiled"),
+    ):  # the kernel loaded through another table: this one's first use is captured
+        megadlm_ext.accumulate_into(torch.zeros_like(flat), megadlm_ext.TensorTable([t.clone() for t in ts]))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), route("compiled"):
         megadlm_ext.accumulate_into(flat, table)
@@ -178,6 +181,7 @@ def test_cuda_table_in_a_module_global_at_exit():
         "T = megadlm_ext.TensorTable([torch.ones(5, device='cuda') for _ in range(3)])\n"
         "F = torch.empty(15, device='cuda')\n"
         "megadlm_ext.flatten(T, F); megadlm_ext.scale_(T, 2.0)\n"
+        "megadlm_ext.accumulate_into(F, T)\n"  # the captured op's kernel loaded outside capture
         "G = torch.cuda.CUDAGraph()\n"
         "with torch.cuda.graph(G):\n"
         "    megadlm_ext.accumulate_into(F, T)\n"

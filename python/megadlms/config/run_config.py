@@ -167,6 +167,8 @@ class TrainingConfig:
     exit_signal_handler: bool = False
     detect_anomaly: bool = False
     """Run forward/backward under torch.autograd.detect_anomaly (--detect-anomaly)."""
+    use_torch_compile: bool = False
+    """torch.compile each transformer layer (regional compilation, --use-torch-compile)."""
     core_attn_implementation: str = "TEDotProductAttention"
     """Attention kernel: torch SDPA ("TEDotProductAttention") or flex_attention ("FlexAttention")."""
 

@@ -24,6 +24,7 @@ from megadlms.data.packing import add_packing_fields
 from megadlms.diffusion import check_model_for_mode
 from megadlms.distributed import DataParallel
 from megadlms.models import GPTModel, num_floating_point_operations
+from megadlms.models.compile import compile_layers, compile_seconds
 from megadlms.optimizer import get_optimizer
 from megadlms.parallel.sharding import counts_once
 
@@ -96,6 +97,13 @@ class Trainer:
         self.params_per_rank = sum(p.numel() for m in parts for p in m.parameters())
         # A collective (all-reduce over the world): every rank reaches this line in the same order.
         self.num_params = _logical_params(parts, self.grad_groups, self.device)
+        # --use-torch-compile: each transformer layer, in place (names and checkpoints unchanged), before
+        # the wrapper as torchtitan orders it; the compile itself happens at the first forward.
+        self._compile_to_report = t.use_torch_compile
+        if t.use_torch_compile:
+            _log.info(
+                f"torch.compile: {compile_layers(parts)} transformer layers, each compiled at its first call"
+            )
         # Wrap after init_model: the wrapper buckets (DDP) or shards (FSDP2) the parameters as they are, so
         # they must already hold their final values.
         self.model = builders.wrap_model(model, config, self.grad_groups)
@@ -337,6 +345,11 @@ class Trainer:
             count_owner=self.loss_owner and self.groups.cp.rank == 0,
         )  # fmt: skip
         self.counters.iteration += 1
+        if self._compile_to_report:  # once: the first step's time holds the compile
+            self._compile_to_report = False
+            _log.info(
+                f"torch.compile: {compile_seconds():.1f} s compiling (in iteration {self.counters.iteration})"
+            )
         # Also for a skipped step: its samples were read, and a resume must not read them again.
         self.counters.consumed += self.gbs
         self._account(out, lr)

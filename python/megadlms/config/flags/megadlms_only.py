@@ -23,6 +23,14 @@ def megadlms_args(p):
     )
     add_flag(
         g,
+        "--use-torch-compile",
+        action="store_true",
+        help="torch.compile each transformer layer (regional compilation, as torchtitan does: "
+        "every block, not the whole model); composes with DDP, FSDP2, TP, recompute and the "
+        "objective. Compile time is logged apart from the step time. Megatron-LM has no such flag.",
+    )
+    add_flag(
+        g,
         "--non-special-vocab-size",
         type=int,
         default=None,
