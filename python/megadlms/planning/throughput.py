@@ -7,7 +7,8 @@ The step-time model, stated so its error can be read against measurements:
 
     step = compute / (peak * gemm_efficiency) + pipeline bubble + exposed communication
 
-* compute: this rank's share of the step's FLOPs (FLOPs / world).
+* compute: this rank's share of the step's FLOPs (FLOPs / world); full recomputation adds
+  one forward (x 4/3); selective recomputation's small attention replay is not charged.
 * bubble: ``(pp - 1) / (vp * m)`` of the compute (1F1B / interleaved, m micro-batches).
 * communication, per collective kind, each at the bandwidth of the link its group crosses
   (NVLink when the group fits in one node, else InfiniBand) with ring algorithms' volume
@@ -141,6 +142,8 @@ def step_time(config: RunConfig, state: StateBytes, dev: Device) -> StepTime:
     world = par.world_size
     flops = step_flops(config)
     compute = flops / world / (dev.peak_tflops * 1e12 * dev.gemm_efficiency)
+    if config.model.recompute_granularity == "full":
+        compute *= 4 / 3  # one more forward (1/3 of the model FLOPs) per recomputed layer
     pp, m = par.pipeline_model_parallel_size, config.training.num_micro_batches
     bubble = compute * (pp - 1) / (par.virtual_stages(config.model.num_layers) * m)
     nbytes = _comm_bytes(config, state)
