@@ -226,6 +226,7 @@ setup(
             "megadlms-export-hf=megadlms.hf.export:main",
             "megadlms-import-hf=megadlms.hf.import_cli:main",
             "megadlms-lm-eval=megadlms.eval.lm_eval_adapter:main",
+            "megadlms-plan=megadlms.planning.cli:main",
         ]
     },
     zip_safe=False,

@@ -29,6 +29,7 @@ LAYERS = [
     ("config",),
     ("checkpoint",),
     ("training",),
+    ("planning",),
     ("generate", "hf", "eval", "pretrain", "startup", "experiments"),
 ]
 LEVEL = {name: i for i, names in enumerate(LAYERS) for name in names}
