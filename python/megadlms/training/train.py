@@ -30,8 +30,9 @@ from megadlms.parallel.sharding import counts_once
 from . import builders, pipeline_run
 from .logging_utils import MetricsLogger, param_count
 from .reporting import Reporter
+from .rerun import RerunExit, RerunMachine
 from .run_state import RunResult, SignalFlag, ThroughputWindow, TrainerCounters
-from .step import StepOut, train_step
+from .step import StepOut, forward_backward, optimizer_update
 from .validation import Evaluation, evaluate
 from .validation import to_device as _to_device
 
@@ -106,6 +107,11 @@ class Trainer:
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.counters = TrainerCounters()  # the loop's state: the checkpoint's and the reporter's
+        # Result validation (--rerun-mode); its state rides in the checkpoint's extra
+        self.rerun = RerunMachine(
+            config.resilience, check_nan=t.check_for_nan_in_loss_and_grad, model=self.model, seed=t.seed,
+            device=self.device, rng_tracker=self.tp.rng_tracker, log_interval=config.logging.log_interval,
+        )  # fmt: skip
         # Restore once model, optimizer and scheduler all exist: one load fills them all.
         self.ckpt = self._restore()
 
@@ -185,6 +191,7 @@ class Trainer:
             self.counters.iteration, self.counters.consumed = state.iteration, state.consumed_samples
             self.counters.nan_total = int(state.extra.get("nan_iterations", 0))
             self.counters.skipped_total = int(state.extra.get("skipped_iterations", 0))
+            self.rerun.load(state.extra)
         _log.info(
             f"loaded {path} (iteration {state.iteration}, saved by {common.get('wrapper')} on "
             f"{common.get('world_size')} ranks)" + (" as the --finetune start" if weights_only else "")
@@ -222,7 +229,11 @@ class Trainer:
             self.optimizer,
             self.scheduler,
             consumed_samples=n.consumed,
-            extra={"nan_iterations": n.nan_total, "skipped_iterations": n.skipped_total},
+            extra={
+                "nan_iterations": n.nan_total,
+                "skipped_iterations": n.skipped_total,
+                **self.rerun.checkpoint_extra(),
+            },
             records=RunRecords(c.to_dict(), c.model.to_dict(), c.data.tokenizer.to_dict()),
             non_persistent=non_persistent,
         )
@@ -264,6 +275,15 @@ class Trainer:
         self.result.losses[it], self.result.lrs[it] = out.loss, lr
         if out.grad_norm is not None:
             self.result.grad_norms[it] = out.grad_norm
+
+    def _rerun_exit(self, decision: RerunExit) -> int:
+        """Stop for result validation: save the untouched pre-step state when asked; the
+        iteration whose checkpoint now exists (no second save at the end)."""
+        _log.warning(f"exiting at iteration {self.counters.iteration}: {decision}")
+        if decision.save and self.config.checkpoint.save:
+            self.save()
+        self.result.exit_reason, self.result.exit_code = "result_validation", decision.code
+        return self.counters.iteration
 
     def _stop_reason(self, out: StepOut) -> Optional[str]:
         # exit_flags were summed over ranks in the step's all-reduce: every rank stops at the same iteration.
@@ -329,13 +349,16 @@ class Trainer:
             data_error = exc
         # Read before the step: the logged lr is the one this step used, the scheduler advances after it.
         lr = self.optimizer.param_groups[0]["lr"]
-        out = train_step(
-            self.model, self.optimizer, micro, self.config.diffusion, self.counters.iteration,
+        it = self.counters.iteration
+        step = functools.partial(
+            forward_backward, self.model, self.optimizer, micro, self.config.diffusion, it,
             device=self.device, exit_flags=exit_flags,
             bidirectional=self.config.model.attention != AttnMaskType.CAUSAL, data_error=data_error,
             loss_owner=self.loss_owner, runner=self.runner,
             count_owner=self.loss_owner and self.groups.cp.rank == 0,
         )  # fmt: skip
+        # --rerun-mode: validated (re-run when suspicious) before the update; may raise RerunExit
+        out = optimizer_update(self.optimizer, self.rerun.run(step, it), it)
         self.counters.iteration += 1
         # Also for a skipped step: its samples were read, and a resume must not read them again.
         self.counters.consumed += self.gbs
@@ -373,8 +396,12 @@ class Trainer:
         try:
             while self.counters.iteration < t.train_iters:
                 # --detect-anomaly: names the forward op whose backward made a NaN (slow)
-                with torch.autograd.detect_anomaly() if t.detect_anomaly else contextlib.nullcontext():
-                    out = self._step(data_iter, window, exit_flags)
+                try:
+                    with torch.autograd.detect_anomaly() if t.detect_anomaly else contextlib.nullcontext():
+                        out = self._step(data_iter, window, exit_flags)
+                except RerunExit as decision:  # result validation: nothing of this step is kept
+                    last_saved = self._rerun_exit(decision)
+                    break
                 self._maybe_evaluate()
                 stop = self._stop_reason(out)
                 due = self.checkpointer.due(self.counters.iteration)  # persistent, non-persistent or None
