@@ -37,6 +37,7 @@ failure, so every rank stops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, List, Optional
 
@@ -143,12 +144,22 @@ class StepGrads:
 
 
 def train_step(
-    model: DataParallel, optimizer, micro_batches: List[dict], diff_cfg, iteration: int, **kw
+    model: DataParallel,
+    optimizer,
+    micro_batches: List[dict],
+    diff_cfg,
+    iteration: int,
+    *,
+    validate: Optional[Callable[[Callable[[], StepGrads], int], StepGrads]] = None,
+    **kw,
 ) -> StepOut:
     """One optimizer step over this rank's micro-batches (see the module docstring):
     :func:`forward_backward` then :func:`optimizer_update`; ``kw``: those of
-    :func:`forward_backward`."""
-    grads = forward_backward(model, optimizer, micro_batches, diff_cfg, iteration, **kw)
+    :func:`forward_backward`. ``validate(fb, iteration)``: runs ``fb`` (the forward/backward)
+    in its place and returns its gradients (result validation, ``rerun.RerunMachine.run``:
+    it may run it twice, or stop the run)."""
+    fb = functools.partial(forward_backward, model, optimizer, micro_batches, diff_cfg, iteration, **kw)
+    grads = fb() if validate is None else validate(fb, iteration)
     return optimizer_update(optimizer, grads, iteration)
 
 
@@ -203,6 +214,9 @@ def forward_backward(
     error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)
     if run:
         error, local_loss = _run_schedule(runner, micro_batches, diff_cfg, crops, scales, iteration, device)
+    # this rank's own schedule, before it waits for its peers' gradients (--log-straggler; no device sync:
+    # on GPU it is the launch time unless the schedule synced)
+    compute = time.perf_counter() - t0
     with named_collective("gradient reduction (finish_grad_sync)", iteration):
         # also after a failure: completes this rank's collectives for its peers
         finalize_model_grads(model, tied=runner.tied, tied_group=runner.embedding_group)
@@ -212,7 +226,7 @@ def forward_backward(
         local_loss, error, exit_flags(), iteration, device, loss_owner
     )
     seq_length = micro_batches[0]["labels"].shape[1] if crops[0] is None else crops[0]
-    times = {"forward-backward": time.perf_counter() - t0}  # the loss reduction's .item() synced
+    times = {"forward-backward": time.perf_counter() - t0, "schedule": compute}  # .item() above synced
     # (a data error raised in _reduce_step: the micro-batches exist here)
     lengths = [micro_batches[0]["labels"].shape[1] if c is None else c for c in crops]
     shape = {"exit_flags": exit_reduced, "seq_length": seq_length, "times": times, "crop_lengths": lengths}

@@ -32,7 +32,8 @@ from .logging_utils import MetricsLogger, param_count
 from .reporting import Reporter
 from .rerun import RerunExit, RerunMachine
 from .run_state import RunResult, SignalFlag, ThroughputWindow, TrainerCounters
-from .step import StepOut, forward_backward, optimizer_update
+from .step import StepOut, train_step
+from .straggler import StragglerReport
 from .validation import Evaluation, evaluate
 from .validation import to_device as _to_device
 
@@ -129,6 +130,11 @@ class Trainer:
             device=self.device, grad_groups=self.grad_groups, world=self.world, rank=self.rank,
         )  # fmt: skip
         self.result = RunResult.starting_at(self.counters, type(self.model).__name__)
+        res = config.resilience  # --log-straggler: per-rank step times every log interval
+        self.straggler = StragglerReport(
+            enabled=res.log_straggler, interval=config.logging.log_interval,
+            minmax_count=res.straggler_minmax_count, device=self.device,
+        )  # fmt: skip
         self._log_start()
 
     def _build_data(self, tokenizer) -> None:
@@ -349,21 +355,20 @@ class Trainer:
             data_error = exc
         # Read before the step: the logged lr is the one this step used, the scheduler advances after it.
         lr = self.optimizer.param_groups[0]["lr"]
-        it = self.counters.iteration
-        step = functools.partial(
-            forward_backward, self.model, self.optimizer, micro, self.config.diffusion, it,
+        out = train_step(
+            self.model, self.optimizer, micro, self.config.diffusion, self.counters.iteration,
             device=self.device, exit_flags=exit_flags,
             bidirectional=self.config.model.attention != AttnMaskType.CAUSAL, data_error=data_error,
             loss_owner=self.loss_owner, runner=self.runner,
             count_owner=self.loss_owner and self.groups.cp.rank == 0,
+            validate=self.rerun.run,  # --rerun-mode: may re-run the step, or raise RerunExit
         )  # fmt: skip
-        # --rerun-mode: validated (re-run when suspicious) before the update; may raise RerunExit
-        out = optimizer_update(self.optimizer, self.rerun.run(step, it), it)
         self.counters.iteration += 1
         # Also for a skipped step: its samples were read, and a resume must not read them again.
         self.counters.consumed += self.gbs
         self._account(out, lr)
         seconds = time.perf_counter() - t0
+        self.straggler.after_step(self.counters.iteration, seconds, out.times)
         causal = self.config.model.attention == AttnMaskType.CAUSAL
         # Once per step: the window's throughput and the reporter's running total (--log-progress) share it.
         flops = num_floating_point_operations(self.config.model, self.gbs, out.seq_length, causal=causal)
