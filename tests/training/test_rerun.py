@@ -13,7 +13,8 @@ step, iteration 2, is rejected on every rank):
 
 One process also trains 200 iterations with every check on and nothing injected: the only
 rejected step is a real spike (step 190's logits scaled by 1000, the same on the re-run),
-reported as reproducible; training goes on (not fatal).
+reported as reproducible; training goes on (not fatal). ``report_stats`` re-runs every step
+and reports a zero difference, on the unchanged curve.
 """
 
 from __future__ import annotations
@@ -148,3 +149,14 @@ def test_no_false_positive_and_a_real_spike_is_reproducible():
     # every check on for 200 steps: the crafted step is the only one rejected
     assert len(rejected) == 1 and "Spiky loss" in rejected[0] and "iteration 190" in rejected[0], rejected
     assert any("Spiky loss" in x and "reproducible: re-run on another node" in x for x in lines), lines
+
+
+def _stats_world(rank, world):
+    return _run(TINY), _run(TINY + ["--rerun-mode", "report_stats"])
+
+
+def test_report_stats_reruns_every_step_without_changing_the_curve():
+    (code, plain, _), (code2, stats, lines) = run_distributed(_stats_world, 2, timeout=120)[0]
+    assert code == code2 == 0 and stats == plain  # the re-runs replay RNG: the same curve bitwise
+    reports = [x for x in lines if "determinism stats" in x]
+    assert len(reports) == 3 and all(x.endswith("grad norm)] 0") for x in reports), reports
