@@ -206,16 +206,18 @@ def _report(exc: ValueError) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Console entry: exit status 0 on success, 2 with a one-line message on a bad flag or
-    input (printed by rank 0 only; argparse's own errors too)."""
+    input (printed by rank 0 only; argparse's own errors too), 16 / 17 from result validation
+    (--rerun-mode validate_results, docs/reliability.md)."""
     try:
-        run(argv if argv is not None else sys.argv[1:])
+        result = run(argv if argv is not None else sys.argv[1:])
     except ValueError as exc:  # bad flags / data / checkpoint: the message names the fix
         # Every rank raises the same error (the checks run on every rank before any collective,
         # so none is left waiting); printing it once keeps the log readable.
         if _rank() == 0:
             print(f"pretrain_difflm.py: error: {_report(exc)}", file=sys.stderr)
         return 2
-    return 0
+    # Megatron's 16 (resume elsewhere to disambiguate) / 17 (failed on result validation)
+    return result.exit_code if isinstance(result, RunResult) else 0
 
 
 if __name__ == "__main__":

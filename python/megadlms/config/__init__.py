@@ -27,6 +27,7 @@ from .arguments import (
 )
 from .flags import build_parser
 from .messages import flag_message
+from .resilience_config import ResilienceConfig
 from .run_config import (
     CheckpointConfig,
     DataConfig,
@@ -44,6 +45,7 @@ __all__ = [
     "LRScheduleConfig",
     "LoggingConfig",
     "ParallelConfig",
+    "ResilienceConfig",
     "RunConfig",
     "TrainingConfig",
     "build_parser",

@@ -33,6 +33,7 @@ from .checkpoint_args import apply_checkpoint_args, given_dests
 from .flags import build_parser
 from .megatron_compat import WANDB_DESTS, WITHOUT_EFFECT
 from .messages import FlagError, flag_message
+from .resilience_config import ResilienceConfig
 from .rules import checkpoint_steps, cross_flag_problems, layout_problems, pipeline_problems
 from .run_config import (
     CheckpointConfig,
@@ -221,6 +222,7 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
             problems,
             lambda: _from_args(LoggingConfig, args, notes=_notes(args), wandb=_from_args(WandbConfig, args)),
         ),
+        "resilience": _collect(problems, lambda: _from_args(ResilienceConfig, args)),
     }
     # Training is built last: its batch rule needs dp, which only a valid ParallelConfig derives.
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None

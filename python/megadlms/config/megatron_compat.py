@@ -32,14 +32,6 @@ WITHOUT_EFFECT: Tuple[Tuple[str, str, object, str], ...] = (
     ),
     ("bias_gelu_fusion", "--no-bias-gelu-fusion", True, "no fused bias-GeLU kernel (speed only)"),
     ("bias_dropout_fusion", "--no-bias-dropout-fusion", True, "no fused bias-dropout kernel (speed only)"),
-    (
-        "rerun_mode",
-        "--rerun-mode",
-        "disabled",
-        "no rerun state machine: a NaN/Inf loss is not re-run to tell a transient fault from a "
-        "reproducible one (validate_results), nor is every step re-run for variability stats "
-        "(report_stats); NaN/Inf steps are skipped on every rank up to --nan-skip-limit",
-    ),
     ("ckpt_fully_parallel_load", "--ckpt-fully-parallel-load", False, "torch_dist loads are always parallel"),
     (
         "auto_detect_ckpt_format",

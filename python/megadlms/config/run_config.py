@@ -29,6 +29,7 @@ from megadlms.parallel.groups import check_sizes
 from megadlms.pipeline import virtual_pipeline_size
 
 from .flags.checkpoint import ckpt_choice_problems
+from .resilience_config import ResilienceConfig
 
 CKPT_FORMATS = tuple(m.value for m in CkptFormat)
 
@@ -436,6 +437,7 @@ class RunConfig:
     training: TrainingConfig
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
     vocab_divisible_by: int = 128
     """Pad the embedding rows to a multiple of this x tensor-parallel size (Megatron's
     --make-vocab-size-divisible-by)."""
@@ -475,4 +477,6 @@ class RunConfig:
         """A JSON-able record of the whole configuration (stored in checkpoints)."""
         d = plain(dataclasses.asdict(self))
         d["model"] = self.model.to_dict()
+        if self.resilience == ResilienceConfig():  # off: today's record (checkpoints, metrics) unchanged
+            del d["resilience"]
         return d

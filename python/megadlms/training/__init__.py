@@ -8,6 +8,7 @@ Checkpoints are megadlms.checkpoint (``Checkpointer``, ``save_checkpoint``, ``lo
 The only layer that joins models, diffusion, data and the data-parallel wrappers.
 """
 
-from .train import RunResult, evaluate, pretrain, train_step
+from .step import train_step
+from .train import RunResult, evaluate, pretrain
 
 __all__ = ["RunResult", "evaluate", "pretrain", "train_step"]

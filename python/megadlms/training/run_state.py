@@ -69,12 +69,14 @@ class RunResult:
     evals: Dict[int, float]
     """Iteration -> validation NELBO."""
     exit_reason: str
-    """'done', 'exit_interval', 'exit_duration' or 'signal'."""
+    """'done', 'exit_interval', 'exit_duration', 'signal' or 'result_validation'."""
     last_checkpoint: Optional[str]
     final_evals: Dict[str, float] = dataclasses.field(default_factory=dict)
     """'validation' / 'test' -> NELBO of the evaluation after the last step (Megatron's)."""
     save_stalls: List[float] = dataclasses.field(default_factory=list)
     """Seconds the loop spent inside each save call (with --async-save: staging only)."""
+    exit_code: int = 0
+    """The process exit status the run asks for: Megatron's 16 / 17 after result validation."""
 
     @classmethod
     def starting_at(cls, counters: TrainerCounters, wrapper: str) -> RunResult:

@@ -37,6 +37,7 @@ failure, so every rank stops.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable, List, Optional
 
@@ -127,7 +128,42 @@ def _run_schedule(runner, micro_batches, diff_cfg, crops, scales, iteration: int
         return exc, torch.zeros((), dtype=torch.float64, device=device)
 
 
+@dataclasses.dataclass
+class StepGrads:
+    """A step up to its optimizer update (``forward_backward``): gradients finished in the
+    buffers, the reductions done. ``local_loss`` / ``local_tokens``: this rank's own loss sum
+    and loss-token count (before any reduction: what result validation looks at)."""
+
+    loss_total: float
+    nan_ranks: float
+    n_global: float
+    grad_unscale: object
+    local_loss: torch.Tensor
+    local_tokens: float
+    shape: dict
+
+
 def train_step(
+    model: DataParallel,
+    optimizer,
+    micro_batches: List[dict],
+    diff_cfg,
+    iteration: int,
+    *,
+    validate: Optional[Callable[[Callable[[], StepGrads], int], StepGrads]] = None,
+    **kw,
+) -> StepOut:
+    """One optimizer step over this rank's micro-batches (see the module docstring):
+    :func:`forward_backward` then :func:`optimizer_update`; ``kw``: those of
+    :func:`forward_backward`. ``validate(fb, iteration)``: runs ``fb`` (the forward/backward)
+    in its place and returns its gradients (result validation, ``rerun.RerunMachine.run``:
+    it may run it twice, or stop the run)."""
+    fb = functools.partial(forward_backward, model, optimizer, micro_batches, diff_cfg, iteration, **kw)
+    grads = fb() if validate is None else validate(fb, iteration)
+    return optimizer_update(optimizer, grads, iteration)
+
+
+def forward_backward(
     model: DataParallel,
     optimizer,
     micro_batches: List[dict],
@@ -141,8 +177,10 @@ def train_step(
     data_error: Optional[BaseException] = None,
     loss_owner: bool = True,
     count_owner: Optional[bool] = None,
-) -> StepOut:
-    """One optimizer step over this rank's micro-batches (see the module docstring).
+) -> StepGrads:
+    """The step up to the optimizer update (steps 1-4 of the module docstring). Nothing in it
+    changes the weights, the optimizer or the schedule: run again on the same micro-batches
+    with the same RNG states, it gives the same gradients (a result-validation re-run).
 
     ``runner``: the ``pipeline_run.PipelineRunner`` of ``model`` (its schedule, one stage or
     several). ``exit_flags()`` is read just before the step's reduction, so a request (e.g.
@@ -155,6 +193,7 @@ def train_step(
     context parallelism only cp rank 0 of the owners: each cp rank holds the whole
     micro-batch's count but only its slice's loss)."""
     crops, counts = _count(micro_batches, diff_cfg, iteration, bidirectional, data_error)
+    local_tokens = float(counts[0])  # this rank's own count, before the reduction (a CPU tensor: no sync)
     # [tokens, micro-batches] of the loss owners: the global batch's N and micro-batch count;
     # [ranks without data] of every rank
     counts = counts.to(device=device)
@@ -175,6 +214,9 @@ def train_step(
     error, local_loss = data_error, torch.zeros((), dtype=torch.float64, device=device)
     if run:
         error, local_loss = _run_schedule(runner, micro_batches, diff_cfg, crops, scales, iteration, device)
+    # this rank's own schedule, before it waits for its peers' gradients (--log-straggler; no device sync:
+    # on GPU it is the launch time unless the schedule synced)
+    compute = time.perf_counter() - t0
     with named_collective("gradient reduction (finish_grad_sync)", iteration):
         # also after a failure: completes this rank's collectives for its peers
         finalize_model_grads(model, tied=runner.tied, tied_group=runner.embedding_group)
@@ -184,24 +226,37 @@ def train_step(
         local_loss, error, exit_flags(), iteration, device, loss_owner
     )
     seq_length = micro_batches[0]["labels"].shape[1] if crops[0] is None else crops[0]
-    times = {"forward-backward": time.perf_counter() - t0}  # the loss reduction's .item() synced
+    times = {"forward-backward": time.perf_counter() - t0, "schedule": compute}  # .item() above synced
     # (a data error raised in _reduce_step: the micro-batches exist here)
     lengths = [micro_batches[0]["labels"].shape[1] if c is None else c for c in crops]
-    n_global = float(counts[0].item())
     shape = {"exit_flags": exit_reduced, "seq_length": seq_length, "times": times, "crop_lengths": lengths}
-    # Both values come from all-reduces, so every rank skips the optimizer step alike.
-    if nan_ranks > 0 or n_global <= 0:
+    return StepGrads(
+        loss_total=loss_total,
+        nan_ranks=nan_ranks,
+        n_global=float(counts[0].item()),
+        grad_unscale=scales.grad_unscale,
+        local_loss=local_loss,
+        local_tokens=local_tokens,
+        shape=shape,
+    )
+
+
+def optimizer_update(optimizer, grads: StepGrads, iteration: int) -> StepOut:
+    """Step 5 of the module docstring: the optimizer update of :func:`forward_backward`'s
+    gradients, or the NaN/Inf skip (both decided from all-reduced values: every rank alike)."""
+    shape = grads.shape
+    if grads.nan_ranks > 0 or grads.n_global <= 0:
         return StepOut(loss=float("nan"), grad_norm=None, success=False, nonfinite=True, **shape)
     # always=False: only communication errors are renamed; an optimizer bug keeps its own traceback.
     with named_collective(
         "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
     ):
         t0 = time.perf_counter()
-        success, grad_norm = optimizer.step(grad_unscale=scales.grad_unscale)
-        times["optimizer"] = time.perf_counter() - t0
+        success, grad_norm = optimizer.step(grad_unscale=grads.grad_unscale)
+        shape["times"]["optimizer"] = time.perf_counter() - t0
     return StepOut(
         # The global per-token loss: the sum over all ranks' loss tokens divided once by their global count.
-        loss=loss_total / n_global,
+        loss=grads.loss_total / grads.n_global,
         grad_norm=float(grad_norm) if grad_norm is not None else None,
         success=bool(success),
         nonfinite=False,

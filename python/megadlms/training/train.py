@@ -31,8 +31,10 @@ from megadlms.parallel.sharding import counts_once
 from . import builders, pipeline_run
 from .logging_utils import MetricsLogger, param_count
 from .reporting import Reporter
+from .rerun import RerunExit, RerunMachine
 from .run_state import RunResult, SignalFlag, ThroughputWindow, TrainerCounters
 from .step import StepOut, train_step
+from .straggler import StragglerReport
 from .validation import Evaluation, evaluate
 from .validation import to_device as _to_device
 
@@ -114,6 +116,11 @@ class Trainer:
         self.optimizer = get_optimizer(config.optimizer, self.model)
         self.scheduler = builders.build_scheduler(config.schedule, config.optimizer, self.optimizer, self.gbs)
         self.counters = TrainerCounters()  # the loop's state: the checkpoint's and the reporter's
+        # Result validation (--rerun-mode); its state rides in the checkpoint's extra
+        self.rerun = RerunMachine(
+            config.resilience, check_nan=t.check_for_nan_in_loss_and_grad, model=self.model, seed=t.seed,
+            device=self.device, rng_tracker=self.tp.rng_tracker, log_interval=config.logging.log_interval,
+        )  # fmt: skip
         # Restore once model, optimizer and scheduler all exist: one load fills them all.
         self.ckpt = self._restore()
 
@@ -131,6 +138,11 @@ class Trainer:
             device=self.device, grad_groups=self.grad_groups, world=self.world, rank=self.rank,
         )  # fmt: skip
         self.result = RunResult.starting_at(self.counters, type(self.model).__name__)
+        res = config.resilience  # --log-straggler: per-rank step times every log interval
+        self.straggler = StragglerReport(
+            enabled=res.log_straggler, interval=config.logging.log_interval,
+            minmax_count=res.straggler_minmax_count, device=self.device,
+        )  # fmt: skip
         self._log_start()
 
     def _build_data(self, tokenizer) -> None:
@@ -193,6 +205,7 @@ class Trainer:
             self.counters.iteration, self.counters.consumed = state.iteration, state.consumed_samples
             self.counters.nan_total = int(state.extra.get("nan_iterations", 0))
             self.counters.skipped_total = int(state.extra.get("skipped_iterations", 0))
+            self.rerun.load(state.extra)
         _log.info(
             f"loaded {path} (iteration {state.iteration}, saved by {common.get('wrapper')} on "
             f"{common.get('world_size')} ranks)" + (" as the --finetune start" if weights_only else "")
@@ -230,7 +243,11 @@ class Trainer:
             self.optimizer,
             self.scheduler,
             consumed_samples=n.consumed,
-            extra={"nan_iterations": n.nan_total, "skipped_iterations": n.skipped_total},
+            extra={
+                "nan_iterations": n.nan_total,
+                "skipped_iterations": n.skipped_total,
+                **self.rerun.checkpoint_extra(),
+            },
             records=RunRecords(c.to_dict(), c.model.to_dict(), c.data.tokenizer.to_dict()),
             non_persistent=non_persistent,
         )
@@ -272,6 +289,15 @@ class Trainer:
         self.result.losses[it], self.result.lrs[it] = out.loss, lr
         if out.grad_norm is not None:
             self.result.grad_norms[it] = out.grad_norm
+
+    def _rerun_exit(self, decision: RerunExit) -> int:
+        """Stop for result validation: save the untouched pre-step state when asked; the
+        iteration whose checkpoint now exists (no second save at the end)."""
+        _log.warning(f"exiting at iteration {self.counters.iteration}: {decision}")
+        if decision.save and self.config.checkpoint.save:
+            self.save()
+        self.result.exit_reason, self.result.exit_code = "result_validation", decision.code
+        return self.counters.iteration
 
     def _stop_reason(self, out: StepOut) -> Optional[str]:
         # exit_flags were summed over ranks in the step's all-reduce: every rank stops at the same iteration.
@@ -343,6 +369,7 @@ class Trainer:
             bidirectional=self.config.model.attention != AttnMaskType.CAUSAL, data_error=data_error,
             loss_owner=self.loss_owner, runner=self.runner,
             count_owner=self.loss_owner and self.groups.cp.rank == 0,
+            validate=self.rerun.run,  # --rerun-mode: may re-run the step, or raise RerunExit
         )  # fmt: skip
         self.counters.iteration += 1
         if self._compile_to_report:  # once: the first step's time holds the compile
@@ -354,6 +381,7 @@ class Trainer:
         self.counters.consumed += self.gbs
         self._account(out, lr)
         seconds = time.perf_counter() - t0
+        self.straggler.after_step(self.counters.iteration, seconds, out.times)
         causal = self.config.model.attention == AttnMaskType.CAUSAL
         # Once per step: the window's throughput and the reporter's running total (--log-progress) share it.
         flops = num_floating_point_operations(self.config.model, self.gbs, out.seq_length, causal=causal)
@@ -386,8 +414,12 @@ class Trainer:
         try:
             while self.counters.iteration < t.train_iters:
                 # --detect-anomaly: names the forward op whose backward made a NaN (slow)
-                with torch.autograd.detect_anomaly() if t.detect_anomaly else contextlib.nullcontext():
-                    out = self._step(data_iter, window, exit_flags)
+                try:
+                    with torch.autograd.detect_anomaly() if t.detect_anomaly else contextlib.nullcontext():
+                        out = self._step(data_iter, window, exit_flags)
+                except RerunExit as decision:  # result validation: nothing of this step is kept
+                    last_saved = self._rerun_exit(decision)
+                    break
                 self._maybe_evaluate()
                 stop = self._stop_reason(out)
                 due = self.checkpointer.due(self.counters.iteration)  # persistent, non-persistent or None

@@ -4,9 +4,10 @@ Only the parser lives in this package (``build_parser``), one module per flag gr
 ``model``, ``fusion``, ``diffusion``, ``parallel`` (sizes, DDP/FSDP2, pipeline layout,
 context parallelism), ``optimizer`` (schedule, hyper-parameters, mixed precision, the
 precision-aware optimizer), ``training``, ``data``, ``checkpoint`` (incl. interop and
-conversion), ``logging``, ``megadlms_only``, ``moe``, ``recompute`` and ``sft``. Turning the parsed
-flags into the typed run configuration is ``config/arguments.py``; the rules that span
-several flags are ``config/rules.py``. Three kinds of Megatron flags are accepted:
+conversion), ``logging``, ``megadlms_only``, ``moe``, ``recompute``, ``sft`` and
+``resilience``. Turning the parsed flags into the typed run configuration is
+``config/arguments.py``; the rules that span several flags are ``config/rules.py``. Three
+kinds of Megatron flags are accepted:
 
 * implemented flags (most of them, tensor/sequence/pipeline/expert parallelism included;
   docs/flags.md lists every one);
@@ -35,6 +36,7 @@ from .moe import moe_args
 from .optimizer import precision_args, precision_aware_args
 from .parallel import cp_args, parallel_args, pipeline_args
 from .recompute import recompute_args
+from .resilience import resilience_args
 from .sft import sft_args
 from .training import training_args
 
@@ -72,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         ckpt_choice_args,
         precision_aware_args,
         sft_args,
+        resilience_args,
     ):
         add(p)
     return p

@@ -59,9 +59,10 @@ def _robustness_flags(g):
     )
     add_flag(
         g,
-        "--rerun-mode",
-        default="disabled",
-        choices=["disabled", "validate_results", "report_stats"],
-        help="Megatron's rerun state machine modes (accepted; no re-runs here: a one-time note says "
-        "what is done instead, see --nan-skip-limit).",
+        "--check-for-nan-in-loss-and-grad",
+        action="store_true",
+        dest="check_for_nan_in_loss_and_grad",
+        default=True,
+        help="The default: check loss and reduced grads for NaN/Inf (with --rerun-mode "
+        "validate_results a NaN/Inf loss is re-run to diagnose it instead of skipped).",
     )
