@@ -164,6 +164,25 @@ def slice_vocab(tensors: Dict[str, torch.Tensor], vocab: int) -> Dict[str, torch
     return out
 
 
+def _check_format(fmt: str, llada_code: Optional[str]) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
+    if llada_code and fmt != "llada":
+        raise ValueError("--llada-code is for --format llada (the directory of LLaDA's modeling_llada.py)")
+    if llada_code:
+        missing = [n for n in llada.CODE_FILES if not os.path.isfile(os.path.join(llada_code, n))]
+        if missing:
+            raise FileNotFoundError(f"--llada-code {llada_code}: no {', '.join(missing)} there")
+
+
+def _format_config(fmt: str, cfg: TransformerConfig, special, target: torch.dtype, llada_code: Optional[str]):
+    """(config.json, [(directory, file)] of the modeling code to copy) of format ``fmt``."""
+    if fmt == "llada":
+        config = llada.llada_config(cfg, special, target, llada.auto_map(local=bool(llada_code)))
+        return config, [(llada_code, name) for name in llada.CODE_FILES] if llada_code else []
+    return hf_config(cfg, special, target), [(REMOTE_DIR, name) for name in REMOTE_FILES]
+
+
 def export_hf(
     load: str,
     output: str,
@@ -181,10 +200,7 @@ def export_hf(
     ``fmt`` "llada": LLaDA's format (``hf.llada``), with LLaDA's modeling files copied from
     ``llada_code`` when given."""
 
-    if fmt not in FORMATS:
-        raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
-    if llada_code and fmt != "llada":
-        raise ValueError("--llada-code is for --format llada (the directory of LLaDA's modeling_llada.py)")
+    _check_format(fmt, llada_code)
     target, use_main, source = _weights_source(load, dtype)
     # The inference loader: any format, wrapper and dp, and the checkpoint's own tokenizer record.
     model, tokenizer, common = load_for_inference(load, torch.device("cpu"), prefer_fp32_params=use_main)
@@ -202,12 +218,7 @@ def export_hf(
     save_safetensors(tensors, output, max_shard_size_mb * 1024 * 1024)
     record = tokenizer_record(common)
     special = write_tokenizer_files(tokenizer, record, output, cfg.max_position_embeddings)
-    if fmt == "llada":
-        config = llada.llada_config(cfg, special, target, llada.auto_map(local=bool(llada_code)))
-        remote = [(llada_code, name) for name in llada.CODE_FILES] if llada_code else []
-    else:
-        config = hf_config(cfg, special, target)
-        remote = [(REMOTE_DIR, name) for name in REMOTE_FILES]
+    config, remote = _format_config(fmt, cfg, special, target, llada_code)
     generation = {
         # Default steps = gen_length: one token unmasked per step, the slowest, most careful schedule.
         "steps": steps or gen_length,
