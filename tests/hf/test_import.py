@@ -28,6 +28,8 @@ def _hf_model(path, family, **kw):
     torch.manual_seed(0)
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, **kw))
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, **kw))
     elif family == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, **kw))
     else:
@@ -47,6 +49,9 @@ CASES = [
     # Qwen3: per-head q/k RMSNorm, no biases; head_dim 16 is not hidden / heads
     ("qwen3", dict(tie_word_embeddings=True, head_dim=16)),
     ("qwen3", dict(tie_word_embeddings=False, rope_theta=1e6)),
+    # Mistral: Llama's weights; a window covering the sequence (32 >= 24 tokens, seq_length 32) is full attention
+    ("mistral", dict(sliding_window=None)),
+    ("mistral", dict(sliding_window=32, head_dim=16)),
 ]
 
 
@@ -234,3 +239,11 @@ def test_import_at_tp2_matches_hf_logits(tmp_path):
     for rank in range(2):
         for got, ref in zip(results[rank], refs):
             torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_mistral_window_shorter_than_the_sequence_is_refused(tmp_path):
+    _hf_model(tmp_path / "hf", "mistral", sliding_window=16)
+    hf = read_hf_config(str(tmp_path / "hf"))
+    assert transformer_config_from_hf(hf, seq_length=16).seq_length == 16
+    with pytest.raises(ValueError, match="sliding_window 16 < seq_length 32.*--seq-length 16"):
+        transformer_config_from_hf(hf, seq_length=32)

@@ -14,7 +14,8 @@ Two ways in:
 
 What maps: token embeddings, RMSNorm weights and epsilon, RoPE base (default rope type
 only), grouped-query attention, head_dim, q/k/v biases (Qwen2; Llama ``attention_bias``
-with ``mlp_bias``), Qwen3's per-head q/k norms, SwiGLU MLP, tied or untied output layer;
+with ``mlp_bias``), Qwen3's per-head q/k norms, SwiGLU MLP, tied or untied output layer, Mistral (Llama's
+weights; its ``sliding_window`` only when it covers the training length, else refused);
 LLaDA's fused or separate projections (``llada``). What is refused, with the
 reason: other activations, RoPE scaling (llama3, yarn, ...), sliding-window attention,
 biases on some linears but not others (other than Qwen2's q/k/v), unknown tensors.
@@ -52,7 +53,7 @@ from .mapping import hf_to_megadlms
 
 # Families whose weights are exactly GPTModel's (pre-norm RMSNorm, RoPE, SwiGLU, GQA).
 OWN_MODEL_TYPE = "megadlms"  # config.json model_type of our own exports (hf/export.py)
-SUPPORTED = ("llama", "qwen2", "qwen3", llada.MODEL_TYPE, OWN_MODEL_TYPE)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", llada.MODEL_TYPE, OWN_MODEL_TYPE)
 ARCH_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -133,7 +134,7 @@ def _biases(hf: dict, kind: str, family: Optional[str], where: str) -> tuple:
 
 
 def _llama_like_fields(hf: dict, kind: str, family: Optional[str], where: str) -> dict:
-    """TransformerConfig fields of a Llama / Qwen2 / Qwen3 config (HF names)."""
+    """TransformerConfig fields of a Llama / Mistral / Qwen2 / Qwen3 config (HF names)."""
     if hf.get("hidden_act", "silu") != "silu":
         raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU needs silu)")
     if kind in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
@@ -199,7 +200,20 @@ def transformer_config_from_hf(
         fields = _llama_like_fields(hf, kind, family, where)
     fields = {**_common_fields(seq_length, fields["max_position_embeddings"]), **fields}
     fields.update(overrides)
+    if kind == "mistral":
+        _check_window(hf, fields["seq_length"], where)
     return TransformerConfig(**fields)
+
+
+def _check_window(hf: dict, seq_length: int, where: str) -> None:
+    """Mistral's sliding window changes nothing when it covers the whole sequence (Mistral
+    v0.2+: none); a shorter window is not implemented."""
+    window = hf.get("sliding_window")
+    if window is not None and window < seq_length:
+        raise ValueError(
+            f"{where}: Mistral sliding_window {window} < seq_length {seq_length} cannot be mapped "
+            f"(sliding-window attention is not implemented): use --seq-length {window} or less"
+        )
 
 
 def load_hf_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
