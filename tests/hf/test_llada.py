@@ -277,3 +277,35 @@ def test_refusals_are_named(ref, tmp_path):
     with pytest.raises(ValueError, match="qk_layernorm"):
         export_hf(str(tmp_path / "ck"), str(tmp_path / "hf"), fmt="llada")
     assert not os.path.exists(tmp_path / "hf")
+
+
+def _continue_world(rank, world, hf_dir, root):
+    """--hf-init of a LLaDA model at tp 2 x dp 2: 2 steps and a save, the resumed run's steps 3-4,
+    and 4 steps in one go (same flags; a --load checkpoint wins over --hf-init)."""
+    from megadlms.hf.importer import model_flags
+    from megadlms.pretrain import run
+    from tests.hf.test_import import _train_flags
+
+    cfg = transformer_config_from_hf(read_hf_config(hf_dir), seq_length=32)
+    flags = " ".join(model_flags(cfg)).split() + ["--seq-length", "32", "--hf-init", hf_dir]
+    layout = ["--tensor-model-parallel-size", "2", "--global-batch-size", "4", "--micro-batch-size", "1"]
+
+    def train(save, *extra):
+        # the later --global/--micro-batch-size replace _train_flags' (argparse keeps the last)
+        ckpt = ["--save", save, "--load", save, "--save-interval", "2"]
+        return run(_train_flags(flags, None, iters=4) + layout + ckpt + list(extra)).losses
+
+    first = train(os.path.join(root, "a"), "--exit-interval", "2")  # stops (and saves) after step 2
+    resumed = train(os.path.join(root, "a"))
+    straight = train(os.path.join(root, "b"))
+    return first, resumed, straight
+
+
+def test_llada_import_trains_at_tp2_dp2_and_resumes(saved, tmp_path):
+    path, _ = saved["llama_untied_gqa"]
+    for first, resumed, straight in run_distributed(
+        _continue_world, world_size=4, args=(path, str(tmp_path)), timeout=300
+    ):
+        assert sorted(first) == [1, 2] and sorted(resumed) == [3, 4]
+        assert [first[1], first[2], resumed[3], resumed[4]] == [straight[i] for i in (1, 2, 3, 4)]
+        assert all(torch.isfinite(torch.tensor(list(straight.values()))))
