@@ -28,6 +28,10 @@ def _hf_model(path, family, **kw):
     torch.manual_seed(0)
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, **kw))
+    elif family == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**SMALL, **kw))
+    elif family == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SMALL, **kw))
     else:
         model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL, **kw))
     with torch.no_grad():  # random weights everywhere (norms and biases too)
@@ -42,6 +46,12 @@ CASES = [
     ("llama", dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True, head_dim=16)),
     ("qwen2", dict(tie_word_embeddings=True)),
     ("qwen2", dict(tie_word_embeddings=False, rms_norm_eps=1e-5)),
+    # Qwen3: per-head q/k RMSNorm, no biases; head_dim 16 is not hidden / heads
+    ("qwen3", dict(tie_word_embeddings=True, head_dim=16)),
+    ("qwen3", dict(tie_word_embeddings=False, rope_theta=1e6)),
+    # Mistral: Llama's weights; a window covering the sequence (32 >= 24 tokens, seq_length 32) is full attention
+    ("mistral", dict(sliding_window=None)),
+    ("mistral", dict(sliding_window=32, head_dim=16)),
 ]
 
 
@@ -74,6 +84,8 @@ def test_causal_logits_match_hf(tmp_path, family, kw):
         ("llama", dict(hidden_act="gelu"), "hidden_act"),
         ("llama", dict(attention_bias=True, mlp_bias=False), "attention_bias"),
         ("qwen2", dict(use_sliding_window=True, sliding_window=16), "sliding-window"),
+        ("qwen3", dict(use_sliding_window=True, sliding_window=16), "sliding-window"),
+        ("qwen3", dict(attention_bias=True), "attention_bias"),
     ],
 )
 def test_refuses_what_it_cannot_map(tmp_path, family, kw, message):
@@ -177,3 +189,61 @@ def test_export_then_import_round_trips(tmp_path):
     for (k, a), (_, b) in zip(ours.state_dict().items(), again.state_dict().items()):
         rows = 259 if k == "embedding.word_embeddings.weight" else None
         assert torch.equal(a[:rows], b[:rows]), k
+
+
+def test_hf_init_with_pipeline_parallelism_is_refused_by_name(tmp_path):
+    from megadlms.config import parse_config
+
+    _hf_model(tmp_path / "hf", "llama")
+    argv = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
+        f"--global-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data --hf-init {tmp_path / 'hf'} "
+        "--pipeline-model-parallel-size 2"
+    ).split()
+    with pytest.raises(
+        ValueError, match="--hf-init needs --pipeline-model-parallel-size 1: convert .* megadlms-import-hf"
+    ):
+        parse_config(argv, world_size=2)
+
+
+def _tp2_logits(rank, world, paths):
+    from megadlms.parallel import ParallelGroups, TensorParallelContext, gather_full
+
+    group = ParallelGroups.build(tp=2).tp.group
+    ids = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(2))
+    out = []
+    for path in paths:
+        cfg = transformer_config_from_hf(read_hf_config(path), seq_length=32, attention="causal")
+        cfg = type(cfg).from_dict({**cfg.to_dict(), "vocab_size": 384})  # Megatron-padded rows, split over tp
+        model = GPTModel(cfg, tp=TensorParallelContext(group=group)).eval()
+        init_from_hf(model, path)
+        with torch.no_grad():
+            out.append(gather_full(model(ids), group, partition_dim=2)[..., :259])
+    return out
+
+
+def test_import_at_tp2_matches_hf_logits(tmp_path):
+    """--hf-init's copy at tensor-parallel size 2 (was a shape error): Llama (GQA, untied) and
+    Qwen3 (q/k norms, tied, head_dim != hidden / heads) against transformers' logits."""
+    from tests.dist_utils import run_distributed
+
+    cases = [("llama", {}), ("qwen3", dict(tie_word_embeddings=True, head_dim=16))]
+    refs, paths = [], []
+    ids = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(2))
+    for i, (family, kw) in enumerate(cases):
+        hf = _hf_model(tmp_path / str(i), family, **kw)
+        with torch.no_grad():
+            refs.append(hf(ids).logits)
+        paths.append(str(tmp_path / str(i)))
+    results = run_distributed(_tp2_logits, world_size=2, args=(paths,), timeout=120)
+    for rank in range(2):
+        for got, ref in zip(results[rank], refs):
+            torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_mistral_window_shorter_than_the_sequence_is_refused(tmp_path):
+    _hf_model(tmp_path / "hf", "mistral", sliding_window=16)
+    hf = read_hf_config(str(tmp_path / "hf"))
+    assert transformer_config_from_hf(hf, seq_length=16).seq_length == 16
+    with pytest.raises(ValueError, match="sliding_window 16 < seq_length 32.*--seq-length 16"):
+        transformer_config_from_hf(hf, seq_length=32)

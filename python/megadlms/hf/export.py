@@ -43,6 +43,7 @@ from megadlms.checkpoint import open_checkpoint, tensor_shapes, tokenizer_record
 from megadlms.generate import load_for_inference
 from megadlms.models import TransformerConfig
 
+from . import llada
 from .mapping import megadlms_to_hf
 from .tokenizer_files import write_tokenizer_files
 
@@ -50,6 +51,7 @@ REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
 REMOTE_FILES = ("modeling_megadlms.py", "generation_megadlms.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EMBEDDING_KEY = "model/embedding.word_embeddings.weight"
+FORMATS = ("megadlms", "llada")
 SPECIAL_IDS = ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -162,6 +164,25 @@ def slice_vocab(tensors: Dict[str, torch.Tensor], vocab: int) -> Dict[str, torch
     return out
 
 
+def _check_format(fmt: str, llada_code: Optional[str]) -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
+    if llada_code and fmt != "llada":
+        raise ValueError("--llada-code is for --format llada (the directory of LLaDA's modeling_llada.py)")
+    if llada_code:
+        missing = [n for n in llada.CODE_FILES if not os.path.isfile(os.path.join(llada_code, n))]
+        if missing:
+            raise FileNotFoundError(f"--llada-code {llada_code}: no {', '.join(missing)} there")
+
+
+def _format_config(fmt: str, cfg: TransformerConfig, special, target: torch.dtype, llada_code: Optional[str]):
+    """(config.json, [(directory, file)] of the modeling code to copy) of format ``fmt``."""
+    if fmt == "llada":
+        config = llada.llada_config(cfg, special, target, llada.auto_map(local=bool(llada_code)))
+        return config, [(llada_code, name) for name in llada.CODE_FILES] if llada_code else []
+    return hf_config(cfg, special, target), [(REMOTE_DIR, name) for name in REMOTE_FILES]
+
+
 def export_hf(
     load: str,
     output: str,
@@ -171,10 +192,15 @@ def export_hf(
     steps: Optional[int] = None,
     gen_length: int = 128,
     block_length: Optional[int] = None,
+    fmt: str = "megadlms",
+    llada_code: Optional[str] = None,
 ) -> dict:
     """Export checkpoint ``load`` to Hugging Face directory ``output``; returns config.json
-    (with ``megadlms_source``: the checkpoint, iteration and which weights were written)."""
+    (with ``megadlms_source``: the checkpoint, iteration and which weights were written).
+    ``fmt`` "llada": LLaDA's format (``hf.llada``), with LLaDA's modeling files copied from
+    ``llada_code`` when given."""
 
+    _check_format(fmt, llada_code)
     target, use_main, source = _weights_source(load, dtype)
     # The inference loader: any format, wrapper and dp, and the checkpoint's own tokenizer record.
     model, tokenizer, common = load_for_inference(load, torch.device("cpu"), prefer_fp32_params=use_main)
@@ -182,13 +208,17 @@ def export_hf(
     # export and megadlms.diffusion.generate choose from the same rows.
     vocab = model.config.unpadded_vocab_size
     cfg = TransformerConfig.from_dict({**model.config.to_dict(), "vocab_size": vocab})
+    if fmt == "llada":
+        llada.check_exportable(cfg)  # before anything is written
     os.makedirs(output, exist_ok=True)
     sd = {k: v.detach().to(target) for k, v in model.state_dict().items()}
     tensors = slice_vocab(megadlms_to_hf(sd, model.config), vocab)
+    if fmt == "llada":
+        tensors = llada.from_llama_names(tensors)
     save_safetensors(tensors, output, max_shard_size_mb * 1024 * 1024)
     record = tokenizer_record(common)
     special = write_tokenizer_files(tokenizer, record, output, cfg.max_position_embeddings)
-    config = hf_config(cfg, special, target)
+    config, remote = _format_config(fmt, cfg, special, target, llada_code)
     generation = {
         # Default steps = gen_length: one token unmasked per step, the slowest, most careful schedule.
         "steps": steps or gen_length,
@@ -212,8 +242,8 @@ def export_hf(
             f,
             indent=2,
         )
-    for name in REMOTE_FILES:
-        shutil.copyfile(os.path.join(REMOTE_DIR, name), os.path.join(output, name))
+    for src_dir, name in remote:
+        shutil.copyfile(os.path.join(src_dir, name), os.path.join(output, name))
     return config
 
 
@@ -234,6 +264,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--steps", type=int, default=None, help="generation_config.json: steps (default gen-length)"
     )
     p.add_argument("--block-length", type=int, default=None, help="generation_config.json: block length")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="megadlms",
+        help="megadlms (default: our modeling file); llada: LLaDA's LLaDAModelLM format, for tools "
+        "written for LLaDA (Fast-dLLM, dInfer, lm-eval setups)",
+    )
+    p.add_argument(
+        "--llada-code",
+        default=None,
+        help="--format llada: directory holding LLaDA's configuration_llada.py and modeling_llada.py, "
+        "copied into the export (default: config.json's auto_map names them on the Hub, "
+        f"{llada.HUB_CODE})",
+    )
     return p
 
 
@@ -248,10 +292,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             steps=args.steps,
             gen_length=args.gen_length,
             block_length=args.block_length,
+            fmt=args.format,
+            llada_code=args.llada_code,
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"megadlms-export-hf: error: {exc}", file=sys.stderr)
         return 2
+    if args.format == "llada":
+        print(
+            f"exported {args.load} -> {args.output} (LLaDA format, {config['n_layers']} layers, d_model "
+            f"{config['d_model']}, vocab {config['vocab_size']}, {config['torch_dtype']} from "
+            f"{config['megadlms_source']['weights']}, mask_token_id {config.get('mask_token_id')})"
+        )
+        return 0
     print(
         f"exported {args.load} -> {args.output} ({config['num_hidden_layers']} layers, hidden "
         f"{config['hidden_size']}, vocab {config['vocab_size']}, {config['attention']}, {config['dtype']} "

@@ -1,4 +1,4 @@
-"""``megadlms-import-hf --hf DIR --output CKPT``: a Hugging Face Llama / Qwen2 causal LM as a
+"""``megadlms-import-hf --hf DIR --output CKPT``: a Hugging Face model (Llama / Qwen2 / Qwen3, LLaDA) as a
 megadlms checkpoint (iteration 0, weights only) to continue pretraining from with
 ``--load CKPT --finetune`` (see ``importer`` for what maps and how rows are initialised).
 
@@ -59,10 +59,11 @@ def import_hf(
     real_tokens = tok.get_vocab_size(with_added_tokens=True)
     mask_id, added = _mask_token(tok, mask_token)
     hf = read_hf_config(hf_dir)
-    # Either may be larger (HF pads vocab_size; added tokens go past it): HF's own rows stay tokens, as in HF.
-    real = max(hf["vocab_size"], tok.get_vocab_size(with_added_tokens=True))
-    vocab = padded_vocab_size(real, vocab_divisible_by)
     cfg = transformer_config_from_hf(hf, f"--hf {hf_dir}", seq_length=seq_length, attention=attention)
+    hf_rows = cfg.vocab_size  # the rows of the HF embedding (LLaDA: its embedding_size)
+    # Either may be larger (HF pads vocab_size; added tokens go past it): HF's own rows stay tokens, as in HF.
+    real = max(hf_rows, tok.get_vocab_size(with_added_tokens=True))
+    vocab = padded_vocab_size(real, vocab_divisible_by)
     cfg = type(cfg).from_dict({**cfg.to_dict(), "vocab_size": vocab, "unpadded_vocab_size": real})
     torch.manual_seed(0)  # rows beyond the HF vocabulary are set to the mean; the rest is copied
     model = GPTModel(cfg)
@@ -71,7 +72,7 @@ def import_hf(
         hf_dir,
         mean_init_ids=[mask_id] if added else [],
         # real_tokens is counted before the mask token is added, so the mean excludes the new row.
-        num_real_tokens=min(real_tokens, hf["vocab_size"]),
+        num_real_tokens=min(real_tokens, hf_rows),
     )
     tok_dir = os.path.join(os.path.abspath(output), "tokenizer")
     os.makedirs(tok_dir, exist_ok=True)

@@ -1,6 +1,7 @@
-"""Start from a Hugging Face causal LM (Llama / Qwen2 family, or a megadlms export): its
-weights in megadlms' GPTModel, to continue pretraining it as a diffusion LM (the Dream /
-DiffuLLaMA adaptation) or as an AR model.
+"""Start from a Hugging Face model (Llama / Qwen2 / Qwen3 causal LMs, LLaDA's ``LLaDAModelLM``
+diffusion LM (``llada``), or a megadlms export): its weights in megadlms' GPTModel, to continue
+training it as a diffusion LM (LLaDA, or the Dream / DiffuLLaMA adaptation of an AR model) or
+as an AR model.
 
 Two ways in:
 
@@ -13,13 +14,19 @@ Two ways in:
 
 What maps: token embeddings, RMSNorm weights and epsilon, RoPE base (default rope type
 only), grouped-query attention, head_dim, q/k/v biases (Qwen2; Llama ``attention_bias``
-with ``mlp_bias``), SwiGLU MLP, tied or untied output layer. What is refused, with the
+with ``mlp_bias``), Qwen3's per-head q/k norms, SwiGLU MLP, tied or untied output layer, Mistral (Llama's
+weights; its ``sliding_window`` only when it covers the training length, else refused);
+LLaDA's fused or separate projections (``llada``). What is refused, with the
 reason: other activations, RoPE scaling (llama3, yarn, ...), sliding-window attention,
 biases on some linears but not others (other than Qwen2's q/k/v), unknown tensors.
 
 MegaDLMs' own exports (tools/weights_conversion/hf_configs: ``DiffLM`` / ``CausalLM`` with
 ``configuration_dlm`` / ``configuration_ar``; Qwen3-like, qk-norm, no biases) map too,
 and so do megadlms exports of any version (``megadlms_model_config``).
+
+Layouts: ``--hf-init`` fills a model built at any tensor / expert parallel size: each full
+tensor is cut to this rank's shard by its declared sharding (``parallel.sharding``). Pipeline
+parallelism is refused by name (config/rules.py: import first, then ``--load`` at any pp).
 
 Vocabulary rows: the first min(ours, theirs) rows are copied (exports hold the unpadded
 vocabulary; the run re-pads it to its own --make-vocab-size-divisible-by and tp). Rows ours has beyond the
@@ -39,12 +46,14 @@ import torch
 
 from megadlms.common.enums import AttnMaskType
 from megadlms.models import GPTModel, TransformerConfig
+from megadlms.parallel.sharding import full_shape, local_from_full
 
+from . import llada
 from .mapping import hf_to_megadlms
 
 # Families whose weights are exactly GPTModel's (pre-norm RMSNorm, RoPE, SwiGLU, GQA).
 OWN_MODEL_TYPE = "megadlms"  # config.json model_type of our own exports (hf/export.py)
-SUPPORTED = ("llama", "qwen2", OWN_MODEL_TYPE)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", llada.MODEL_TYPE, OWN_MODEL_TYPE)
 ARCH_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -95,6 +104,66 @@ def megadlms_family(hf: dict) -> Optional[str]:
     return None
 
 
+def _common_fields(seq_length: Optional[int], max_pos: int) -> dict:
+    """The TransformerConfig fields every imported family shares."""
+    return dict(
+        # max_position_embeddings can be 128k: capped so the default run fits in memory.
+        seq_length=seq_length or min(max_pos, 4096),
+        max_position_embeddings=max_pos,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        # The HF models were trained without dropout; continued pretraining keeps it off unless overridden.
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+    )
+
+
+def _biases(hf: dict, kind: str, family: Optional[str], where: str) -> tuple:
+    """(add_bias_linear, add_qkv_bias) of a Llama / Qwen2 / Qwen3 config."""
+    if kind == "qwen2":
+        # Qwen2 always has q/k/v biases and none elsewhere, whatever its config says (MegaDLMs': none).
+        return False, family is None
+    attn_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
+    if attn_bias != mlp_bias:
+        raise ValueError(
+            f"{where}: attention_bias={attn_bias} with mlp_bias={mlp_bias} cannot be mapped "
+            "(megadlms has biases on every linear or on q/k/v only)"
+        )
+    return attn_bias, False
+
+
+def _llama_like_fields(hf: dict, kind: str, family: Optional[str], where: str) -> dict:
+    """TransformerConfig fields of a Llama / Mistral / Qwen2 / Qwen3 config (HF names)."""
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU needs silu)")
+    if kind in ("qwen2", "qwen3") and hf.get("use_sliding_window"):
+        raise ValueError(f"{where}: sliding-window attention (use_sliding_window) cannot be mapped")
+    bias, qkv_bias = _biases(hf, kind, family, where)
+    heads = hf["num_attention_heads"]
+    return dict(
+        num_layers=hf["num_hidden_layers"],
+        hidden_size=hf["hidden_size"],
+        num_attention_heads=heads,
+        # HF omits num_key_value_heads / head_dim when they are the multi-head defaults.
+        num_query_groups=hf.get("num_key_value_heads") or heads,
+        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        vocab_size=hf["vocab_size"],
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
+        add_bias_linear=bias,
+        add_qkv_bias=qkv_bias,
+        # Qwen3: per-head RMSNorm of q and k before RoPE (q_norm / k_norm), megadlms' qk_layernorm.
+        qk_layernorm=kind == "qwen3",
+        rotary_base=_rope_base(hf, where),
+        # transformers' PretrainedConfig defaults tie_word_embeddings to True, but Llama's and Qwen2's configs
+        # default it to False; a file without the key comes from those, hence False.
+        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
+        init_method_std=hf.get("initializer_range", 0.02),
+    )
+
+
 def transformer_config_from_hf(
     hf: dict, where: str = "the Hugging Face model", *, seq_length: Optional[int] = None, **overrides
 ) -> TransformerConfig:
@@ -125,52 +194,26 @@ def transformer_config_from_hf(
         }
     if kind not in SUPPORTED:
         raise ValueError(f"{where}: model_type {kind!r} is not supported; megadlms imports {SUPPORTED}")
-    if hf.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"{where}: hidden_act {hf['hidden_act']!r} cannot be mapped (SwiGLU needs silu)")
-    if kind == "qwen2" and hf.get("use_sliding_window"):
-        raise ValueError(f"{where}: sliding-window attention (use_sliding_window) cannot be mapped")
-    if kind == "qwen2":
-        # Qwen2 always has q/k/v biases and none elsewhere, whatever its config says (MegaDLMs': none).
-        bias, qkv_bias = False, family is None
+    if kind == llada.MODEL_TYPE:
+        fields = llada.transformer_fields(hf, where)
     else:
-        attn_bias, mlp_bias = bool(hf.get("attention_bias")), bool(hf.get("mlp_bias"))
-        if attn_bias != mlp_bias:
-            raise ValueError(
-                f"{where}: attention_bias={attn_bias} with mlp_bias={mlp_bias} cannot be mapped "
-                "(megadlms has biases on every linear or on q/k/v only)"
-            )
-        bias, qkv_bias = attn_bias, False
-    heads = hf["num_attention_heads"]
-    max_pos = hf.get("max_position_embeddings", 2048)
-    fields = dict(
-        num_layers=hf["num_hidden_layers"],
-        hidden_size=hf["hidden_size"],
-        num_attention_heads=heads,
-        # HF omits num_key_value_heads / head_dim when they are the multi-head defaults.
-        num_query_groups=hf.get("num_key_value_heads") or heads,
-        kv_channels=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"],
-        # max_position_embeddings can be 128k: capped so the default run fits in memory.
-        seq_length=seq_length or min(max_pos, 4096),
-        max_position_embeddings=max_pos,
-        normalization="RMSNorm",
-        norm_epsilon=hf.get("rms_norm_eps", 1e-6),
-        swiglu=True,
-        add_bias_linear=bias,
-        add_qkv_bias=qkv_bias,
-        position_embedding_type="rope",
-        rotary_base=_rope_base(hf, where),
-        # transformers' PretrainedConfig defaults tie_word_embeddings to True, but Llama's and Qwen2's configs
-        # default it to False; a file without the key comes from those, hence False.
-        untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        init_method_std=hf.get("initializer_range", 0.02),
-        # The HF models were trained without dropout; continued pretraining keeps it off unless overridden.
-        attention_dropout=0.0,
-        hidden_dropout=0.0,
-    )
+        fields = _llama_like_fields(hf, kind, family, where)
+    fields = {**_common_fields(seq_length, fields["max_position_embeddings"]), **fields}
     fields.update(overrides)
+    if kind == "mistral":
+        _check_window(hf, fields["seq_length"], where)
     return TransformerConfig(**fields)
+
+
+def _check_window(hf: dict, seq_length: int, where: str) -> None:
+    """Mistral's sliding window changes nothing when it covers the whole sequence (Mistral
+    v0.2+: none); a shorter window is not implemented."""
+    window = hf.get("sliding_window")
+    if window is not None and window < seq_length:
+        raise ValueError(
+            f"{where}: Mistral sliding_window {window} < seq_length {seq_length} cannot be mapped "
+            f"(sliding-window attention is not implemented): use --seq-length {window} or less"
+        )
 
 
 def load_hf_tensors(hf_dir: str) -> Dict[str, torch.Tensor]:
@@ -261,13 +304,18 @@ def init_from_hf(
     theirs = transformer_config_from_hf(hf, where, seq_length=ours.seq_length)
     check_compatible(theirs, ours, where)
     tensors = load_hf_tensors(hf_dir)
+    if hf.get("model_type") == llada.MODEL_TYPE:
+        tensors = _renamed(llada.to_llama_names, tensors, hf, where)
     if not theirs.untie_embeddings_and_output_weights:
         tensors.pop("lm_head.weight", None)  # some tied exports store the copy anyway
     try:
         sd = hf_to_megadlms(tensors, theirs)
     except KeyError as exc:
         raise ValueError(f"{where}: {exc.args[0]}") from exc
-    target = model.state_dict()
+    # Every tensor of the model, each as its FULL logical shape: at tp / ep > 1 the model holds shards,
+    # which are cut from the full tensors below (the declared sharding of each parameter).
+    params = dict(model.named_parameters(remove_duplicate=False))
+    target = {k: params.get(k, v) for k, v in model.state_dict().items()}
     missing, unexpected = set(target) - set(sd), set(sd) - set(target)
     if missing or unexpected:
         raise ValueError(
@@ -277,17 +325,36 @@ def init_from_hf(
     hf_vocab = theirs.vocab_size
     real = num_real_tokens or hf_vocab
     mean_rows = sorted({*range(hf_vocab, ours.vocab_size), *mean_init_ids})
+    tp = model.tp
     for name, src in sd.items():
         dst = target[name]
-        if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-            # Vocab sizes differ (our padding, an added mask, HF's own padding): copy the common rows.
-            n = min(dst.shape[0], src.shape[0])
-            dst[:n].copy_(src[:n])
-            if mean_rows:
-                # Mean over real tokens only (HF's padding rows are untrained), summed in fp64 not bf16.
-                dst[mean_rows] = src[:real].to(torch.float64).mean(0).to(dst.dtype)
-        elif tuple(dst.shape) != tuple(src.shape):
-            raise ValueError(f"{where}: {name} has shape {tuple(src.shape)}, the model {tuple(dst.shape)}")
-        else:
-            dst.copy_(src)
+        full = _full_tensor(
+            name, src, full_shape(dst, tp.size, tp.ep_size), dst.dtype, mean_rows, real, where
+        )
+        dst.data.copy_(local_from_full(full, dst, tp.group, tp.expert_group))
     return {"hf_vocab_size": hf_vocab, "mean_rows": mean_rows}
+
+
+def _renamed(rename, tensors: Dict[str, torch.Tensor], hf: dict, where: str) -> Dict[str, torch.Tensor]:
+    try:
+        return rename(tensors, hf)
+    except KeyError as exc:
+        raise ValueError(f"{where}: {exc.args[0]}") from exc
+
+
+def _full_tensor(
+    name: str, src: torch.Tensor, shape, dtype: torch.dtype, mean_rows: List[int], real: int, where: str
+) -> torch.Tensor:
+    """The model's full logical tensor ``name`` (of ``shape``) from the HF tensor ``src``."""
+    if name not in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if tuple(shape) != tuple(src.shape):
+            raise ValueError(f"{where}: {name} has shape {tuple(src.shape)}, the model {tuple(shape)}")
+        return src
+    # Vocab sizes differ (our padding, an added mask, HF's own padding): copy the common rows.
+    full = torch.empty(shape, dtype=dtype)
+    n = min(shape[0], src.shape[0])
+    full[:n] = src[:n]
+    if mean_rows:
+        # Mean over real tokens only (HF's padding rows are untrained), summed in fp64 not bf16.
+        full[mean_rows] = src[:real].to(torch.float64).mean(0).to(dtype)
+    return full

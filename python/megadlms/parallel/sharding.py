@@ -123,13 +123,16 @@ def shard_spec(tensor: torch.Tensor) -> Optional[Tuple[int, int]]:
     return None if sharding.tp_dim is None else (sharding.tp_dim, sharding.tp_blocks)
 
 
-def full_shape(tensor: torch.Tensor, tp: int) -> Tuple[int, ...]:
+def full_shape(tensor: torch.Tensor, tp: int, ep: int = 1) -> Tuple[int, ...]:
     """The full logical shape of a parameter (or a tensor carrying its attributes) whose local
-    shard is ``tensor``: its own shape when replicated or at tp = 1."""
+    shard is ``tensor``: its own shape when replicated or at tp = 1 (an expert parameter: ep = 1)."""
     shape = list(tensor.shape)  # a DTensor's shape is already the full one
     spec = shard_spec(tensor)
     if spec is not None and tp > 1:
         shape[spec[0]] *= tp
+    dim = sharding_of(tensor).expert_dim
+    if dim is not None and ep > 1:
+        shape[dim] *= ep
     return tuple(shape)
 
 
@@ -169,12 +172,18 @@ def gather_full(local: torch.Tensor, group: Group, partition_dim: int, blocks: i
     return torch.cat(full_blocks, dim=partition_dim)
 
 
-def local_from_full(full: torch.Tensor, like: torch.Tensor, group: Group) -> torch.Tensor:
+def local_from_full(
+    full: torch.Tensor, like: torch.Tensor, group: Group, ep_group: Group = None
+) -> torch.Tensor:
     """``full`` cut to the shard that ``like`` (a parameter, or a tensor carrying its
-    attributes) holds on this rank; ``full`` itself when ``like`` is replicated."""
+    attributes) holds on this rank: its TP shard over ``group``, or (an expert parameter) this
+    rank's experts over ``ep_group``; ``full`` itself when ``like`` is replicated."""
     spec = shard_spec(like)
     if spec is None:
-        return full
+        dim = sharding_of(like).expert_dim
+        if dim is None or group_size(ep_group) == 1:
+            return full
+        return shard_full(full, group_rank(ep_group), group_size(ep_group), dim)
     return shard_full(full, group_rank(group), group_size(group), *spec)
 
 
