@@ -24,7 +24,7 @@ no probability from the confidences (LLaDA's released models have no padding row
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -232,7 +232,7 @@ def generate(
     threshold: Optional[float] = None,
     cache: Optional[str] = None,
     attention_mask: Optional[torch.Tensor] = None,
-    stats: Optional[Dict[str, int]] = None,
+    stats: Optional[Dict[str, Any]] = None,
 ) -> torch.Tensor:
     """Complete ``prompt`` int64 [b, P] with ``gen_length`` tokens -> int64 [b, P + gen_length].
 

@@ -35,7 +35,7 @@ import math
 import os
 import random
 import socket
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -366,10 +366,11 @@ class RerunMachine:
         Per-rank state is gathered (a collective: every rank calls it, as every rank saves)."""
         if not self.config.validating:
             return {}
-        mine = {"history": self.history, "suspect": None}
+        mine: Dict[str, Any] = {"history": self.history, "suspect": None}
         if self.from_checkpoint is not None:
             s = self.from_checkpoint
-            mine["suspect"] = {**dataclasses.asdict(s), "evidence": [float(x).hex() for x in s.evidence]}
+            evidence: List[str] = [float(x).hex() for x in s.evidence]  # exact floats as text
+            mine["suspect"] = {**dataclasses.asdict(s), "evidence": evidence}
         ranks: List[Optional[dict]] = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(ranks, mine, group=self.group)
         return {"rerun_state": {"mode": self.config.rerun_mode, "ranks": ranks}}

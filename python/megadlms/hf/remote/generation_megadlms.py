@@ -164,7 +164,8 @@ class _Forwards:
         self.rows = 2 if s["cfg_scale"] > 0 else 1
         # The mask only when a row is padded: an unpadded batch runs the plain attention path.
         self.mask = None if bool(keep.all()) else keep.to(torch.int64).repeat(self.rows, 1)
-        self.past, self.nfe = None, 0
+        self.past: Optional[list] = None
+        self.nfe = 0
 
     def span(self, step: int, start: int, end: int, total: int):
         if self.s["cache"] is None or step == 0:
