@@ -270,14 +270,14 @@ def _nccl_ext_world(rank, ws):
         m = copy.deepcopy(ours_m)
         ddp = DistributedDataParallel(m, DistributedDataParallelConfig(comm_backend="nccl_ext", **cfg))
         try:
-            out[str(cfg)] = _nccl_ext_error(ddp, rank, ws, local, cfg)
+            out[str(cfg)] = _nccl_ext_grad_error(ddp, rank, ws, local, cfg)
         finally:
             ddp.comm.close()
         out[str(cfg) + " closed"] = ddp.comm._comm._comm is None
     return out
 
 
-def _nccl_ext_error(ddp, rank, ws, local, cfg):
+def _nccl_ext_grad_error(ddp, rank, ws, local, cfg):
     """Largest difference of one step's reduced gradients from the local average."""
     ids, tgt = (t.cuda() for t in _batch(rank, 0))
     _loss(ddp(ids), tgt).backward()

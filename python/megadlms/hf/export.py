@@ -49,6 +49,7 @@ from .tokenizer_files import write_tokenizer_files
 
 REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
 REMOTE_FILES = ("modeling_megadlms.py", "generation_megadlms.py")
+LLADA_FORMAT = "llada"  # --format llada: LLaDA's tensor names and config (hf/llada.py)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EMBEDDING_KEY = "model/embedding.word_embeddings.weight"
 FORMATS = ("megadlms", "llada")
@@ -167,7 +168,7 @@ def slice_vocab(tensors: Dict[str, torch.Tensor], vocab: int) -> Dict[str, torch
 def _check_format(fmt: str, llada_code: Optional[str]) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
-    if llada_code and fmt != "llada":
+    if llada_code and fmt != LLADA_FORMAT:
         raise ValueError("--llada-code is for --format llada (the directory of LLaDA's modeling_llada.py)")
     if llada_code:
         missing = [n for n in llada.CODE_FILES if not os.path.isfile(os.path.join(llada_code, n))]
@@ -177,7 +178,7 @@ def _check_format(fmt: str, llada_code: Optional[str]) -> None:
 
 def _format_config(fmt: str, cfg: TransformerConfig, special, target: torch.dtype, llada_code: Optional[str]):
     """(config.json, [(directory, file)] of the modeling code to copy) of format ``fmt``."""
-    if fmt == "llada":
+    if fmt == LLADA_FORMAT:
         config = llada.llada_config(cfg, special, target, llada.auto_map(local=bool(llada_code)))
         return config, [(llada_code, name) for name in llada.CODE_FILES] if llada_code else []
     return hf_config(cfg, special, target), [(REMOTE_DIR, name) for name in REMOTE_FILES]
@@ -208,12 +209,12 @@ def export_hf(
     # export and megadlms.diffusion.generate choose from the same rows.
     vocab = model.config.unpadded_vocab_size
     cfg = TransformerConfig.from_dict({**model.config.to_dict(), "vocab_size": vocab})
-    if fmt == "llada":
+    if fmt == LLADA_FORMAT:
         llada.check_exportable(cfg)  # before anything is written
     os.makedirs(output, exist_ok=True)
     sd = {k: v.detach().to(target) for k, v in model.state_dict().items()}
     tensors = slice_vocab(megadlms_to_hf(sd, model.config), vocab)
-    if fmt == "llada":
+    if fmt == LLADA_FORMAT:
         tensors = llada.from_llama_names(tensors)
     save_safetensors(tensors, output, max_shard_size_mb * 1024 * 1024)
     record = tokenizer_record(common)
@@ -298,7 +299,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"megadlms-export-hf: error: {exc}", file=sys.stderr)
         return 2
-    if args.format == "llada":
+    if args.format == LLADA_FORMAT:
         print(
             f"exported {args.load} -> {args.output} (LLaDA format, {config['n_layers']} layers, d_model "
             f"{config['d_model']}, vocab {config['vocab_size']}, {config['torch_dtype']} from "

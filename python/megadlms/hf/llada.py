@@ -27,6 +27,8 @@ from typing import Dict, Optional
 
 import torch
 
+from megadlms.common.enums import AttnMaskType, PositionEmbeddingType
+
 MODEL_TYPE = "llada"
 LLADA_MASK_ID = 126336
 """LLaDA-8B's [MASK] (``<|mdm_mask|>``): the id LLaDA's and Fast-dLLM's generate default to."""
@@ -241,7 +243,10 @@ def from_llama_names(tensors: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor
 def check_exportable(cfg) -> None:
     """Raise naming every feature of GPTModel config ``cfg`` that LLaDA's code cannot express."""
     problems = [
-        (cfg.attention != "bidirectional", f"attention {cfg.attention!r} (LLaDA's model is bidirectional)"),
+        (
+            cfg.attention != AttnMaskType.BIDIRECTIONAL,
+            f"attention {cfg.attention!r} (LLaDA's model is bidirectional)",
+        ),
         (cfg.qk_layernorm, "qk_layernorm (LLaDA's attention_layer_norm normalises the whole projection)"),
         (
             cfg.normalization != "RMSNorm",
@@ -249,7 +254,10 @@ def check_exportable(cfg) -> None:
         ),
         (not cfg.swiglu, "no swiglu (LLaDA's llama block is a gated SiLU MLP)"),
         (cfg.add_bias_linear, "add_bias_linear (LLaDA has include_qkv_bias only)"),
-        (cfg.position_embedding_type != "rope", f"position_embedding_type {cfg.position_embedding_type!r}"),
+        (
+            cfg.position_embedding_type != PositionEmbeddingType.ROPE,
+            f"position_embedding_type {cfg.position_embedding_type!r}",
+        ),
         (
             cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size,
             f"kv_channels {cfg.kv_channels} (LLaDA's head width is hidden_size / heads)",

@@ -27,6 +27,7 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
+from megadlms.common.enums import RecomputeGranularity, RecomputeMethod
 from megadlms.config import RunConfig
 from megadlms.models import TransformerConfig
 from megadlms.models.transformer import RotaryEmbedding, TransformerBlock
@@ -82,7 +83,7 @@ def _small(model: TransformerConfig, shape, layers: int, dtype) -> TransformerCo
 
 
 def _recompute_fields(granularity) -> dict:
-    full = granularity == "full"
+    full = granularity == RecomputeGranularity.FULL
     return dict(
         recompute_granularity=None if granularity in (None, "none") else granularity,
         recompute_method="uniform" if full else None,
@@ -178,15 +179,17 @@ def activation_bytes(config: RunConfig) -> Dict[str, float]:
     m, par = config.model, config.parallel
     units, layers = in_flight(config)
     per_layer = layer_bytes(config)
-    if m.recompute_granularity == "full":
+    if m.recompute_granularity == RecomputeGranularity.FULL:
         k = m.recompute_num_layers or 1
-        if str(m.recompute_method) == "block":  # the first k layers of each chunk recomputed, the rest kept
+        if (
+            m.recompute_method == RecomputeMethod.BLOCK
+        ):  # the first k layers of each chunk recomputed, the rest kept
             k_ = min(k, layers)
             per_layer = (k_ * per_layer + (layers - k_) * layer_bytes(config, "none")) / layers
         else:  # uniform: one saved input per span of k layers
             per_layer /= k
     out = {"layers": units * layers * per_layer}
-    if m.recompute_granularity == "full":
+    if m.recompute_granularity == RecomputeGranularity.FULL:
         out["recompute peak"] = layer_bytes(config, "none") * (m.recompute_num_layers or 1)
     tokens = m.seq_length / par.context_parallel_size * config.training.micro_batch_size
     # the last stage's logits (16-bit) and the loss's fp32 copy, vocab-parallel over tp

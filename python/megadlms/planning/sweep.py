@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 from typing import Dict, List, Optional, Sequence
 
+from megadlms.common.enums import RecomputeGranularity
 from megadlms.config import parse_config
 
 from .devices import Device
@@ -54,7 +55,7 @@ def _candidates(world: int, num_layers: int, per_node: int):
         }  # fmt: skip
         if rc != "none":  # no flag: no recomputation
             flags["--recompute-granularity"] = rc
-        if rc == "full":
+        if rc == RecomputeGranularity.FULL:
             flags.update({"--recompute-method": "uniform", "--recompute-num-layers": "1"})
         if tp > 1:
             flags["--sequence-parallel"] = None

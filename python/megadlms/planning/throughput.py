@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict
 
-from megadlms.common.enums import AttnMaskType
+from megadlms.common.enums import AttnMaskType, RecomputeGranularity
 from megadlms.config import RunConfig
 from megadlms.models import num_floating_point_operations
 
@@ -142,7 +142,7 @@ def step_time(config: RunConfig, state: StateBytes, dev: Device) -> StepTime:
     world = par.world_size
     flops = step_flops(config)
     compute = flops / world / (dev.peak_tflops * 1e12 * dev.gemm_efficiency)
-    if config.model.recompute_granularity == "full":
+    if config.model.recompute_granularity == RecomputeGranularity.FULL:
         compute *= 4 / 3  # one more forward (1/3 of the model FLOPs) per recomputed layer
     pp, m = par.pipeline_model_parallel_size, config.training.num_micro_batches
     bubble = compute * (pp - 1) / (par.virtual_stages(config.model.num_layers) * m)
