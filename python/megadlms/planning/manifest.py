@@ -21,7 +21,7 @@ from megadlms.config import RunConfig
 from megadlms.models import GPTModel, TransformerConfig
 from megadlms.models.chunk import PipelineChunk
 from megadlms.parallel.sharding import sharding_of
-from megadlms.pipeline import model_chunks, stage_layers
+from megadlms.training.pipeline_run import chunk_layout  # the trainer's own layout
 
 __all__ = ["PlannedParam", "chunk_layout", "rank_parameters"]
 
@@ -38,20 +38,6 @@ class PlannedParam:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
-
-
-def chunk_layout(config: RunConfig, pp_rank: int) -> List[PipelineChunk]:
-    """Pipeline rank ``pp_rank``'s chunks, as the trainer lays them out (stage_layers)."""
-    par, n = config.parallel, config.model.num_layers
-    pp = par.pipeline_model_parallel_size
-    ranges = stage_layers(
-        n,
-        pp,
-        vp=par.virtual_stages(n),
-        first_stage_layers=par.decoder_first_pipeline_num_layers,
-        last_stage_layers=par.decoder_last_pipeline_num_layers,
-    )[pp_rank]
-    return model_chunks(ranges, pp_rank, pp, n)
 
 
 # A sweep asks for the same chunk many times; keyed by the config's repr (TransformerConfig is
