@@ -16,7 +16,7 @@ from megadlms.data import TokenizerConfig
 from megadlms.diffusion import generate
 from megadlms.hf.export import export_hf
 from megadlms.models import GPTModel
-from megadlms.models.kv_cache import KVCache
+from megadlms.ops.kv_cache import KVCache
 from tests.diffusion import _fast_dllm_reference as fast_dllm
 from tests.hf.helpers import ROPE_SWIGLU, tiny_config
 

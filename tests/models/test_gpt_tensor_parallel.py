@@ -222,7 +222,7 @@ def _cached_generation_case(rank, group, sp):
     writes the padding): the same tokens as one process, and the cached logits of an unchanged
     sequence equal the full forward's."""
     from megadlms.diffusion import generate
-    from megadlms.models.kv_cache import KVCache
+    from megadlms.ops.kv_cache import KVCache
 
     cfg = _config("gqa_swiglu_rope")
     torch.manual_seed(SEED)

@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megadlms.models.kv_cache import KVCache
+from megadlms.ops.kv_cache import KVCache
 
 from .vocab import real_vocab_size, token_logits
 

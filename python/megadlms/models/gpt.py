@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadlms.common.enums import AttnMaskType, PositionEmbeddingType, as_member
+from megadlms.ops.kv_cache import CachedAttention, KVCache
 from megadlms.parallel import (
     TensorParallelContext,
     VocabParallelEmbedding,
@@ -45,7 +46,6 @@ from megadlms.parallel.sharding import REPLICATED, set_sharding, sharding_of
 from .chunk import WHOLE_MODEL, PipelineChunk
 from .config import TransformerConfig, check_tensor_parallel, expert_parallel_problems
 from .init import init_normal_, init_transformer_weights
-from .kv_cache import CachedAttention, KVCache
 from .transformer import (
     CORE_ATTN_IMPLEMENTATIONS,
     NO_TENSOR_PARALLEL,
@@ -159,7 +159,7 @@ class GPTModel(nn.Module):
     them with :meth:`token_cross_entropy`.
     ``document_ids`` int64 [B,S] (document packing): each position attends only to the
     positions of its own document.
-    ``kv_cache`` (:class:`~megadlms.models.kv_cache.KVCache`, generation): the call's tokens are
+    ``kv_cache`` (:class:`~megadlms.ops.kv_cache.KVCache`, generation): the call's tokens are
     slots [cache_offset, cache_offset + S) (default positions: those slot numbers); their keys
     and values are written there and their queries attend to every slot of the cache.
 

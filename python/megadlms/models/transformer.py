@@ -32,12 +32,12 @@ from torch import nn
 
 from megadlms.common.enums import AttnMaskType, RecomputeGranularity
 from megadlms.ops import apply_rotary, residual_add_norm, swiglu
+from megadlms.ops.kv_cache import CachedAttention
 from megadlms.parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelContext
 from megadlms.parallel.context_parallel import ContextParallelPlan
 from megadlms.parallel.sharding import set_sharding
 
 from .config import ATTENTION_KINDS, TransformerConfig
-from .kv_cache import CachedAttention
 from .moe import MoELayer
 from .recompute import checkpoint, checkpointed_layers_forward, recompute_problems
 
