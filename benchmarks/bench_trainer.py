@@ -14,7 +14,9 @@ Rows: ``{ddp,fsdp2}-s{2048,4096}[-recompute]``: DDP (+ the distributed optimizer
 reduce) or FSDP2 at world size 1, sequence 2048 (micro-batch 8) or 4096 (micro-batch 4),
 global batch two micro-batches, with ``-recompute`` Megatron's selective recomputation
 (``--recompute-activations``: core attention), with ``-compile`` ``--use-torch-compile`` (its
-medians leave out iteration 1, which holds the compile). Each row names the SDPA backend the model's
+medians leave out iteration 1, which holds the compile), with ``-nofusion``
+``--no-gradient-accumulation-fusion`` (a compiled layer is one graph, not split at its
+linears). Each row names the SDPA backend the model's
 attention call takes at that shape (profiled once here, outside the runs: cuDNN, flash,
 mem-efficient, math). ``--deadline`` seconds bound all rows together: a row with less than
 ``--min-row`` seconds left is "not reached" (not a failure). A row also records the run's exit
@@ -62,6 +64,10 @@ ROWS = {
 }
 for _n in ("ddp-s4096", "fsdp2-s4096", "ddp-s2048"):
     ROWS[f"{_n}-compile"] = (*ROWS[_n][:3], [*ROWS[_n][3], "--use-torch-compile"])
+# DDP's default gradient-accumulation fusion splits each compiled layer at its linears (they run
+# eagerly: parallel/linear_impl.py); without it the whole layer is one graph.
+for _n in ("ddp-s2048", "ddp-s2048-compile"):
+    ROWS[f"{_n}-nofusion"] = (*ROWS[_n][:3], [*ROWS[_n][3], "--no-gradient-accumulation-fusion"])
 ROWS["fsdp2-zero2-s4096"] = (4096, 4, 8, [*FSDP2, "--torch-fsdp2-no-reshard-after-forward"])
 DEFAULT_ROWS = (
     "ddp-s4096,fsdp2-s4096,ddp-s2048,fsdp2-s2048,ddp-s4096-recompute,fsdp2-s4096-recompute,ddp-s4096-compile"

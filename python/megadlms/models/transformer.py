@@ -176,6 +176,9 @@ class SelfAttention(nn.Module):
         self.tp = tp
         self.num_heads = config.num_attention_heads // tp.size  # this rank's heads
         self.num_groups = config.num_query_groups // tp.size
+        # A bool fixed at construction: under torch.compile an int attribute can turn dynamic
+        # after a recompile, and SDPA then rejects the SymBool `num_groups != num_heads`.
+        self.enable_gqa = bool(self.num_groups != self.num_heads)
         self.head_dim = config.kv_channels
         self.attention_dropout = config.attention_dropout
         self.recompute_core_attention = config.recompute_granularity == RecomputeGranularity.SELECTIVE
@@ -239,10 +242,10 @@ class SelfAttention(nn.Module):
         dropout_p = self.attention_dropout if self.training else 0.0
         q, k, v = q_BSND.transpose(1, 2), k_BSGD.transpose(1, 2), v_BSGD.transpose(1, 2)
         if isinstance(doc_mask, CachedAttention):  # generation: keys/values of the cache (eval only)
-            out_BNSD = doc_mask.attention(self.layer_number, q, k, v, enable_gqa=G != self.num_heads)
+            out_BNSD = doc_mask.attention(self.layer_number, q, k, v, enable_gqa=self.enable_gqa)
         elif isinstance(doc_mask, ContextParallelPlan):  # context parallelism: K/V gathered over cp
             with dropout_rng(self.tp, split=dropout_p > 0):
-                out_BNSD = doc_mask.attention(q, k, v, dropout_p, enable_gqa=G != self.num_heads)
+                out_BNSD = doc_mask.attention(q, k, v, dropout_p, enable_gqa=self.enable_gqa)
         elif doc_mask is not None and not isinstance(doc_mask, torch.Tensor):  # flex BlockMask
             from torch.nn.attention.flex_attention import flex_attention
 
@@ -252,7 +255,7 @@ class SelfAttention(nn.Module):
                     "or use core_attn_implementation TEDotProductAttention"
                 )
             # enable_gqa lets each k/v head serve its N/G query heads without materialising repeated copies.
-            out_BNSD = flex_attention(q, k, v, block_mask=doc_mask, enable_gqa=G != self.num_heads)
+            out_BNSD = flex_attention(q, k, v, block_mask=doc_mask, enable_gqa=self.enable_gqa)
         else:
             # bidirectional: no mask at all (every position attends to every position); packed:
             # the document mask (which already holds the causal part). The dropout acts on
@@ -267,7 +270,7 @@ class SelfAttention(nn.Module):
                         dropout_p=dropout_p,
                         # SDPA rejects a mask with is_causal; the document mask already holds the causal part.
                         is_causal=self.attention == AttnMaskType.CAUSAL and doc_mask is None,
-                        enable_gqa=G != self.num_heads,
+                        enable_gqa=self.enable_gqa,
                     )
 
             if self.recompute_core_attention and self.training:  # --recompute-granularity selective

@@ -98,4 +98,17 @@ def linear(
     # Fail in forward, where the stack trace points at the model, rather than midway through backward.
     if getattr(weight, "main_grad", None) is None:
         raise RuntimeError(MISSING_MAIN_GRAD.format(layer=layer_name, shape=tuple(weight.shape)))
+    if torch.compiler.is_compiling():
+        return _fused_linear(x, weight, bias, layer_name)
+    return _FusedLinear.apply(x, weight, bias, layer_name)
+
+
+# Under --use-torch-compile the fused linear runs eagerly between the compiled pieces of a layer
+# (a deliberate graph split, not a fallback: same kernels, same numbers). Its backward writes
+# main_grad, a buffer that is no input of the graph, and sets DDP's handshake attribute on the
+# weight; a compiled backward can express neither. What the split costs: no fusion across the
+# linear's boundary (the GEMM itself is an extern call under inductor anyway) and one guard check
+# per piece (docs/training.md). Eager runs call _FusedLinear directly.
+@torch.compiler.disable(reason="gradient-accumulation fusion writes main_grad in backward")
+def _fused_linear(x, weight, bias, layer_name):
     return _FusedLinear.apply(x, weight, bias, layer_name)
