@@ -142,3 +142,33 @@ def test_profiling_flags_default_off():
     config = parse_config(TINY, world_size=4)
     assert not config.profiling.profile and not config.profiling.record_memory_history
     assert "profiling" not in config.to_dict()  # checkpoints' run record unchanged
+
+
+def test_a_run_that_stops_inside_the_window_still_writes_its_trace(tmp_path):
+    import torch
+
+    from megadlms.config import ProfilingConfig
+    from megadlms.training.profiling import StepProfiler
+
+    config = ProfilingConfig(
+        profile=True,
+        use_pytorch_profiler=True,
+        trace_dir=str(tmp_path),
+        profile_step_start=2,
+        profile_step_end=6,
+    )
+    hook = StepProfiler(config, rank=0, world=1, device=torch.device("cpu"), log_interval=1)
+    for it in range(3):  # iterations 1..3, then the run stops (an exit request, an error)
+        hook.before_step(it)
+        torch.ones(4).sum()
+        hook.after_step(it + 1)
+    hook.close()
+    (path,) = glob.glob(f"{tmp_path}/rank0.*.pt.trace.json")
+    steps = {e["name"] for e in _events(path) if e["name"].startswith("iteration ")}
+    assert steps == {"iteration 2", "iteration 3"}
+    # off by default: the same calls write nothing
+    off = StepProfiler(ProfilingConfig(), rank=0, world=1, device=torch.device("cpu"), log_interval=1)
+    off.before_step(0)
+    off.after_step(1)
+    off.close()
+    assert len(glob.glob(f"{tmp_path}/*.json")) == 1

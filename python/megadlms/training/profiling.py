@@ -128,9 +128,12 @@ class StepProfiler:
 
     def _stop(self) -> None:
         if self._prof is not None:
-            self._prof.stop()  # writes the trace (on_trace_ready)
+            # a run that stopped in the warm-up step has recorded nothing: no trace is written
+            recording = self._prof.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+            self._prof.stop()  # writes the trace (on_trace_ready) when recording
             self._prof = None
-            _log.info(f"profiler trace of rank {self.rank} written to {self.config.trace_dir}")
+            if recording:
+                _log.info(f"profiler trace of rank {self.rank} written to {self.config.trace_dir}")
         if self._nvtx is not None:
             self._nvtx.__exit__(None, None, None)
             torch.cuda.cudart().cudaProfilerStop()

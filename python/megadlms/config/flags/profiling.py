@@ -43,7 +43,7 @@ def profiling_args(p) -> None:
         g,
         "--record-memory-history",
         action="store_true",
-        help="Record the CUDA caching allocator's history from the start; the last rank writes a "
+        help="Record the CUDA caching allocator's history from the first step; the last rank writes a "
         "snapshot to --memory-snapshot-path every --log-interval steps (CUDA only; a note on CPU).",
     )
     add_flag(
