@@ -369,3 +369,34 @@ def test_progress_txt_is_megatrons(logged):
     assert flops[1] == pytest.approx(2 * flops[0], rel=0.2) and rows[2][8].startswith(
         "Tokens (in billions): "
     )
+
+
+def test_logged_flops_are_the_planners(logged):
+    """The planner's FLOPs (``megadlms-plan``'s step FLOPs) reproduce the trainer's logged figure:
+    each logged window's FLOPs, read back from metrics.jsonl as TFLOP/s/GPU x GPUs x seconds per
+    iteration x iterations (the clock cancels), equal the planner's count of its steps, each at
+    the step's length (MegaDLMs' variable-length crop of micro-batch 0, when it draws one)."""
+    import dataclasses
+    import json
+
+    from megadlms.config import parse_config
+    from megadlms.diffusion import micro_batch_crop
+    from megadlms.planning.plan import with_vocabulary
+    from megadlms.planning.throughput import step_flops
+
+    tmp = logged[0]
+    config = with_vocabulary(parse_config(TINY, world_size=2))  # the run's model and batch
+    seq, micro = config.model.seq_length, config.training.num_micro_batches
+
+    def planned(step):  # 0-based step
+        crop = micro_batch_crop(config.diffusion, step, 0, micro, seq)
+        return step_flops(
+            dataclasses.replace(config, model=dataclasses.replace(config.model, seq_length=crop or seq))
+        )
+
+    records = [r for r in map(json.loads, open(f"{tmp}/m.jsonl")) if r["event"] == "train"]
+    assert [r["iteration"] for r in records] == [2, 4]
+    for r in records:
+        logged_flops = r["tflops_per_device"] * 2 * 1e12 * r["ms_per_iter"] / 1e3 * 2  # 2 GPUs, 2 iterations
+        want = planned(r["iteration"] - 2) + planned(r["iteration"] - 1)
+        assert logged_flops == pytest.approx(want, rel=1e-9), (r["iteration"], logged_flops, want)

@@ -27,6 +27,7 @@ from .arguments import (
 )
 from .flags import build_parser
 from .messages import flag_message
+from .profiling_config import ProfilingConfig
 from .resilience_config import ResilienceConfig
 from .run_config import (
     CheckpointConfig,
@@ -45,6 +46,7 @@ __all__ = [
     "LRScheduleConfig",
     "LoggingConfig",
     "ParallelConfig",
+    "ProfilingConfig",
     "ResilienceConfig",
     "RunConfig",
     "TrainingConfig",

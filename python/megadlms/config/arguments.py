@@ -33,8 +33,15 @@ from .checkpoint_args import apply_checkpoint_args, given_dests
 from .flags import build_parser
 from .megatron_compat import WANDB_DESTS, WITHOUT_EFFECT
 from .messages import FlagError, flag_message
+from .profiling_config import ProfilingConfig
 from .resilience_config import ResilienceConfig
-from .rules import checkpoint_steps, cross_flag_problems, layout_problems, pipeline_problems
+from .rules import (
+    checkpoint_steps,
+    cross_flag_problems,
+    layout_problems,
+    pipeline_problems,
+    profiling_problems,
+)
 from .run_config import (
     CheckpointConfig,
     DataConfig,
@@ -223,12 +230,17 @@ def build_run_config(args: argparse.Namespace, world_size: Optional[int] = None)
             lambda: _from_args(LoggingConfig, args, notes=_notes(args), wandb=_from_args(WandbConfig, args)),
         ),
         "resilience": _collect(problems, lambda: _from_args(ResilienceConfig, args)),
+        # the torch profiler writes where TensorBoard reads (Megatron: its trace handler's directory)
+        "profiling": _collect(
+            problems, lambda: _from_args(ProfilingConfig, args, trace_dir=args.tensorboard_dir)
+        ),
     }
     # Training is built last: its batch rule needs dp, which only a valid ParallelConfig derives.
     dp = parts["parallel"].data_parallel_size if parts["parallel"] is not None else None
     parts["training"] = _collect(problems, lambda: _training_config(args, dp))
     problems += layout_problems(parts["model"], parts["parallel"], parts["ddp"])
     problems += pipeline_problems(parts["model"], parts["parallel"], parts["training"], parts["checkpoint"])
+    problems += profiling_problems(parts["profiling"], parts["parallel"])
     # Flag-level problems first: an unsupported flag usually explains the field errors after it.
     problems = cross_flag_problems(args, parts["ddp"], parts["optimizer"]) + problems
     if problems:

@@ -37,6 +37,7 @@ from megadlms.pipeline import micro_batch_problems, stage_layers
 from .flags.logging import logging_flag_problems
 from .megatron_compat import UNSUPPORTED
 from .messages import flag_message
+from .profiling_config import ProfilingConfig
 from .run_config import ParallelConfig
 
 
@@ -266,3 +267,17 @@ def pipeline_problems(model, parallel: Optional[ParallelConfig], training, check
         batch = (t.global_batch_size, t.micro_batch_size, t.data_parallel_size)
         out += micro_batch_problems(t.num_micro_batches, pp, vp, batch=batch)
     return [flag_message(p) for p in out]
+
+
+def profiling_problems(profiling: Optional[ProfilingConfig], parallel: Optional[ParallelConfig]) -> List[str]:
+    """--profile-ranks must name ranks of this world (a rank that does not exist never profiles)."""
+    if profiling is None or parallel is None or not profiling.profile:
+        return []
+    world = parallel.world_size
+    out = [r for r in profiling.profile_ranks if not 0 <= r < world]
+    if not out:
+        return []
+    return [
+        f"--profile-ranks {' '.join(map(str, out))} out of range for a world of {world} rank(s): "
+        f"give global ranks 0..{world - 1}"
+    ]

@@ -29,6 +29,7 @@ from megadlms.parallel.groups import check_sizes
 from megadlms.pipeline import virtual_pipeline_size
 
 from .flags.checkpoint import ckpt_choice_problems
+from .profiling_config import ProfilingConfig
 from .resilience_config import ResilienceConfig
 
 CKPT_FORMATS = tuple(m.value for m in CkptFormat)
@@ -438,6 +439,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     vocab_divisible_by: int = 128
     """Pad the embedding rows to a multiple of this x tensor-parallel size (Megatron's
     --make-vocab-size-divisible-by)."""
@@ -479,4 +481,5 @@ class RunConfig:
         d["model"] = self.model.to_dict()
         if self.resilience == ResilienceConfig():  # off: today's record (checkpoints, metrics) unchanged
             del d["resilience"]
+        del d["profiling"]  # a diagnostic that changes no number: not part of the run's record
         return d

@@ -64,6 +64,7 @@ import torch.distributed as dist
 import megadlm_ext as ext
 from megadlms.common.collectives import Handle
 from megadlms.common.enums import CommBackend, OptimizerLayout
+from megadlms.common.ranges import grad_sync, traced
 from megadlms.parallel.sharding import is_expert_param, sharding_of
 
 from .comm import build_communicator, resolve_group, sum_in_place
@@ -318,11 +319,13 @@ class DistributedDataParallel(torch.nn.Module):
             lo, hi = self._shard_range(bucket)
             # In place: the output is this rank's slice of the input, so the reduced shard lands
             # where the optimizer reads it; the rest of grad_data is left unreduced (not valid).
-            bucket.handle = group.shard_comm.reduce_scatter(
-                bucket.grad_data[lo:hi], bucket.grad_data, group.op, async_op=True
-            )
+            with traced(grad_sync(bucket.index, "reduce-scatter")):
+                bucket.handle = group.shard_comm.reduce_scatter(
+                    bucket.grad_data[lo:hi], bucket.grad_data, group.op, async_op=True
+                )
         else:
-            bucket.handle = group.comm.all_reduce(bucket.grad_data, group.op, async_op=True)
+            with traced(grad_sync(bucket.index, "all-reduce")):
+                bucket.handle = group.comm.all_reduce(bucket.grad_data, group.op, async_op=True)
         bucket.launched = True
         self._next_launch[group.expert] += 1
 

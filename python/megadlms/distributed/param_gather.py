@@ -29,6 +29,8 @@ from typing import Dict, List, Set
 
 import torch
 
+from megadlms.common.ranges import param_gather, traced
+
 
 def forward_readers(root: torch.nn.Module) -> Dict[torch.nn.Module, List[torch.nn.Parameter]]:
     """Each module whose forward must see some parameters gathered, with those parameters:
@@ -84,7 +86,8 @@ class ParamGather:
             shard = bucket.reduce_group.shard_comm
             lo, hi = bucket.shard_range(shard.rank, shard.world_size)
             # In place: the input is this rank's slice of the output, which the parameters view.
-            h = shard.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
+            with traced(param_gather(bucket.index)):
+                h = shard.all_gather(bucket.param_data, bucket.param_data[lo:hi], async_op=overlap)
             bucket.gather_handle = h if overlap else None
         if overlap:
             self._in_flight = {p for b in self.buckets for p in b.params}

@@ -22,6 +22,8 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from megadlms.common.ranges import PIPELINE_P2P, traced
+
 _DOWN, _UP = 0, 1  # tags: towards the next stage / towards the previous stage
 _HEADER = 8
 _MAX_DIMS = _HEADER - 2
@@ -71,8 +73,9 @@ class PipelineP2P:
         # every op posted before any wait (NCCL: one group; gloo: posted one by one)
         if not ops:
             return
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        with traced(PIPELINE_P2P):
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
 
     def communicate(
         self,

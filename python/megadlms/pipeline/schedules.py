@@ -33,6 +33,8 @@ from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional
 
 import torch
 
+from megadlms.common.ranges import BACKWARD, FORWARD, traced
+
 from .p2p import PipelineP2P
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], object]
@@ -155,7 +157,7 @@ class _Pipeline:
         c, i = self.chunk_id(k, True), self.micro_id(k)
         x = None if self.first_stage(c) else self.inputs[c][i]
         start = time.perf_counter()
-        with torch.no_grad() if self.forward_only else contextlib.nullcontext():
+        with torch.no_grad() if self.forward_only else contextlib.nullcontext(), traced(FORWARD):
             out = self.forward_step(c, i, x)
         self._record("F", c, i, start)
         if self.forward_only:
@@ -195,7 +197,7 @@ class _Pipeline:
         last = self.backwards_done[c] == self.m  # this chunk's last backward: its buckets launch
         sync = contextlib.nullcontext() if last or self.no_sync is None else self.no_sync(c)
         start = time.perf_counter()
-        with sync:
+        with sync, traced(BACKWARD):
             torch.autograd.backward(tensors, grad_tensors=grad)
         self._record("B", c, i, start)
         return None if x is None else x.grad
@@ -392,7 +394,7 @@ def forward_backward_no_pipelining(
         # Forward included, as Megatron: torch's DDP decides in forward whether its backward will reduce.
         with contextlib.nullcontext() if last or no_sync is None else no_sync(0):
             start = time.perf_counter()
-            with torch.no_grad() if forward_only else contextlib.nullcontext():
+            with torch.no_grad() if forward_only else contextlib.nullcontext(), traced(FORWARD):
                 out = forward_step(0, i, None)
             if not (isinstance(out, (tuple, list)) and len(out) == 2):
                 raise TypeError(
@@ -402,7 +404,8 @@ def forward_backward_no_pipelining(
             losses.append(out[1].detach() if isinstance(out[1], torch.Tensor) else out[1])
             if not forward_only:
                 start = time.perf_counter()
-                torch.autograd.backward(backward_loss(out[0]))
+                with traced(BACKWARD):
+                    torch.autograd.backward(backward_loss(out[0]))
                 _record(timeline, "B", 0, i, start)
     return losses
 

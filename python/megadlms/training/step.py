@@ -44,6 +44,7 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
+from megadlms.common.ranges import OPTIMIZER, traced
 from megadlms.diffusion import loss_token_count, micro_batch_crop
 from megadlms.distributed import DataParallel, finalize_model_grads, step_scales
 from megadlms.models.moe import set_moe_aux_loss_scale
@@ -248,8 +249,11 @@ def optimizer_update(optimizer, grads: StepGrads, iteration: int) -> StepOut:
     if grads.nan_ranks > 0 or grads.n_global <= 0:
         return StepOut(loss=float("nan"), grad_norm=None, success=False, nonfinite=True, **shape)
     # always=False: only communication errors are renamed; an optimizer bug keeps its own traceback.
-    with named_collective(
-        "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
+    with (
+        named_collective(
+            "optimizer step (grad-norm all-reduce / parameter all-gather)", iteration, always=False
+        ),
+        traced(OPTIMIZER),
     ):
         t0 = time.perf_counter()
         success, grad_norm = optimizer.step(grad_unscale=grads.grad_unscale)

@@ -30,6 +30,7 @@ from megadlms.parallel.sharding import counts_once
 
 from . import builders, pipeline_run
 from .logging_utils import MetricsLogger, param_count
+from .profiling import StepProfiler
 from .reporting import Reporter
 from .rerun import RerunExit, RerunMachine
 from .run_state import RunResult, SignalFlag, ThroughputWindow, TrainerCounters
@@ -142,6 +143,11 @@ class Trainer:
         self.straggler = StragglerReport(
             enabled=res.log_straggler, interval=config.logging.log_interval,
             minmax_count=res.straggler_minmax_count, device=self.device,
+        )  # fmt: skip
+        # --profile / --record-memory-history: a no-op object by default
+        self.profiler = StepProfiler(
+            config.profiling, rank=self.rank, world=self.world, device=self.device,
+            log_interval=config.logging.log_interval,
         )  # fmt: skip
         self._log_start()
 
@@ -413,6 +419,7 @@ class Trainer:
         self.model.train()
         try:
             while self.counters.iteration < t.train_iters:
+                self.profiler.before_step(self.counters.iteration)
                 # --detect-anomaly: names the forward op whose backward made a NaN (slow)
                 try:
                     with torch.autograd.detect_anomaly() if t.detect_anomaly else contextlib.nullcontext():
@@ -420,6 +427,7 @@ class Trainer:
                 except RerunExit as decision:  # result validation: nothing of this step is kept
                     last_saved = self._rerun_exit(decision)
                     break
+                self.profiler.after_step(self.counters.iteration)
                 self._maybe_evaluate()
                 stop = self._stop_reason(out)
                 due = self.checkpointer.due(self.counters.iteration)  # persistent, non-persistent or None
@@ -441,6 +449,7 @@ class Trainer:
                 self._final_evaluation()
             self.wait_for_save()  # the exit waits for a background save
         finally:
+            self.profiler.close()
             signal_flag.restore()
             self.metrics.close()
         n = self.counters

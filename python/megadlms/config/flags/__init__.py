@@ -4,8 +4,8 @@ Only the parser lives in this package (``build_parser``), one module per flag gr
 ``model``, ``fusion``, ``diffusion``, ``parallel`` (sizes, DDP/FSDP2, pipeline layout,
 context parallelism), ``optimizer`` (schedule, hyper-parameters, mixed precision, the
 precision-aware optimizer), ``training``, ``data``, ``checkpoint`` (incl. interop and
-conversion), ``logging``, ``megadlms_only``, ``moe``, ``recompute``, ``sft`` and
-``resilience``. Turning the parsed flags into the typed run configuration is
+conversion), ``logging``, ``megadlms_only``, ``moe``, ``recompute``, ``sft``,
+``resilience`` and ``profiling``. Turning the parsed flags into the typed run configuration is
 ``config/arguments.py``; the rules that span several flags are ``config/rules.py``. Three
 kinds of Megatron flags are accepted:
 
@@ -35,6 +35,7 @@ from .model import model_args
 from .moe import moe_args
 from .optimizer import precision_args, precision_aware_args
 from .parallel import cp_args, parallel_args, pipeline_args
+from .profiling import profiling_args
 from .recompute import recompute_args
 from .resilience import resilience_args
 from .sft import sft_args
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
         precision_aware_args,
         sft_args,
         resilience_args,
+        profiling_args,
     ):
         add(p)
     return p
