@@ -15,8 +15,9 @@ a JSON list of such faults injects each in its own attempt, so one launch with
 * ``sigterm``: send SIGTERM to this rank at the start of that step;
 * ``raise_outside``: raise ``OSError("injected failure in <phase>")`` on this rank outside the
   step, in ``phase``: ``evaluation`` (the first one), ``checkpoint save`` (the first save's
-  metadata), ``data-loader construction`` (at start-up) or ``logging`` (the report after step
-  ``iteration``);
+  metadata), ``data-loader construction`` (at start-up), ``logging`` (the report after step
+  ``iteration``) or ``the step`` (the loss of the first micro-batch of step ``iteration``, 1
+  micro-batch per step: under FSDP2 between its units' all-gathers and reduce-scatters);
 * ``hold_for_sigterm``: at the start of that step write ``rank_<r>.attempt_<a>.held`` (next to
   the pid file) and wait, at most 120 s, until a SIGTERM from outside has reached the trainer's
   handler (--exit-signal-handler): the test's signal then lands mid-run at a known step,
@@ -62,19 +63,23 @@ def _hold_for_sigterm(rank: int, attempt: int) -> None:
 def _raise_outside(phase: str, iteration: int) -> None:
     """Make this rank raise in one phase outside the step: its first evaluation, save or
     loader construction, or the report after step ``iteration``."""
+    from megadlms.diffusion.objective import ObjectiveBatch
     from megadlms.training import builders, reporting, train
 
     owner, name = {
+        "the step": (ObjectiveBatch, "forward"),
         "evaluation": (train, "evaluate"),
         "checkpoint save": (train, "RunRecords"),  # the save's metadata, gathered on every rank
         "data-loader construction": (builders, "build_loader"),
         "logging": (reporting.Reporter, "after_step"),
     }[phase]
-    real = getattr(owner, name)
+    real, calls = getattr(owner, name), []
 
     def failing(*a, **k):
+        calls.append(1)
         # Reporter.after_step(self, out, lr, flops, counters, window): the step just counted
-        if phase != "logging" or a[4].iteration == iteration:
+        due = {"logging": lambda: a[4].iteration == iteration, "the step": lambda: len(calls) == iteration}
+        if due.get(phase, lambda: True)():
             with open(os.path.join(os.environ["MEGADLMS_TEST_PID_DIR"], "failed_at"), "w") as f:
                 f.write(repr(time.time()))
             raise OSError(f"injected failure in {phase}")

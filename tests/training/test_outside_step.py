@@ -1,10 +1,11 @@
 """A failure on one rank outside the training step -- evaluation, a save's metadata, the data
-loaders' construction, logging -- stops every rank within seconds, with the collective timeout
-left at its default (10 minutes), naming the failing rank and its error on every rank
+loaders' construction, logging -- or inside an FSDP2 step (between its units' all-gathers and
+reduce-scatters) stops every rank within seconds, with the collective timeout left at its
+default (10 minutes), naming the failing rank and its error on every rank
 (training/failures.py; docs/reliability.md, "No waiting outside the step").
 
-Each case is one 2-rank launch of the real entry point (``fault_launcher.py``), all four at
-once: three started as plain processes (no torchrun agent), the evaluation case under
+Each case is one 2-rank launch of the real entry point (``fault_launcher.py``), all five at
+once: four started as plain processes (no torchrun agent), the evaluation case under
 torchrun. The failing rank keeps its process group until its peer has exited (at most 30 s):
 as under NCCL, its own exit does not end its peer's wait, so a peer left in a collective
 shows as a run past the bound.
@@ -28,7 +29,9 @@ FLAGS = (
     "--global-batch-size 4 --train-iters 4 --lr 1e-3 --mock-data --num-workers 0 --log-interval 1 "
     "--eval-interval 2 --eval-iters 1 --untie-embeddings-and-output-weights --save-interval 2"
 ).split()
-PHASES = ("evaluation", "checkpoint save", "data-loader construction", "logging")
+PHASES = ("evaluation", "checkpoint save", "data-loader construction", "logging", "the step")
+# FSDP2: an exception in the loss of step 2, between its units' all-gathers and reduce-scatters
+STEP_FLAGS = ["--use-torch-fsdp2", "--num-layers", "2", "--eval-interval", "100"]
 BOUND = 10.0  # seconds from the failure to the last rank's exit
 
 
@@ -50,7 +53,7 @@ def _launch(tmp, phase: str) -> list:
         MEGADLMS_TEST_FAULT=json.dumps({"kind": "raise_outside", "rank": 1, "phase": phase, "iteration": 2}),
     )
     env.pop("MEGADLMS_DISTRIBUTED_TIMEOUT_SECONDS", None)  # the default timeout: 10 minutes
-    argv = [*FLAGS, "--save", str(run_dir / "ckpt")]
+    argv = [*FLAGS, "--save", str(run_dir / "ckpt"), *(STEP_FLAGS if phase == "the step" else [])]
     if phase == "evaluation":  # with torchrun's agent
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", LAUNCHER]
         log = run_dir / "torchrun.log"

@@ -108,15 +108,14 @@ class FailureChannel:
             self._thread = None
 
     @contextlib.contextmanager
-    def phase(self, name: str):
-        """Run a phase outside the step: an exception in it is published before it propagates."""
+    def phase(self, name: str, only: type = Exception):
+        """Run a phase whose failure the other ranks cannot learn otherwise: an exception in it
+        (of class ``only``: the step publishes only its unpaired failures) is published before it
+        propagates. KeyboardInterrupt and SystemExit are not: they stop one rank by design."""
         try:
             yield
-        except BaseException as exc:
-            if isinstance(
-                exc, Exception
-            ):  # not KeyboardInterrupt / SystemExit: those stop one rank by design
-                self._publish(name, exc)
+        except only as exc:
+            self._publish(name, exc)
             raise
 
     def _publish(self, name: str, exc: BaseException) -> None:
@@ -163,10 +162,10 @@ class FailureChannel:
 
 
 @contextlib.contextmanager
-def guarded(channel: Optional[FailureChannel], name: str):
-    """``channel.phase(name)``, or nothing without a channel."""
+def guarded(channel: Optional[FailureChannel], name: str, only: type = Exception):
+    """``channel.phase(name, only)``, or nothing without a channel."""
     if channel is None:
         yield
         return
-    with channel.phase(name):
+    with channel.phase(name, only):
         yield

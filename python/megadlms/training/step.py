@@ -27,11 +27,13 @@ all hold the same loss -- count it once. The data-parallel wrapper is whatever
 
 Failures: a data error on any rank is known to all before the schedule (it rides on the
 token-count all-reduce). Where the schedule's stages wait on each other (``runner.lockstep``:
-pipeline stages exchange activations) every rank then skips it, and an exception inside it
-stops its rank at once with that error (its peers wait in point-to-point calls it will never
-make; its exit ends their waits). Otherwise the failing rank contributes nothing, still joins
-``finalize_model_grads`` (its peers' collectives complete) and the step's reductions carry the
-failure, so every rank stops.
+pipeline stages exchange activations) every rank then skips it. Where the forward/backward
+itself holds collectives (``runner.unpaired``: pipeline point-to-point calls, tensor-, context-
+or expert-parallel collectives, FSDP2's per-unit all-gathers and reduce-scatters) an exception
+inside it stops its rank at once with :class:`UnpairedStepFailure` (its peers wait in calls it
+will never make; the trainer's failure channel stops them, training/failures.py). Otherwise the
+failing rank contributes nothing, still joins ``finalize_model_grads`` (its peers' collectives
+complete) and the step's reductions carry the failure, so every rank stops.
 """
 
 from __future__ import annotations
@@ -65,6 +67,11 @@ class StepOut:
     """Seconds of Megatron's timed phases ("forward-backward", "optimizer") on this rank."""
     crop_lengths: List[int] = dataclasses.field(default_factory=list)
     """Each micro-batch's length after the variable-length crop (before any shift)."""
+
+
+class UnpairedStepFailure(RuntimeError):
+    """An exception inside a forward/backward whose collectives the failing rank cannot pair
+    (module docstring, "Failures"); the original error is its ``__cause__``."""
 
 
 def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, device, loss_owner=True):
@@ -121,10 +128,12 @@ def _run_schedule(runner, micro_batches, diff_cfg, crops, scales, iteration: int
                 "forward/backward (FSDP2 all-gather / gradient bucket reduction)", iteration
             ):
                 raise
-        if runner.lockstep:
-            # the neighbouring stages wait in point-to-point calls this rank will never make:
-            # stop now with this rank's own error (its exit ends their waits)
-            raise
+        if runner.unpaired:
+            # its peers wait in collectives this rank will never join: stop now, with this rank's own error
+            raise UnpairedStepFailure(
+                f"iteration {iteration + 1}: rank {dist.get_rank()} failed inside the step's "
+                f"forward/backward, whose collectives its peers wait in: {type(exc).__name__}: {exc}"
+            ) from exc
         return exc, torch.zeros((), dtype=torch.float64, device=device)
 
 

@@ -34,7 +34,7 @@ from .logging_utils import MetricsLogger, param_count
 from .reporting import Reporter
 from .rerun import RerunExit, RerunMachine
 from .run_state import RunResult, SignalFlag, ThroughputWindow, TrainerCounters
-from .step import StepOut, train_step
+from .step import StepOut, UnpairedStepFailure, train_step
 from .straggler import StragglerReport
 from .validation import Evaluation, evaluate
 from .validation import to_device as _to_device
@@ -118,7 +118,10 @@ class Trainer:
         # Wrap after init_model: the wrapper buckets (DDP) or shards (FSDP2) the parameters as they are, so
         # they must already hold their final values.
         self.model = builders.wrap_model(model, config, self.grad_groups)
-        self.runner = pipeline_run.PipelineRunner(self.groups, self.model)  # the step's schedule
+        # the step's schedule
+        self.runner = pipeline_run.PipelineRunner(
+            self.groups, self.model, sharded=config.parallel.use_torch_fsdp2
+        )
         # validation's forward-only pipeline; under cp also the one-stage path, which shards the sequence
         self.pipeline = self.runner if pp.size > 1 or self.groups.cp.size > 1 else None
         # The optimizer after the wrapper: it must hold the wrapped (under FSDP2, sharded) parameters.
@@ -150,11 +153,12 @@ class Trainer:
         )  # fmt: skip
         self._log_start()
 
-    def _phase(self, name: str):
-        """A phase outside the step, guarded by the failure channel (training/failures.py)."""
+    def _phase(self, name: str, only: type = Exception, iteration: Optional[int] = None):
+        """A phase guarded by the failure channel (training/failures.py); ``iteration``: the one
+        its failure names (default: the last completed one)."""
         if self.failures is not None:
-            self.failures.iteration = self.counters.iteration
-        return guarded(self.failures, name)
+            self.failures.iteration = self.counters.iteration if iteration is None else iteration
+        return guarded(self.failures, name, only)
 
     def _metrics_logger(self) -> MetricsLogger:
         config, t = self.config, self.config.training
@@ -392,14 +396,17 @@ class Trainer:
             data_error = exc
         # Read before the step: the logged lr is the one this step used, the scheduler advances after it.
         lr = self.optimizer.param_groups[0]["lr"]
-        out = train_step(
-            self.model, self.optimizer, micro, self.config.diffusion, self.counters.iteration,
-            device=self.device, exit_flags=exit_flags,
-            bidirectional=self.config.model.attention != AttnMaskType.CAUSAL, data_error=data_error,
-            loss_owner=self.loss_owner, runner=self.runner,
-            count_owner=self.loss_owner and self.groups.cp.rank == 0,
-            validate=self.rerun.run,  # --rerun-mode: may re-run the step, or raise RerunExit
-        )  # fmt: skip
+        # Its failures reach every rank in the step's reductions, except where its collectives cannot pair
+        # them (UnpairedStepFailure): those go through the failure channel.
+        with self._phase("the step", UnpairedStepFailure, self.counters.iteration + 1):
+            out = train_step(
+                self.model, self.optimizer, micro, self.config.diffusion, self.counters.iteration,
+                device=self.device, exit_flags=exit_flags,
+                bidirectional=self.config.model.attention != AttnMaskType.CAUSAL, data_error=data_error,
+                loss_owner=self.loss_owner, runner=self.runner,
+                count_owner=self.loss_owner and self.groups.cp.rank == 0,
+                validate=self.rerun.run,  # --rerun-mode: may re-run the step, or raise RerunExit
+            )  # fmt: skip
         self.counters.iteration += 1
         if self._compile_to_report:  # once: the first step's time holds the compile
             self._compile_to_report = False
