@@ -114,38 +114,45 @@ def test_failure_outside_the_step_stops_every_rank_within_seconds(tmp_path):
                 assert error in out, out[-3000:]
 
 
-def test_failure_channel_names_the_first_failure_to_every_peer():
-    """In one process: rank 1's phase fails, rank 0's and rank 2's watchers report it (their
-    action recorded instead of the exit) before acknowledging it, rank 1's own watcher stays
-    quiet, and a later failure on rank 2 does not overwrite the first message nor linger."""
+def _channels(world, seen, **kw):
     import threading
 
     import torch.distributed as dist
 
     from megadlms.training.failures import FailureChannel
 
-    store, seen, lock = dist.HashStore(), {}, threading.Lock()
+    store, lock = dist.HashStore(), threading.Lock()
 
     def channel(rank):
         def record(message, rank=rank):
             with lock:
                 seen[rank] = message
 
-        return FailureChannel(store, rank, 3, poll=0.02, linger=2.0, on_peer_failure=record).start()
+        return FailureChannel(store, rank, world, poll=0.02, on_peer_failure=record, **kw).start()
 
-    peers = {r: channel(r) for r in range(3)}
+    return store, [channel(r) for r in range(world)]
+
+
+def _fail(channel, error, name="checkpoint save", only=Exception):
+    with pytest.raises(type(error)):
+        with channel.phase(name, only):
+            raise error
+
+
+def test_failure_channel_names_the_first_failure_to_every_peer():
+    """In one process: rank 1's phase fails, rank 0's and rank 2's watchers report it (their
+    action recorded instead of the exit) before acknowledging it, rank 1's own watcher stays
+    quiet, and a later failure on rank 2 does not overwrite the first message nor linger."""
+    seen: dict = {}
+    store, peers = _channels(3, seen, grace=0.05, linger=2.0)
     peers[1].iteration = 7
     t0 = time.monotonic()
-    with pytest.raises(KeyError, match="bad shard"):
-        with peers[1].phase("evaluation"):
-            raise KeyError("bad shard")
+    _fail(peers[1], KeyError("bad shard"), "evaluation")
     assert time.monotonic() - t0 < 1.5  # every peer acknowledged: no full linger
     t0 = time.monotonic()
-    with pytest.raises(ValueError):  # rank 2 fails too, later: its own error propagates at once
-        with peers[2].phase("logging"):
-            raise ValueError("second")
+    _fail(peers[2], ValueError("second"), "logging")  # its own error propagates at once
     assert time.monotonic() - t0 < 0.5
-    for c in peers.values():
+    for c in peers:
         c.close()
     assert sorted(seen) == [0, 2], seen
     assert seen[0] == (
@@ -153,3 +160,28 @@ def test_failure_channel_names_the_first_failure_to_every_peer():
         "(no collective timeout waited for)"
     )
     assert store.get("failure").decode().startswith("rank 1 failed in evaluation")
+
+
+def test_failure_channel_leaves_a_rank_failing_too_to_its_own_error():
+    """An error every rank raises (a save's, shared by the checkpoint layer): rank 1 publishes
+    first, rank 0 fails within the grace period and is not stopped by rank 1's message; the
+    step's filter (``only``) lets any other error through unpublished."""
+    import threading
+
+    seen: dict = {}
+    store, peers = _channels(2, seen, grace=2.0, linger=3.0)
+    first = threading.Thread(target=_fail, args=(peers[1], OSError("disk full")))
+    first.start()
+    time.sleep(0.2)
+    _fail(peers[0], OSError("disk full"))
+    first.join()
+    other, (a, b) = _channels(2, seen)
+    _fail(a, KeyError("agreed by the step"), "the step", only=ValueError)
+    time.sleep(0.2)
+    for c in [*peers, a, b]:
+        c.close()
+    assert seen == {}, seen
+    assert (
+        store.get("failure").decode() == "rank 1 failed in checkpoint save at iteration 0: OSError: disk full"
+    )
+    assert not other.check(["failure"])

@@ -12,8 +12,9 @@ process group already has (torchrun's agent store, or rank 0's TCPStore):
   wins), waits up to ``linger`` seconds for every peer to acknowledge it (rank 0 may host
   the store), then propagates as before;
 * a daemon thread on every rank polls that key (one cheap ``check`` per ``poll`` seconds);
-  when a peer published, it logs the failure, acknowledges it and ends the process with
-  exit status 1.
+  when a peer published, it gives its own main thread ``grace`` seconds to fail too (an error
+  every rank raises, such as a save's, then stays each rank's own), else it prints the
+  failure, acknowledges it and ends the process with exit status 1.
 
 Why the watcher ends the process instead of aborting the group: a rank blocked inside a
 gloo or NCCL collective cannot poll, and nothing short of an abort returns from that wait;
@@ -65,9 +66,10 @@ class FailureChannel:
     """One run's "a rank failed" channel over a store shared by every rank (module docstring).
 
     ``store``: the process group's store (:meth:`for_default_group`); ``poll``: seconds
-    between the watcher's checks; ``linger``: how long a failing rank waits for its peers'
-    acknowledgements before it raises; ``on_peer_failure``: what a peer's failure does to
-    this rank (default: log and exit with :data:`EXIT_CODE`)."""
+    between the watcher's checks; ``grace``: how long a peer's failure waits for this rank's
+    own; ``linger``: how long a failing rank waits for its peers' acknowledgements before it
+    raises; ``on_peer_failure``: what a peer's failure does to this rank, after its message is
+    printed (default: exit with :data:`EXIT_CODE`)."""
 
     def __init__(
         self,
@@ -76,11 +78,12 @@ class FailureChannel:
         world: int,
         *,
         poll: float = 0.2,
+        grace: float = 1.0,
         linger: float = 5.0,
         on_peer_failure: Optional[Callable[[str], None]] = None,
     ) -> None:
         self.store, self.rank, self.world = store, rank, world
-        self.poll, self.linger = poll, linger
+        self.poll, self.grace, self.linger = poll, grace, linger
         self.on_peer_failure = on_peer_failure or _exit_process
         self.iteration = 0  # the trainer's, for the message
         self._failing = threading.Event()  # this rank's own failure is being published
@@ -149,7 +152,7 @@ class FailureChannel:
                 return
             if message.startswith(f"rank {self.rank} "):
                 return  # this rank's own failure: its main thread raises it
-            if self._failing.is_set():  # this rank fails too: its own error propagates
+            if self._failing.wait(self.grace):  # this rank fails too: its own error propagates
                 with contextlib.suppress(Exception):
                     self.store.add(ACKS, 1)
                 return
