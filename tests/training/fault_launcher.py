@@ -16,8 +16,9 @@ a JSON list of such faults injects each in its own attempt, so one launch with
 * ``raise_outside``: raise ``OSError("injected failure in <phase>")`` on this rank outside the
   step, in ``phase``: ``evaluation`` (the first one), ``checkpoint save`` (the first save's
   metadata), ``data-loader construction`` (at start-up), ``logging`` (the report after step
-  ``iteration``) or ``the step`` (the loss of the first micro-batch of step ``iteration``, 1
-  micro-batch per step: under FSDP2 between its units' all-gathers and reduce-scatters);
+  ``iteration``), ``the step`` (the loss of the first micro-batch of step ``iteration``, 1
+  micro-batch per step: under FSDP2 between its units' all-gathers and reduce-scatters) or
+  ``step data`` (loading the micro-batch of step ``iteration``, 1 micro-batch per step);
 * ``hold_for_sigterm``: at the start of that step write ``rank_<r>.attempt_<a>.held`` (next to
   the pid file) and wait, at most 120 s, until a SIGTERM from outside has reached the trainer's
   handler (--exit-signal-handler): the test's signal then lands mid-run at a known step,
@@ -68,6 +69,7 @@ def _raise_outside(phase: str, iteration: int) -> None:
 
     owner, name = {
         "the step": (ObjectiveBatch, "forward"),
+        "step data": (train, "_to_device"),
         "evaluation": (train, "evaluate"),
         "checkpoint save": (train, "RunRecords"),  # the save's metadata, gathered on every rank
         "data-loader construction": (builders, "build_loader"),
@@ -78,7 +80,11 @@ def _raise_outside(phase: str, iteration: int) -> None:
     def failing(*a, **k):
         calls.append(1)
         # Reporter.after_step(self, out, lr, flops, counters, window): the step just counted
-        due = {"logging": lambda: a[4].iteration == iteration, "the step": lambda: len(calls) == iteration}
+        due = {
+            "logging": lambda: a[4].iteration == iteration,
+            "the step": lambda: len(calls) == iteration,
+            "step data": lambda: len(calls) == iteration,
+        }
         if due.get(phase, lambda: True)():
             with open(os.path.join(os.environ["MEGADLMS_TEST_PID_DIR"], "failed_at"), "w") as f:
                 f.write(repr(time.time()))

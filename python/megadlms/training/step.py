@@ -30,7 +30,8 @@ token-count all-reduce). Where the schedule's stages wait on each other (``runne
 pipeline stages exchange activations) every rank then skips it. Where the forward/backward
 itself holds collectives (``runner.unpaired``: pipeline point-to-point calls, tensor-, context-
 or expert-parallel collectives, FSDP2's per-unit all-gathers and reduce-scatters) an exception
-inside it stops its rank at once with :class:`UnpairedStepFailure` (its peers wait in calls it
+inside it, or a data error without lockstep, stops its rank at once with
+:class:`UnpairedStepFailure` (its peers wait in calls it
 will never make; the trainer's failure channel stops them, training/failures.py). Otherwise the
 failing rank contributes nothing, still joins ``finalize_model_grads`` (its peers' collectives
 complete) and the step's reductions carry the failure, so every rank stops.
@@ -67,6 +68,10 @@ class StepOut:
     """Seconds of Megatron's timed phases ("forward-backward", "optimizer") on this rank."""
     crop_lengths: List[int] = dataclasses.field(default_factory=list)
     """Each micro-batch's length after the variable-length crop (before any shift)."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class UnpairedStepFailure(RuntimeError):
@@ -131,7 +136,7 @@ def _run_schedule(runner, micro_batches, diff_cfg, crops, scales, iteration: int
         if runner.unpaired:
             # its peers wait in collectives this rank will never join: stop now, with this rank's own error
             raise UnpairedStepFailure(
-                f"iteration {iteration + 1}: rank {dist.get_rank()} failed inside the step's "
+                f"iteration {iteration + 1}: rank {_rank()} failed inside the step's "
                 f"forward/backward, whose collectives its peers wait in: {type(exc).__name__}: {exc}"
             ) from exc
         return exc, torch.zeros((), dtype=torch.float64, device=device)
@@ -201,6 +206,12 @@ def forward_backward(
     ``count_owner``: this rank contributes the token count (default ``loss_owner``; under
     context parallelism only cp rank 0 of the owners: each cp rank holds the whole
     micro-batch's count but only its slice's loss)."""
+    if data_error is not None and runner.unpaired and not runner.lockstep:
+        # its peers would run a schedule whose collectives it cannot join (lockstep: every rank skips it)
+        raise UnpairedStepFailure(
+            f"iteration {iteration + 1}: rank {_rank()} could not load its micro-batches and its "
+            f"peers' forward/backward needs it: {type(data_error).__name__}: {data_error}"
+        ) from data_error
     crops, counts = _count(micro_batches, diff_cfg, iteration, bidirectional, data_error)
     local_tokens = float(counts[0])  # this rank's own count, before the reduction (a CPU tensor: no sync)
     # [tokens, micro-batches] of the loss owners: the global batch's N and micro-batch count;
