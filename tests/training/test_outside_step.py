@@ -102,7 +102,7 @@ def test_failure_outside_the_step_stops_every_rank_within_seconds(tmp_path):
         failed_at = float((tmp_path / phase.replace(" ", "_") / "failed_at").read_text())
         for who, proc, log in procs:
             out = log.read_text()
-            took = ended[(phase, who)] - failed_at
+            took = ended.get((phase, who), float("inf")) - failed_at  # inf: still running at the deadline
             assert took < BOUND, f"{phase}: {who} exited {took:.1f} s after the failure\n{out[-3000:]}"
             assert proc.returncode != 0, f"{phase}: {who} exited 0\n{out[-3000:]}"
             error = f"OSError: injected failure in {phase}"
