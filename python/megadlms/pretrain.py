@@ -25,6 +25,7 @@ from megadlms.config import flag_message, parse_config
 from megadlms.config.messages import FlagError
 from megadlms.hf.importer import init_from_hf
 from megadlms.startup import check_startup
+from megadlms.training.failures import FailureChannel
 from megadlms.training.logging_utils import setup_logging
 from megadlms.training.train import RunResult, pretrain
 
@@ -159,17 +160,22 @@ def run(argv: Optional[Sequence[str]] = None):
     setup_logging(dist.get_rank())
     ok = False
     result: Union[str, RunResult]
+    # This process owns its group: a peer's failure outside the step may end it (training/failures.py)
+    failures = FailureChannel.for_default_group().start() if owned else None
     try:
         if config.checkpoint.ckpt_convert_format:  # Megatron: convert, then exit
             result = convert_checkpoint(config)
         else:
             hf_dir = config.checkpoint.hf_init
-            result = pretrain(config, init_model=hf_initializer(hf_dir) if hf_dir else None)
+            init = hf_initializer(hf_dir) if hf_dir else None
+            result = pretrain(config, init_model=init, failures=failures)
         ok = True
         return result
     finally:
         if owned and dist.is_initialized():
-            _teardown(ok)
+            _teardown(ok)  # the watcher still runs: a peer failing now must not leave the barrier waiting
+        if failures is not None:
+            failures.close()
 
 
 def _teardown(ok: bool) -> None:

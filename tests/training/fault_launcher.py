@@ -13,6 +13,12 @@ a JSON list of such faults injects each in its own attempt, so one launch with
 * ``stop``: SIGSTOP this rank at the start of that step (a rank that stops responding);
 * ``raise``: raise inside the forward of that step on this rank;
 * ``sigterm``: send SIGTERM to this rank at the start of that step;
+* ``raise_outside``: raise ``OSError("injected failure in <phase>")`` on this rank outside the
+  step, in ``phase``: ``evaluation`` (the first one), ``checkpoint save`` (the first save's
+  metadata), ``data-loader construction`` (at start-up), ``logging`` (the report after step
+  ``iteration``), ``the step`` (the loss of the first micro-batch of step ``iteration``, 1
+  micro-batch per step: under FSDP2 between its units' all-gathers and reduce-scatters) or
+  ``step data`` (loading the micro-batch of step ``iteration``, 1 micro-batch per step);
 * ``hold_for_sigterm``: at the start of that step write ``rank_<r>.attempt_<a>.held`` (next to
   the pid file) and wait, at most 120 s, until a SIGTERM from outside has reached the trainer's
   handler (--exit-signal-handler): the test's signal then lands mid-run at a known step,
@@ -55,6 +61,65 @@ def _hold_for_sigterm(rank: int, attempt: int) -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _raise_outside(phase: str, iteration: int) -> None:
+    """Make this rank raise in one phase outside the step: its first evaluation, save or
+    loader construction, or the report after step ``iteration``."""
+    from megadlms.diffusion.objective import ObjectiveBatch
+    from megadlms.training import builders, reporting, train
+
+    owner, name = {
+        "the step": (ObjectiveBatch, "forward"),
+        "step data": (train, "_to_device"),
+        "evaluation": (train, "evaluate"),
+        "checkpoint save": (train, "RunRecords"),  # the save's metadata, gathered on every rank
+        "data-loader construction": (builders, "build_loader"),
+        "logging": (reporting.Reporter, "after_step"),
+    }[phase]
+    real, calls = getattr(owner, name), []
+
+    def failing(*a, **k):
+        calls.append(1)
+        # Reporter.after_step(self, out, lr, flops, counters, window): the step just counted
+        due = {
+            "logging": lambda: a[4].iteration == iteration,
+            "the step": lambda: len(calls) == iteration,
+            "step data": lambda: len(calls) == iteration,
+        }
+        if due.get(phase, lambda: True)():
+            with open(os.path.join(os.environ["MEGADLMS_TEST_PID_DIR"], "failed_at"), "w") as f:
+                f.write(repr(time.time()))
+            raise OSError(f"injected failure in {phase}")
+        return real(*a, **k)
+
+    setattr(owner, name, failing)
+    _hold_teardown()
+
+
+def _hold_teardown(limit: float = 30.0) -> None:
+    """This rank keeps its process group until every peer process has exited (at most
+    ``limit`` s): a failed rank that lingers (as under NCCL, where a peer's exit does not end
+    a collective), so a peer that waits for the collective timeout shows."""
+    from megadlms import pretrain
+
+    real, pid_dir = pretrain._teardown, os.environ["MEGADLMS_TEST_PID_DIR"]
+
+    def alive(pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:  # an exited child of the launcher (zombie) is gone
+                return f.read().split(")")[-1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    def holding(ok: bool) -> None:
+        me, deadline = os.getpid(), time.monotonic() + limit
+        pids = [int(open(os.path.join(pid_dir, n)).read()) for n in os.listdir(pid_dir) if n.endswith(".pid")]
+        while any(alive(p) for p in pids if p != me) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        real(ok)
+
+    pretrain._teardown = holding
+
+
 def _install(fault: dict) -> None:
     from megadlms.checkpoint import checkpointer, commit
     from megadlms.diffusion.objective import ObjectiveBatch
@@ -63,6 +128,9 @@ def _install(fault: dict) -> None:
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if rank != fault["rank"] or attempt != fault.get("attempt", 0):
+        return
+    if fault["kind"] == "raise_outside":
+        _raise_outside(fault["phase"], fault.get("iteration", 0))
         return
     kind, target = fault["kind"], fault["iteration"] - 1  # train_step sees the 0-based iteration
     real_step, real_save = train.train_step, checkpointer.save_checkpoint

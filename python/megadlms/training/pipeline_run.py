@@ -127,13 +127,18 @@ class PipelineRunner:
 
     ``model``: the step's ``DataParallel`` wrapper; its ``chunks`` are what the schedule runs
     (the one wrapper without pipeline: the one-stage schedule). Built once (collective under
-    pipeline parallelism: creates the embedding groups)."""
+    pipeline parallelism: creates the embedding groups). ``sharded``: the wrapper gathers and
+    reduce-scatters each unit's parameters inside the forward/backward (FSDP2)."""
 
-    def __init__(self, groups, model: DataParallel) -> None:
+    def __init__(self, groups, model: DataParallel, sharded: bool = False) -> None:
         self.groups = groups
         self.chunks: List[DataParallel] = list(model.chunks)
         self.schedule = get_forward_backward_func(groups.pp.size)
         self.lockstep = stages_in_lockstep(groups.pp.size)  # see pipeline.stages_in_lockstep
+        # The forward/backward holds collectives a failing rank would skip (``sharded``: FSDP2's
+        # per-unit all-gathers and reduce-scatters): its failure cannot be paired (step.py, "Failures").
+        axes = (groups.tp, groups.cp, groups.ep)
+        self.unpaired = self.lockstep or sharded or any(axis.size > 1 for axis in axes)
         self.embedding_group = build_embedding_group(groups)  # None at pp 1 (no collective)
         self.tied = tied_embedding_params(self.chunks)
         self._last = [bool(unwrap_model(c).pipeline.post_process) for c in self.chunks]

@@ -27,11 +27,14 @@ all hold the same loss -- count it once. The data-parallel wrapper is whatever
 
 Failures: a data error on any rank is known to all before the schedule (it rides on the
 token-count all-reduce). Where the schedule's stages wait on each other (``runner.lockstep``:
-pipeline stages exchange activations) every rank then skips it, and an exception inside it
-stops its rank at once with that error (its peers wait in point-to-point calls it will never
-make; its exit ends their waits). Otherwise the failing rank contributes nothing, still joins
-``finalize_model_grads`` (its peers' collectives complete) and the step's reductions carry the
-failure, so every rank stops.
+pipeline stages exchange activations) every rank then skips it. Where the forward/backward
+itself holds collectives (``runner.unpaired``: pipeline point-to-point calls, tensor-, context-
+or expert-parallel collectives, FSDP2's per-unit all-gathers and reduce-scatters) an exception
+inside it, or a data error without lockstep, stops its rank at once with
+:class:`UnpairedStepFailure` (its peers wait in calls it
+will never make; the trainer's failure channel stops them, training/failures.py). Otherwise the
+failing rank contributes nothing, still joins ``finalize_model_grads`` (its peers' collectives
+complete) and the step's reductions carry the failure, so every rank stops.
 """
 
 from __future__ import annotations
@@ -66,6 +69,15 @@ class StepOut:
     """Seconds of Megatron's timed phases ("forward-backward", "optimizer") on this rank."""
     crop_lengths: List[int] = dataclasses.field(default_factory=list)
     """Each micro-batch's length after the variable-length crop (before any shift)."""
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+class UnpairedStepFailure(RuntimeError):
+    """An exception inside a forward/backward whose collectives the failing rank cannot pair
+    (module docstring, "Failures"); the original error is its ``__cause__``."""
 
 
 def _reduce_step(local_loss, error, exit_flags: List[float], iteration: int, device, loss_owner=True):
@@ -122,10 +134,12 @@ def _run_schedule(runner, micro_batches, diff_cfg, crops, scales, iteration: int
                 "forward/backward (FSDP2 all-gather / gradient bucket reduction)", iteration
             ):
                 raise
-        if runner.lockstep:
-            # the neighbouring stages wait in point-to-point calls this rank will never make:
-            # stop now with this rank's own error (its exit ends their waits)
-            raise
+        if runner.unpaired:
+            # its peers wait in collectives this rank will never join: stop now, with this rank's own error
+            raise UnpairedStepFailure(
+                f"iteration {iteration + 1}: rank {_rank()} failed inside the step's "
+                f"forward/backward, whose collectives its peers wait in: {type(exc).__name__}: {exc}"
+            ) from exc
         return exc, torch.zeros((), dtype=torch.float64, device=device)
 
 
@@ -193,6 +207,12 @@ def forward_backward(
     ``count_owner``: this rank contributes the token count (default ``loss_owner``; under
     context parallelism only cp rank 0 of the owners: each cp rank holds the whole
     micro-batch's count but only its slice's loss)."""
+    if data_error is not None and runner.unpaired and not runner.lockstep:
+        # its peers would run a schedule whose collectives it cannot join (lockstep: every rank skips it)
+        raise UnpairedStepFailure(
+            f"iteration {iteration + 1}: rank {_rank()} could not load its micro-batches and its "
+            f"peers' forward/backward needs it: {type(data_error).__name__}: {data_error}"
+        ) from data_error
     crops, counts = _count(micro_batches, diff_cfg, iteration, bidirectional, data_error)
     local_tokens = float(counts[0])  # this rank's own count, before the reduction (a CPU tensor: no sync)
     # [tokens, micro-batches] of the loss owners: the global batch's N and micro-batch count;

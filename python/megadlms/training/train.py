@@ -29,12 +29,13 @@ from megadlms.optimizer import get_optimizer
 from megadlms.parallel.sharding import counts_once
 
 from . import builders, pipeline_run
+from .failures import FailureChannel, guarded
 from .logging_utils import MetricsLogger, param_count
 from .profiling import StepProfiler
 from .reporting import Reporter
 from .rerun import RerunExit, RerunMachine
 from .run_state import RunResult, SignalFlag, ThroughputWindow, TrainerCounters
-from .step import StepOut, train_step
+from .step import StepOut, UnpairedStepFailure, train_step
 from .straggler import StragglerReport
 from .validation import Evaluation, evaluate
 from .validation import to_device as _to_device
@@ -46,10 +47,18 @@ class Trainer:
     """Owns one run: builds everything from a :class:`RunConfig`, restores a checkpoint,
     then :meth:`train` loops over optimizer steps. Needs an initialised default process
     group (see ``megadlms.pretrain.run``). ``init_model(model)`` fills the freshly built plain
-    model (or the list of pipeline chunks) before wrapping, e.g. with --hf-init's weights."""
+    model (or the list of pipeline chunks) before wrapping, e.g. with --hf-init's weights.
+    ``failures``: the process's :class:`FailureChannel` (``pretrain.run`` starts one when it owns
+    the process group): a failure outside the step then stops every rank at once."""
 
-    def __init__(self, config: RunConfig, init_model: Optional[Callable[[Any], None]] = None) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        init_model: Optional[Callable[[Any], None]] = None,
+        failures: Optional[FailureChannel] = None,
+    ) -> None:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.failures = failures
         self.device = builders.device_for_rank()
         tokenizer = config.data.tokenizer.build()
         t = config.training
@@ -110,7 +119,10 @@ class Trainer:
         # Wrap after init_model: the wrapper buckets (DDP) or shards (FSDP2) the parameters as they are, so
         # they must already hold their final values.
         self.model = builders.wrap_model(model, config, self.grad_groups)
-        self.runner = pipeline_run.PipelineRunner(self.groups, self.model)  # the step's schedule
+        # the step's schedule
+        self.runner = pipeline_run.PipelineRunner(
+            self.groups, self.model, sharded=config.parallel.use_torch_fsdp2
+        )
         # validation's forward-only pipeline; under cp also the one-stage path, which shards the sequence
         self.pipeline = self.runner if pp.size > 1 or self.groups.cp.size > 1 else None
         # The optimizer after the wrapper: it must hold the wrapped (under FSDP2, sharded) parameters.
@@ -126,14 +138,10 @@ class Trainer:
         self.ckpt = self._restore()
 
         # Data after the restore: the train loader starts at the restored consumed_samples.
-        self._build_data(tokenizer)
-        self.metrics = MetricsLogger(
-            rank=self.rank, world_size=self.world, train_iters=t.train_iters, log=config.logging,
-            save_dir=config.checkpoint.save, run_record=config.to_dict(),
-            diffusion=config.diffusion.diffusion,
-            layout=f"{self.groups.describe()}, {param_count(self.params_per_rank)} params/rank",
-            device=self.device,
-        )  # fmt: skip
+        with self._phase("data-loader construction"):
+            self._build_data(tokenizer)
+        with self._phase("logging"):  # rank 0 opens its files: a bad path must not leave the others waiting
+            self.metrics = self._metrics_logger()
         self.reporter = Reporter(  # after the restore: it starts from the restored counters
             config, self.counters, metrics=self.metrics, optimizer=self.optimizer, model=self.model,
             device=self.device, grad_groups=self.grad_groups, world=self.world, rank=self.rank,
@@ -150,6 +158,23 @@ class Trainer:
             log_interval=config.logging.log_interval,
         )  # fmt: skip
         self._log_start()
+
+    def _phase(self, name: str, only: type = Exception, iteration: Optional[int] = None):
+        """A phase guarded by the failure channel (training/failures.py); ``iteration``: the one
+        its failure names (default: the last completed one)."""
+        if self.failures is not None:
+            self.failures.iteration = self.counters.iteration if iteration is None else iteration
+        return guarded(self.failures, name, only)
+
+    def _metrics_logger(self) -> MetricsLogger:
+        config, t = self.config, self.config.training
+        return MetricsLogger(
+            rank=self.rank, world_size=self.world, train_iters=t.train_iters, log=config.logging,
+            save_dir=config.checkpoint.save, run_record=config.to_dict(),
+            diffusion=config.diffusion.diffusion,
+            layout=f"{self.groups.describe()}, {param_count(self.params_per_rank)} params/rank",
+            device=self.device,
+        )  # fmt: skip
 
     def _build_data(self, tokenizer) -> None:
         """Datasets, loaders (positioned at the consumed samples) and the packing fields."""
@@ -240,6 +265,10 @@ class Trainer:
         """Checkpoint the current iteration (with --async-save: after the previous background
         save has finished, and in the background; :meth:`wait_for_save` waits for it);
         ``non_persistent``: Megatron's non-persistent checkpoint (only the newest is kept)."""
+        with self._phase("checkpoint save"):  # its metadata (records, extra) is gathered on every rank
+            self._save(non_persistent)
+
+    def _save(self, non_persistent: bool) -> None:
         c, n = self.config, self.counters
         self.wait_for_save()
         t0 = time.perf_counter()
@@ -320,10 +349,12 @@ class Trainer:
         log = self.config.logging
         if not log.eval_interval or self.counters.iteration % log.eval_interval:
             return
-        ev = self._evaluate(self.valid_loader)
+        with self._phase("evaluation"):
+            ev = self._evaluate(self.valid_loader)
         if ev is not None:
             self.result.evals[self.counters.iteration] = ev.nelbo
-            self.metrics.log_eval(self.counters.iteration, self.counters.consumed, ev)
+            with self._phase("logging"):
+                self.metrics.log_eval(self.counters.iteration, self.counters.consumed, ev)
 
     def _evaluate(self, loader) -> Optional[Evaluation]:
         eval_micro = self.config.logging.eval_iters * self.num_micro
@@ -347,13 +378,15 @@ class Trainer:
     def _final_evaluation(self) -> None:
         """Megatron evaluates the validation and the test set once more after training."""
         for name, loader in (("validation", self.valid_loader), ("test", self.test_loader)):
-            ev = self._evaluate(loader)
+            with self._phase("evaluation"):
+                ev = self._evaluate(loader)
             if ev is None:
                 continue
             self.result.final_evals[name] = ev.nelbo
             n = self.counters
             prefix = f"iteration {n.iteration} on {name} set"  # Megatron's final-evaluation prefix
-            self.metrics.log_eval(n.iteration, n.consumed, ev, prefix=prefix, split=name)
+            with self._phase("logging"):
+                self.metrics.log_eval(n.iteration, n.consumed, ev, prefix=prefix, split=name)
 
     def _step(self, data_iter, window: ThroughputWindow, exit_flags) -> StepOut:
         """One optimizer step with its accounting and throughput window."""
@@ -369,14 +402,17 @@ class Trainer:
             data_error = exc
         # Read before the step: the logged lr is the one this step used, the scheduler advances after it.
         lr = self.optimizer.param_groups[0]["lr"]
-        out = train_step(
-            self.model, self.optimizer, micro, self.config.diffusion, self.counters.iteration,
-            device=self.device, exit_flags=exit_flags,
-            bidirectional=self.config.model.attention != AttnMaskType.CAUSAL, data_error=data_error,
-            loss_owner=self.loss_owner, runner=self.runner,
-            count_owner=self.loss_owner and self.groups.cp.rank == 0,
-            validate=self.rerun.run,  # --rerun-mode: may re-run the step, or raise RerunExit
-        )  # fmt: skip
+        # Its failures reach every rank in the step's reductions, except where its collectives cannot pair
+        # them (UnpairedStepFailure): those go through the failure channel.
+        with self._phase("the step", UnpairedStepFailure, self.counters.iteration + 1):
+            out = train_step(
+                self.model, self.optimizer, micro, self.config.diffusion, self.counters.iteration,
+                device=self.device, exit_flags=exit_flags,
+                bidirectional=self.config.model.attention != AttnMaskType.CAUSAL, data_error=data_error,
+                loss_owner=self.loss_owner, runner=self.runner,
+                count_owner=self.loss_owner and self.groups.cp.rank == 0,
+                validate=self.rerun.run,  # --rerun-mode: may re-run the step, or raise RerunExit
+            )  # fmt: skip
         self.counters.iteration += 1
         if self._compile_to_report:  # once: the first step's time holds the compile
             self._compile_to_report = False
@@ -387,6 +423,11 @@ class Trainer:
         self.counters.consumed += self.gbs
         self._account(out, lr)
         seconds = time.perf_counter() - t0
+        with self._phase("logging"):  # the reports below hold collectives (straggler, norms)
+            self._report(out, lr, seconds, window)
+        return out
+
+    def _report(self, out: StepOut, lr: float, seconds: float, window: ThroughputWindow) -> None:
         self.straggler.after_step(self.counters.iteration, seconds, out.times)
         causal = self.config.model.attention == AttnMaskType.CAUSAL
         # Once per step: the window's throughput and the reporter's running total (--log-progress) share it.
@@ -396,7 +437,6 @@ class Trainer:
         window.add(seconds, self.gbs * out.seq_length, flops, loss)
         if self.reporter.after_step(out, lr, flops, self.counters, window):  # True: a progress line
             window.reset()
-        return out
 
     def train(self) -> RunResult:
         """Optimizer steps until --train-iters or an exit request; saves as asked."""
@@ -480,8 +520,11 @@ def _logical_params(parts, groups, device) -> int:
 
 
 def pretrain(
-    config: RunConfig, *, init_model: Optional[Callable[[torch.nn.Module], None]] = None
+    config: RunConfig,
+    *,
+    init_model: Optional[Callable[[torch.nn.Module], None]] = None,
+    failures: Optional[FailureChannel] = None,
 ) -> RunResult:
     """Train one run from a :class:`RunConfig` (``megadlms.config.parse_config`` makes one from
-    flags); ``init_model``: see :class:`Trainer`."""
-    return Trainer(config, init_model=init_model).train()
+    flags); ``init_model``, ``failures``: see :class:`Trainer`."""
+    return Trainer(config, init_model=init_model, failures=failures).train()
