@@ -1,7 +1,7 @@
 """Start from a Hugging Face model (Llama / Qwen2 / Qwen3 causal LMs, LLaDA's ``LLaDAModelLM``
-diffusion LM (``llada``), or a megadlms export): its weights in megadlms' GPTModel, to continue
-training it as a diffusion LM (LLaDA, or the Dream / DiffuLLaMA adaptation of an AR model) or
-as an AR model.
+and Dream's ``DreamModel`` diffusion LMs (``llada``, ``dream``), or a megadlms export): its weights
+in megadlms' GPTModel, to continue training it as a diffusion LM (LLaDA, or the Dream / DiffuLLaMA
+adaptation of an AR model) or as an AR model.
 
 Two ways in:
 
@@ -16,7 +16,8 @@ What maps: token embeddings, RMSNorm weights and epsilon, RoPE base (default rop
 only), grouped-query attention, head_dim, q/k/v biases (Qwen2; Llama ``attention_bias``
 with ``mlp_bias``), Qwen3's per-head q/k norms, SwiGLU MLP, tied or untied output layer, Mistral (Llama's
 weights; its ``sliding_window`` only when it covers the training length, else refused);
-LLaDA's fused or separate projections (``llada``). What is refused, with the
+LLaDA's fused or separate projections (``llada``); Dream (``dream``: Qwen2's weights, trained
+with ``--model-running-mode difflm-shift``). What is refused, with the
 reason: other activations, RoPE scaling (llama3, yarn, ...), sliding-window attention,
 biases on some linears but not others (other than Qwen2's q/k/v), unknown tensors.
 
@@ -44,16 +45,16 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from megadlms.common.enums import AttnMaskType
+from megadlms.common.enums import AttnMaskType, RunningMode
 from megadlms.models import GPTModel, TransformerConfig
 from megadlms.parallel.sharding import full_shape, local_from_full
 
-from . import llada
+from . import dream, llada
 from .mapping import hf_to_megadlms
 
 # Families whose weights are exactly GPTModel's (pre-norm RMSNorm, RoPE, SwiGLU, GQA).
 OWN_MODEL_TYPE = "megadlms"  # config.json model_type of our own exports (hf/export.py)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", llada.MODEL_TYPE, OWN_MODEL_TYPE)
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", llada.MODEL_TYPE, dream.MODEL_TYPE, OWN_MODEL_TYPE)
 ARCH_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -196,6 +197,8 @@ def transformer_config_from_hf(
         raise ValueError(f"{where}: model_type {kind!r} is not supported; megadlms imports {SUPPORTED}")
     if kind == llada.MODEL_TYPE:
         fields = llada.transformer_fields(hf, where)
+    elif kind == dream.MODEL_TYPE:  # Qwen2's architecture and tensor names (hf/dream.py)
+        fields = _llama_like_fields(hf, "qwen2", family, where)
     else:
         fields = _llama_like_fields(hf, kind, family, where)
     fields = {**_common_fields(seq_length, fields["max_position_embeddings"]), **fields}
@@ -292,14 +295,18 @@ def init_from_hf(
     *,
     mean_init_ids: Iterable[int] = (),
     num_real_tokens: Optional[int] = None,
+    running_mode: Optional[RunningMode] = None,
 ) -> dict:
     """Copy the HF model in ``hf_dir`` into the plain GPTModel ``model`` (in place).
 
     ``mean_init_ids``: vocabulary rows (e.g. an added [MASK]) to set to the mean embedding
     like the rows beyond the HF vocabulary; ``num_real_tokens``: rows the mean is taken
-    over (default all HF rows). Returns {"hf_vocab_size", "mean_rows"}."""
+    over (default all HF rows); ``running_mode``: the run's, checked against the model's
+    (``dream.check_running_mode``). Returns {"hf_vocab_size", "mean_rows"}."""
     where = f"--hf-init {hf_dir}"
     hf = read_hf_config(hf_dir)
+    if running_mode is not None:
+        dream.check_running_mode(hf, RunningMode(running_mode), where)
     ours = model.config
     theirs = transformer_config_from_hf(hf, where, seq_length=ours.seq_length)
     check_compatible(theirs, ours, where)
