@@ -49,7 +49,7 @@ from megadlms.common.enums import AttnMaskType, RunningMode
 from megadlms.models import GPTModel, TransformerConfig
 from megadlms.parallel.sharding import full_shape, local_from_full
 
-from . import dream, llada
+from . import dream, gemma, llada
 from .mapping import hf_to_megadlms
 
 # Families whose weights are exactly GPTModel's (pre-norm RMSNorm, RoPE, SwiGLU, GQA).
@@ -193,6 +193,8 @@ def transformer_config_from_hf(
             ),
             **overrides,
         }
+    if kind in gemma.MODEL_TYPES:
+        raise ValueError(gemma.refusal(hf, where))
     if kind not in SUPPORTED:
         raise ValueError(f"{where}: model_type {kind!r} is not supported; megadlms imports {SUPPORTED}")
     if kind == llada.MODEL_TYPE:
