@@ -49,12 +49,21 @@ from megadlms.common.enums import AttnMaskType, RunningMode
 from megadlms.models import GPTModel, TransformerConfig
 from megadlms.parallel.sharding import full_shape, local_from_full
 
-from . import dream, gemma, llada
+from . import dream, gemma, llada, lladamoe
 from .mapping import hf_to_megadlms
 
 # Families whose weights are exactly GPTModel's (pre-norm RMSNorm, RoPE, SwiGLU, GQA).
 OWN_MODEL_TYPE = "megadlms"  # config.json model_type of our own exports (hf/export.py)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", llada.MODEL_TYPE, dream.MODEL_TYPE, OWN_MODEL_TYPE)
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    llada.MODEL_TYPE,
+    lladamoe.MODEL_TYPE,
+    dream.MODEL_TYPE,
+    OWN_MODEL_TYPE,
+)
 ARCH_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -71,6 +80,13 @@ ARCH_FIELDS = (
     "position_embedding_type",
     "rotary_base",
     "untie_embeddings_and_output_weights",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
 )
 
 
@@ -201,6 +217,9 @@ def transformer_config_from_hf(
         fields = llada.transformer_fields(hf, where)
     elif kind == dream.MODEL_TYPE:  # Qwen2's architecture and tensor names (hf/dream.py)
         fields = _llama_like_fields(hf, "qwen2", family, where)
+    elif kind == lladamoe.MODEL_TYPE:  # Llama-style attention and dense layers, MoE layers (hf/lladamoe.py)
+        moe = lladamoe.moe_fields(hf, where)
+        fields = {**_llama_like_fields(lladamoe.llama_like(hf), "llama", family, where), **moe}
     else:
         fields = _llama_like_fields(hf, kind, family, where)
     fields = {**_common_fields(seq_length, fields["max_position_embeddings"]), **fields}
@@ -271,6 +290,24 @@ def model_flags(cfg: TransformerConfig) -> List[str]:
         )
         if on
     ]
+    return flags + _moe_flags(cfg)
+
+
+def _moe_flags(cfg: TransformerConfig) -> List[str]:
+    """The MoE flags of ``cfg`` (none for a dense model)."""
+    if not cfg.num_moe_experts:
+        return []
+    freq = cfg.moe_layer_freq
+    flags = [
+        f"--num-experts {cfg.num_moe_experts}",
+        f"--moe-router-topk {cfg.moe_router_topk}",
+        f"--moe-ffn-hidden-size {cfg.moe_ffn_hidden_size}",
+        f"--moe-layer-freq {freq if isinstance(freq, int) else '[' + ','.join(map(str, freq)) + ']'}",
+    ]
+    if cfg.moe_shared_expert_intermediate_size:
+        flags.append(f"--moe-shared-expert-intermediate-size {cfg.moe_shared_expert_intermediate_size}")
+    if cfg.moe_router_pre_softmax:
+        flags.append("--moe-router-pre-softmax")
     return flags
 
 
@@ -318,7 +355,10 @@ def init_from_hf(
     if not theirs.untie_embeddings_and_output_weights:
         tensors.pop("lm_head.weight", None)  # some tied exports store the copy anyway
     try:
-        sd = hf_to_megadlms(tensors, theirs)
+        moe: Dict[str, torch.Tensor] = {}
+        if hf.get("model_type") == lladamoe.MODEL_TYPE:
+            tensors, moe = lladamoe.split_experts(tensors, hf)
+        sd = {**hf_to_megadlms(tensors, theirs), **moe}
     except KeyError as exc:
         raise ValueError(f"{where}: {exc.args[0]}") from exc
     # Every tensor of the model, each as its FULL logical shape: at tp / ep > 1 the model holds shards,
