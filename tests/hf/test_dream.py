@@ -260,3 +260,39 @@ def test_our_shifted_model_exports_to_dream(ref, tmp_path):
     ids = torch.randint(0, 259, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids)[..., :259], rtol=0, atol=1e-5)
+
+
+def _train_world(rank, world, hf_dir):
+    """--hf-init of the Dream model in difflm-shift, 2 steps at tp 2 and at dp 2 (no dropout; the
+    vocabulary padded to Dream's 300 rows at both sizes, so both models are the same)."""
+    from megadlms.hf.importer import model_flags
+    from megadlms.pretrain import run
+    from tests.hf.test_import import _train_flags
+
+    cfg = transformer_config_from_hf(read_hf_config(hf_dir), seq_length=32)
+    flags = " ".join(model_flags(cfg)).split() + ["--seq-length", "32", "--hf-init", hf_dir]
+    flags += ["--model-running-mode", "difflm-shift", "--difflm-objective", "llada", "--add-qkv-bias"]
+    common = [
+        "--global-batch-size",
+        "4",
+        "--micro-batch-size",
+        "2",
+        "--attention-dropout",
+        "0",
+        "--hidden-dropout",
+        "0",
+        "--make-vocab-size-divisible-by",
+        "150",
+    ]
+    losses = {}
+    for name, layout in (("tp2", ["--tensor-model-parallel-size", "2"]), ("dp2", [])):
+        losses[name] = run(_train_flags(flags, None, iters=2) + common + layout).losses
+    return losses
+
+
+def test_dream_import_trains_shifted_at_tp2_as_at_dp2(saved):
+    for losses in run_distributed(_train_world, world_size=2, args=(saved[0],), timeout=300):
+        tp2, dp2 = losses["tp2"], losses["dp2"]
+        assert sorted(tp2) == [1, 2] and all(torch.isfinite(torch.tensor(list(tp2.values()))))
+        for step in tp2:
+            assert tp2[step] == pytest.approx(dp2[step], rel=1e-4), step
