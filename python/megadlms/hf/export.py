@@ -227,8 +227,13 @@ def export_hf(
     # export and megadlms.diffusion.generate choose from the same rows.
     vocab = model.config.unpadded_vocab_size
     cfg = TransformerConfig.from_dict({**model.config.to_dict(), "vocab_size": vocab})
+    if cfg.rope_scaling:  # before anything is written
+        raise ValueError(
+            f"exporting a RoPE-scaled model (rope_scaling {cfg.rope_scaling}) is not implemented: "
+            "the exported modeling files compute plain RoPE"
+        )
     if fmt == LLADA_FORMAT:
-        llada.check_exportable(cfg)  # before anything is written
+        llada.check_exportable(cfg)
     if fmt == DREAM_FORMAT:
         dream.check_exportable(cfg)
         _check_shifted(common, load)

@@ -12,14 +12,15 @@ Two ways in:
   checkpoint (iteration 0, weights only) with the tokenizer (mask token added when it has
   none) and prints the flags to continue from it with ``--load CKPT --finetune``.
 
-What maps: token embeddings, RMSNorm weights and epsilon, RoPE base (default rope type
-only), grouped-query attention, head_dim, q/k/v biases (Qwen2; Llama ``attention_bias``
-with ``mlp_bias``), Qwen3's per-head q/k norms, SwiGLU MLP, tied or untied output layer, Mistral (Llama's
-weights; its ``sliding_window`` only when it covers the training length, else refused);
-LLaDA's fused or separate projections (``llada``); Dream (``dream``: Qwen2's weights, trained
-with ``--model-running-mode difflm-shift``). What is refused, with the
-reason: other activations, RoPE scaling (llama3, yarn, ...), sliding-window attention,
-biases on some linears but not others (other than Qwen2's q/k/v), unknown tensors.
+What maps: token embeddings, RMSNorm weights and epsilon, RoPE base and its scaling (linear,
+llama3, yarn: ``--rope-scaling``), grouped-query attention, head_dim, q/k/v biases (Qwen2;
+Llama ``attention_bias`` with ``mlp_bias``), Qwen3's per-head q/k norms, SwiGLU MLP, tied or
+untied output layer, Mistral (Llama's weights; its ``sliding_window`` only when it covers the
+training length, else refused); LLaDA's fused or separate projections (``llada``); LLaDA-MoE
+onto the MoE layers (``lladamoe``); Dream (``dream``: Qwen2's weights, trained with
+``--model-running-mode difflm-shift``). What is refused, with the reason: other activations,
+other RoPE scaling types (dynamic, longrope, ...), sliding-window attention, biases on some
+linears but not others (other than Qwen2's q/k/v), Gemma (``gemma``), unknown tensors.
 
 MegaDLMs' own exports (tools/weights_conversion/hf_configs: ``DiffLM`` / ``CausalLM`` with
 ``configuration_dlm`` / ``configuration_ar``; Qwen3-like, qk-norm, no biases) map too,
@@ -46,7 +47,9 @@ from typing import Dict, Iterable, List, Optional
 import torch
 
 from megadlms.common.enums import AttnMaskType, RunningMode
+from megadlms.config.flags.model import rope_scaling_flag
 from megadlms.models import GPTModel, TransformerConfig
+from megadlms.models.rope_scaling import rope_scaling_problems
 from megadlms.parallel.sharding import full_shape, local_from_full
 
 from . import dream, gemma, llada, lladamoe
@@ -79,6 +82,7 @@ ARCH_FIELDS = (
     "qk_layernorm",
     "position_embedding_type",
     "rotary_base",
+    "rope_scaling",
     "untie_embeddings_and_output_weights",
     "num_moe_experts",
     "moe_router_topk",
@@ -101,15 +105,27 @@ def read_hf_config(hf_dir: str) -> dict:
 def _rope_base(hf: dict, where: str) -> float:
     # Newer transformers write RoPE settings to rope_parameters; older files use rope_scaling.
     rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    kind = (
-        rope.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    )
-    if kind != "default":
-        raise ValueError(f"{where}: RoPE scaling {kind!r} cannot be mapped (megadlms has plain RoPE only)")
     base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     # An int when exact: --rotary-base is an int flag, and the printed flags must parse back.
     return int(base) if float(base).is_integer() else float(base)
+
+
+def _rope_scaling(hf: dict, where: str) -> Optional[dict]:
+    """The config's RoPE scaling as ``TransformerConfig.rope_scaling`` (None: plain RoPE); a type
+    or parameter megadlms does not implement is refused by name (models/rope_scaling.py)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    if kind == "default":
+        return None
+    rope.pop("rope_theta", None)
+    if rope.get("partial_rotary_factor", 1.0) == 1.0:
+        rope.pop("partial_rotary_factor", None)
+    scaling = {"rope_type": kind, **{k: v for k, v in rope.items() if v is not None}}
+    problems = rope_scaling_problems(scaling)
+    if problems:
+        raise ValueError(f"{where}: RoPE scaling {kind!r} cannot be mapped ({'; '.join(problems)})")
+    return scaling
 
 
 def megadlms_family(hf: dict) -> Optional[str]:
@@ -174,6 +190,7 @@ def _llama_like_fields(hf: dict, kind: str, family: Optional[str], where: str) -
         # Qwen3: per-head RMSNorm of q and k before RoPE (q_norm / k_norm), megadlms' qk_layernorm.
         qk_layernorm=kind == "qwen3",
         rotary_base=_rope_base(hf, where),
+        rope_scaling=_rope_scaling(hf, where),
         # transformers' PretrainedConfig defaults tie_word_embeddings to True, but Llama's and Qwen2's configs
         # default it to False; a file without the key comes from those, hence False.
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
@@ -290,6 +307,8 @@ def model_flags(cfg: TransformerConfig) -> List[str]:
         )
         if on
     ]
+    if cfg.rope_scaling:
+        flags.append(f"--rope-scaling {rope_scaling_flag(cfg.rope_scaling)}")
     return flags + _moe_flags(cfg)
 
 
