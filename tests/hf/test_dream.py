@@ -169,9 +169,10 @@ def test_round_trip_dream_megadlms_dream_is_exact(ref, saved, tmp_path):
         assert torch.equal(back(_ids()).logits, ref_logits)
 
 
-def _dream_generate(ref, model, prompt, steps, gen_length):
+def _dream_generate(ref, model, prompt, steps, gen_length, mask=MASK):
     config = ref[1].DreamGenerationConfig(
-        **{k: TINY[k] for k in ("mask_token_id", "pad_token_id", "bos_token_id", "eos_token_id")},
+        **{k: TINY[k] for k in ("pad_token_id", "bos_token_id", "eos_token_id")},
+        mask_token_id=mask,
         max_new_tokens=gen_length,
         steps=steps,
         temperature=0.0,
@@ -244,6 +245,11 @@ def test_our_shifted_model_exports_to_dream(ref, tmp_path):
     assert not cfg.untie_embeddings_and_output_weights and not cfg.add_qkv_bias
     torch.manual_seed(0)
     ours = GPTModel(cfg).eval()
+    with torch.no_grad():  # confident logits, and [MASK] (logit 0) never the best guess, as in a trained
+        ours.embedding.word_embeddings.weight.mul_(
+            20.0
+        )  # model: Dream's generate would commit it, ours never
+        ours.embedding.word_embeddings.weight[257] = 0.0
     records = RunRecords(
         args={"diffusion": {"model_running_mode": "difflm-shift"}},
         model_config=cfg.to_dict(),
@@ -260,6 +266,12 @@ def test_our_shifted_model_exports_to_dream(ref, tmp_path):
     ids = torch.randint(0, 259, (2, 20), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(theirs(ids).logits, ours(ids)[..., :259], rtol=0, atol=1e-5)
+        # Dream's published diffusion_generate runs on the export unchanged, with our sampler's tokens
+        out = _dream_generate(ref, theirs, ids[:1, :8], steps=1, gen_length=8, mask=257).sequences
+        mine = generate(
+            ours, ids[:1, :8], mask_token_id=257, gen_length=8, steps=1, block_length=8, running_mode=SHIFT
+        )
+    assert torch.equal(out, mine) and not (out == 257).any()
 
 
 def _train_world(rank, world, hf_dir):
