@@ -103,14 +103,16 @@ def init_distributed(parallel) -> None:
         dist.init_process_group(backend, timeout=timeout, store=store, rank=rank, world_size=world)
 
 
-def hf_initializer(hf_dir: str):
+def hf_initializer(hf_dir: str, running_mode=None):
     """--hf-init: a function copying the Hugging Face Llama/Qwen2 model in ``hf_dir`` into the
     plain model the trainer built; an architecture mismatch is an error naming the flags.
 
     Made here, at the top: ``hf/`` sits above ``training/``, which only calls it."""
 
     def init(model) -> None:
-        init_from_hf(model, hf_dir)  # its ValueErrors name config fields: main() says them as flags
+        init_from_hf(
+            model, hf_dir, running_mode=running_mode
+        )  # its ValueErrors name config fields: main() says them as flags
 
     return init
 
@@ -167,7 +169,7 @@ def run(argv: Optional[Sequence[str]] = None):
             result = convert_checkpoint(config)
         else:
             hf_dir = config.checkpoint.hf_init
-            init = hf_initializer(hf_dir) if hf_dir else None
+            init = hf_initializer(hf_dir, config.diffusion.model_running_mode) if hf_dir else None
             result = pretrain(config, init_model=init, failures=failures)
         ok = True
         return result

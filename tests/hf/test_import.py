@@ -52,6 +52,32 @@ CASES = [
     # Mistral: Llama's weights; a window covering the sequence (32 >= 24 tokens, seq_length 32) is full attention
     ("mistral", dict(sliding_window=None)),
     ("mistral", dict(sliding_window=32, head_dim=16)),
+    # RoPE scaling (models/rope_scaling.py): original length 16 < the 24 tokens, so every regime is exercised
+    ("llama", dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})),
+    (
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 5e5,
+            }
+        ),
+    ),
+    (
+        "qwen3",
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 1e6,
+            }
+        ),
+    ),
 ]
 
 
@@ -78,8 +104,8 @@ def test_causal_logits_match_hf(tmp_path, family, kw):
     [
         (
             "llama",
-            dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
-            "RoPE scaling",
+            dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+            "RoPE scaling 'dynamic'",
         ),
         ("llama", dict(hidden_act="gelu"), "hidden_act"),
         ("llama", dict(attention_bias=True, mlp_bias=False), "attention_bias"),

@@ -181,10 +181,10 @@ def _megadlms_notes(args) -> List[str]:
     mask = args.attention_mask_type
     if args.model_running_mode == "vanilla" and mask not in (None, "causal", "causal_bottom_right"):
         notes.append(f"--attention-mask-type {mask}: vanilla mode runs causal attention (as MegaDLMs)")
-    if args.model_running_mode == "difflm-noshift" and mask is None:
+    if args.model_running_mode in ("difflm-noshift", "difflm-shift") and mask is None:
         notes.append(
-            "--attention-mask-type not given: difflm-noshift runs bidirectional (no_mask) attention "
-            "(MegaDLMs' default would be causal_bottom_right)"
+            f"--attention-mask-type not given: {args.model_running_mode} runs bidirectional (no_mask) "
+            "attention (MegaDLMs' default would be causal_bottom_right)"
         )
     if args.tokenizer_type is None and args.tokenizer_model:
         notes.append(

@@ -165,7 +165,20 @@ def cross_flag_problems(
     ]
     if optimizer is not None:
         out += [flag_message(p) for p in _precision_aware(args, optimizer)]
-    return out + _sft_problems(args)
+    return out + _sft_problems(args) + _shift_problems(args)
+
+
+def _shift_problems(args) -> List[str]:
+    """--model-running-mode difflm-shift (Dream): a masked-diffusion model, so bidirectional."""
+    if args.model_running_mode == "difflm-shift" and args.attention_mask_type in (
+        "causal",
+        "causal_bottom_right",
+    ):
+        return [
+            f"--model-running-mode difflm-shift trains a bidirectional mask predictor (Dream): drop "
+            f"--attention-mask-type {args.attention_mask_type} (or use --model-running-mode vanilla)"
+        ]
+    return []
 
 
 def _sft_problems(args) -> List[str]:

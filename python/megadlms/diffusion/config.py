@@ -11,6 +11,7 @@ from megadlms.common.errors import Problems
 MODEL_RUNNING_MODES = tuple(m.value for m in RunningMode)
 P_MASK_MODES = tuple(m.value for m in PMaskMode)
 OBJECTIVES = tuple(m.value for m in Objective)
+_DIFFUSION_MODES = (RunningMode.DIFFLM_NOSHIFT, RunningMode.DIFFLM_SHIFT)
 # (mask_eps, p_mask) of each objective: what each reference implementation trains with.
 _OBJECTIVE_DEFAULTS = {
     Objective.MEGADLMS: (0.0, PMaskMode.REALISED),
@@ -23,10 +24,11 @@ class DiffusionConfig:
     """Objective settings; field names follow the MegaDLMs flags in parentheses."""
 
     model_running_mode: RunningMode = RunningMode.DIFFLM_NOSHIFT
-    """'difflm-noshift' (masked diffusion, bidirectional) or 'vanilla' (AR, causal, shifted
-    labels) (--model-running-mode)."""
+    """'difflm-noshift' (masked diffusion, bidirectional), 'difflm-shift' (masked diffusion
+    whose logits at i predict token i + 1: Dream) or 'vanilla' (AR, causal, shifted labels)
+    (--model-running-mode)."""
     mask_token_id: int = -1
-    """Id of [MASK] in the vocabulary (--mask-token); required in difflm-noshift mode."""
+    """Id of [MASK] in the vocabulary (--mask-token); required in the difflm modes."""
     mask_eps: float = None  # type: ignore[assignment]  # None until __post_init__ picks the objective's
     """Per-token mask probability p = (1 - eps) * t + eps (--difflm-mask-eps); default from
     ``objective``: 0 (MegaDLMs) or 1e-3 (LLaDA)."""
@@ -74,8 +76,8 @@ class DiffusionConfig:
         bad.check(0.0 <= self.mask_eps < 1.0, f"mask_eps must be in [0, 1), got {self.mask_eps}")
         bad.check(0.0 <= self.varilen_prob <= 1.0, f"varilen_prob must be in [0, 1], got {self.varilen_prob}")
         bad.check(
-            self.model_running_mode is not RunningMode.DIFFLM_NOSHIFT or self.mask_token_id >= 0,
-            "difflm-noshift needs the [MASK] token id (mask_token_id, from the tokenizer's mask "
+            not self.diffusion or self.mask_token_id >= 0,
+            f"{self.model_running_mode} needs the [MASK] token id (mask_token_id, from the tokenizer's mask "
             f"token), got mask_token_id={self.mask_token_id}",
         )
         bad.check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
@@ -87,8 +89,8 @@ class DiffusionConfig:
 
     @property
     def diffusion(self) -> bool:
-        """True in the masked-diffusion mode, False in the autoregressive (vanilla) one."""
-        return self.model_running_mode is RunningMode.DIFFLM_NOSHIFT
+        """True in the masked-diffusion modes, False in the autoregressive (vanilla) one."""
+        return self.model_running_mode in _DIFFUSION_MODES
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if the [MASK] id cannot be embedded by a model with ``vocab_size`` rows."""

@@ -33,6 +33,7 @@ from .loss import (
 )
 from .loss import token_cross_entropy_of as _scorer_of
 from .noise import forward_process, micro_batch_crop, sft_forward_process, validation_times
+from .shift import predicts_next, to_logit_positions
 
 Batch = Dict[str, torch.Tensor]
 
@@ -81,6 +82,10 @@ class ObjectiveInputs(TypedDict):
     document_ids: Optional[torch.Tensor]
     answer_mask: Optional[torch.Tensor]
     """Fine-tuning batches: True at the answer positions of ``clean`` (else None)."""
+    first: Optional[torch.Tensor]
+    """difflm-shift: the [b, 1] first tokens, read by the model before ``clean`` and never
+    masked or scored (no position predicts them); else None. ``position_ids`` and
+    ``document_ids`` then describe the model input ``[first, clean]``."""
 
 
 def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] = None) -> ObjectiveInputs:
@@ -96,6 +101,8 @@ def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] 
     labels = batch["labels"]
     S = labels.shape[1]
     L = S if crop is None else crop
+    if predicts_next(config.model_running_mode):
+        return _shifted_inputs(batch, L)
     loss_mask, position_ids = batch.get("loss_mask"), batch.get("position_ids")
     document_ids, answer_mask = batch.get("document_ids"), batch.get("answer_mask")
     if config.objective is Objective.MEGADLMS:
@@ -119,6 +126,24 @@ def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] 
         position_ids=None if position_ids is None else position_ids[:, pos],
         document_ids=docs,
         answer_mask=None if answer_mask is None else answer_mask[:, lab],
+        first=None,
+    )
+
+
+def _shifted_inputs(batch: Batch, L: int) -> ObjectiveInputs:
+    """difflm-shift (Dream's layout, whatever the objective): the model reads text[0:L]
+    (``tokens[:, :L]``, the autoregressive input); text[1:L] = ``labels[:, :L-1]`` may be
+    masked, each scored at the position before it (``megadlms.diffusion.shift``)."""
+    loss_mask, answer_mask = batch.get("loss_mask"), batch.get("answer_mask")
+    position_ids, document_ids = batch.get("position_ids"), batch.get("document_ids")
+    return ObjectiveInputs(
+        clean=batch["labels"][:, : L - 1],
+        loss_mask=None if loss_mask is None else loss_mask[:, : L - 1],
+        # As the autoregressive input: positions and documents of tokens[:, :L].
+        position_ids=None if position_ids is None else position_ids[:, :L],
+        document_ids=None if document_ids is None else document_ids[:, :L],
+        answer_mask=None if answer_mask is None else answer_mask[:, : L - 1],
+        first=batch["tokens"][:, :1],
     )
 
 
@@ -159,6 +184,23 @@ def _diffusion_training(batch: Batch, config: DiffusionConfig, crop: Optional[in
         loss_mask = sft_weights(answer, config.sft_loss_normalization)
     else:
         noisy, masked, p_mask = forward_process(clean, sample_idx, config, loss_mask)
+    return _diffusion_batch(inputs, noisy, masked, p_mask, loss_mask)
+
+
+def _diffusion_batch(inputs: ObjectiveInputs, noisy, masked, p_mask, loss_mask) -> ObjectiveBatch:
+    """The model input and the targets of a noised ``inputs``; difflm-shift: the first token
+    before the input, each target at the logit position that predicts it."""
+    clean, first = inputs["clean"], inputs["first"]
+    if first is not None:
+        noisy = torch.cat([first, noisy], dim=1)
+        # Every loss position needs an explicit weight: the last logit position predicts nothing.
+        weight = torch.ones_like(clean, dtype=torch.float32) if loss_mask is None else loss_mask
+        clean, masked, loss_mask = (
+            to_logit_positions(clean, 0),
+            to_logit_positions(masked, False),
+            to_logit_positions(weight, 0.0),
+        )
+        p_mask = to_logit_positions(p_mask, 1.0)
     targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
     return ObjectiveBatch(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
 
@@ -180,14 +222,18 @@ def _diffusion_validation(batch: Batch, config: DiffusionConfig, draw: int, num_
         noisy, masked, p_mask = forward_process(
             clean, sample_idx, config, loss_mask, t=t, draw=draw + 1, p_mask_mode=PMaskMode.SAMPLED
         )
-    targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
-    return ObjectiveBatch(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
+    return _diffusion_batch(inputs, noisy, masked, p_mask, loss_mask)
 
 
-_TRAINING = {RunningMode.VANILLA: _ar_inputs, RunningMode.DIFFLM_NOSHIFT: _diffusion_training}
+_TRAINING = {
+    RunningMode.VANILLA: _ar_inputs,
+    RunningMode.DIFFLM_NOSHIFT: _diffusion_training,
+    RunningMode.DIFFLM_SHIFT: _diffusion_training,
+}
 _VALIDATION = {
     RunningMode.VANILLA: lambda batch, config, draw, num_draws: _ar_inputs(batch, config, None),
     RunningMode.DIFFLM_NOSHIFT: _diffusion_validation,
+    RunningMode.DIFFLM_SHIFT: _diffusion_validation,
 }
 
 

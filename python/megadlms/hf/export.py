@@ -40,19 +40,21 @@ from typing import Dict, Optional, Sequence
 import torch
 
 from megadlms.checkpoint import open_checkpoint, tensor_shapes, tokenizer_record
-from megadlms.generate import load_for_inference
+from megadlms.common.enums import RunningMode
+from megadlms.generate import load_for_inference, running_mode
 from megadlms.models import TransformerConfig
 
-from . import llada
+from . import dream, llada
 from .mapping import megadlms_to_hf
 from .tokenizer_files import write_tokenizer_files
 
 REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
 REMOTE_FILES = ("modeling_megadlms.py", "generation_megadlms.py")
 LLADA_FORMAT = "llada"  # --format llada: LLaDA's tensor names and config (hf/llada.py)
+DREAM_FORMAT = "dream"  # --format dream: Dream's DreamModel config, Qwen2 names (hf/dream.py)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EMBEDDING_KEY = "model/embedding.word_embeddings.weight"
-FORMATS = ("megadlms", "llada")
+FORMATS = ("megadlms", "llada", "dream")
 SPECIAL_IDS = ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -165,13 +167,16 @@ def slice_vocab(tensors: Dict[str, torch.Tensor], vocab: int) -> Dict[str, torch
     return out
 
 
+_CODE_FILES = {LLADA_FORMAT: llada.CODE_FILES, DREAM_FORMAT: dream.CODE_FILES}
+
+
 def _check_format(fmt: str, llada_code: Optional[str]) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
-    if llada_code and fmt != LLADA_FORMAT:
-        raise ValueError("--llada-code is for --format llada (the directory of LLaDA's modeling_llada.py)")
+    if llada_code and fmt not in _CODE_FILES:
+        raise ValueError("--llada-code is for --format llada / dream (the directory of their modeling files)")
     if llada_code:
-        missing = [n for n in llada.CODE_FILES if not os.path.isfile(os.path.join(llada_code, n))]
+        missing = [n for n in _CODE_FILES[fmt] if not os.path.isfile(os.path.join(llada_code, n))]
         if missing:
             raise FileNotFoundError(f"--llada-code {llada_code}: no {', '.join(missing)} there")
 
@@ -181,7 +186,20 @@ def _format_config(fmt: str, cfg: TransformerConfig, special, target: torch.dtyp
     if fmt == LLADA_FORMAT:
         config = llada.llada_config(cfg, special, target, llada.auto_map(local=bool(llada_code)))
         return config, [(llada_code, name) for name in llada.CODE_FILES] if llada_code else []
+    if fmt == DREAM_FORMAT:
+        config = dream.dream_config(cfg, special, target, dream.auto_map(local=bool(llada_code)))
+        return config, [(llada_code, name) for name in dream.CODE_FILES] if llada_code else []
     return hf_config(cfg, special, target), [(REMOTE_DIR, name) for name in REMOTE_FILES]
+
+
+def _check_shifted(common: dict, load: str) -> None:
+    """--format dream: Dream's tools shift the logits, so only a difflm-shift model is one."""
+    mode = running_mode(common)
+    if mode is not RunningMode.DIFFLM_SHIFT:
+        raise ValueError(
+            f"--format dream needs a model trained with --model-running-mode difflm-shift ({load} "
+            f"records {mode}): Dream's generate reads token i+1 from position i; use --format llada"
+        )
 
 
 def export_hf(
@@ -209,13 +227,23 @@ def export_hf(
     # export and megadlms.diffusion.generate choose from the same rows.
     vocab = model.config.unpadded_vocab_size
     cfg = TransformerConfig.from_dict({**model.config.to_dict(), "vocab_size": vocab})
+    if cfg.rope_scaling:  # before anything is written
+        raise ValueError(
+            f"exporting a RoPE-scaled model (rope_scaling {cfg.rope_scaling}) is not implemented: "
+            "the exported modeling files compute plain RoPE"
+        )
     if fmt == LLADA_FORMAT:
-        llada.check_exportable(cfg)  # before anything is written
+        llada.check_exportable(cfg)
+    if fmt == DREAM_FORMAT:
+        dream.check_exportable(cfg)
+        _check_shifted(common, load)
     os.makedirs(output, exist_ok=True)
     sd = {k: v.detach().to(target) for k, v in model.state_dict().items()}
     tensors = slice_vocab(megadlms_to_hf(sd, model.config), vocab)
     if fmt == LLADA_FORMAT:
         tensors = llada.from_llama_names(tensors)
+    if fmt == DREAM_FORMAT:
+        tensors = dream.dream_tensors(tensors, cfg)
     save_safetensors(tensors, output, max_shard_size_mb * 1024 * 1024)
     record = tokenizer_record(common)
     special = write_tokenizer_files(tokenizer, record, output, cfg.max_position_embeddings)
@@ -270,14 +298,16 @@ def build_parser() -> argparse.ArgumentParser:
         choices=FORMATS,
         default="megadlms",
         help="megadlms (default: our modeling file); llada: LLaDA's LLaDAModelLM format, for tools "
-        "written for LLaDA (Fast-dLLM, dInfer, lm-eval setups)",
+        "written for LLaDA (Fast-dLLM, dInfer, lm-eval setups); dream: Dream's DreamModel format "
+        "(a difflm-shift model)",
     )
     p.add_argument(
         "--llada-code",
         default=None,
-        help="--format llada: directory holding LLaDA's configuration_llada.py and modeling_llada.py, "
-        "copied into the export (default: config.json's auto_map names them on the Hub, "
-        f"{llada.HUB_CODE})",
+        help="--format llada / dream: directory holding their modeling files (LLaDA's "
+        "configuration_llada.py and modeling_llada.py; Dream's configuration_dream.py, modeling_dream.py, "
+        "generation_utils.py), copied into the export (default: config.json's auto_map names them on "
+        f"the Hub, {llada.HUB_CODE} / {dream.HUB_CODE})",
     )
     return p
 
@@ -299,6 +329,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"megadlms-export-hf: error: {exc}", file=sys.stderr)
         return 2
+    if args.format == DREAM_FORMAT:
+        print(
+            f"exported {args.load} -> {args.output} (Dream format, {config['num_hidden_layers']} layers, "
+            f"vocab {config['vocab_size']}, mask_token_id {config.get('mask_token_id')})"
+        )
+        return 0
     if args.format == LLADA_FORMAT:
         print(
             f"exported {args.load} -> {args.output} (LLaDA format, {config['n_layers']} layers, d_model "

@@ -1,5 +1,5 @@
-"""``megadlms-import-hf --hf DIR --output CKPT``: a Hugging Face model (Llama / Qwen2 / Qwen3, LLaDA) as a
-megadlms checkpoint (iteration 0, weights only) to continue pretraining from with
+"""``megadlms-import-hf --hf DIR --output CKPT``: a Hugging Face model (Llama / Qwen2 / Qwen3, LLaDA,
+Dream) as a megadlms checkpoint (iteration 0, weights only) to continue pretraining from with
 ``--load CKPT --finetune`` (see ``importer`` for what maps and how rows are initialised).
 
 The tokenizer.json of DIR is copied next to the checkpoint; when it has no mask token and
@@ -23,6 +23,7 @@ from megadlms.data import TokenizerConfig
 from megadlms.data.tokenizers import MASK_NAMES, resolve_mask_token
 from megadlms.models import GPTModel
 
+from . import dream
 from .importer import init_from_hf, model_flags, read_hf_config, transformer_config_from_hf
 
 
@@ -48,8 +49,11 @@ def import_hf(
     vocab_divisible_by: int = 128,
     attention: AttnMaskType = AttnMaskType.BIDIRECTIONAL,
     ckpt_format: str = "torch_dist",
+    running_mode: Optional[RunningMode] = None,
 ) -> dict:
-    """Write the checkpoint; returns {"checkpoint", "mask_token_id", "added", "flags"}."""
+    """Write the checkpoint; returns {"checkpoint", "mask_token_id", "added", "flags"}.
+    ``running_mode``: recorded with the checkpoint (generation and scoring read it); default
+    the model's own (``dream.running_mode``: difflm-shift for Dream)."""
     from tokenizers import Tokenizer
 
     tok_path = os.path.join(hf_dir, "tokenizer.json")
@@ -60,6 +64,10 @@ def import_hf(
     mask_id, added = _mask_token(tok, mask_token)
     hf = read_hf_config(hf_dir)
     cfg = transformer_config_from_hf(hf, f"--hf {hf_dir}", seq_length=seq_length, attention=attention)
+    if attention == AttnMaskType.CAUSAL:
+        running_mode = RunningMode.VANILLA
+    running_mode = dream.running_mode(hf) if running_mode is None else RunningMode(running_mode)
+    dream.check_running_mode(hf, running_mode, f"--hf {hf_dir}")
     hf_rows = cfg.vocab_size  # the rows of the HF embedding (LLaDA: its embedding_size)
     # Either may be larger (HF pads vocab_size; added tokens go past it): HF's own rows stay tokens, as in HF.
     real = max(hf_rows, tok.get_vocab_size(with_added_tokens=True))
@@ -88,7 +96,11 @@ def import_hf(
         0,
         model=model,
         ckpt_format=ckpt_format,
-        records=RunRecords(model_config=cfg.to_dict(), tokenizer=record.to_dict()),
+        records=RunRecords(
+            args={"diffusion": {"model_running_mode": running_mode.value}},
+            model_config=cfg.to_dict(),
+            tokenizer=record.to_dict(),
+        ),
         extra={"hf_import": {"source": os.path.abspath(hf_dir), **report}},
     )
     flags = model_flags(cfg) + [
@@ -100,9 +112,9 @@ def import_hf(
         f"--vocab-size {real}",
         f"--load {output} --finetune",
     ]
-    if attention == AttnMaskType.CAUSAL:
-        # A causal import continues as an AR model: the flag that makes the run's attention causal.
-        flags.append("--model-running-mode vanilla")
+    if running_mode is not RunningMode.DIFFLM_NOSHIFT:
+        # A causal import continues as an AR model (the flag makes the run's attention causal); Dream shifted.
+        flags.append(f"--model-running-mode {running_mode}")
     return {"checkpoint": ckpt, "mask_token_id": mask_id, "added": added, "flags": flags}
 
 
@@ -120,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model-running-mode",
         choices=[m.value for m in RunningMode],
-        default=RunningMode.DIFFLM_NOSHIFT.value,
+        default=None,
+        help="default: the model's own (difflm-shift for Dream, else difflm-noshift)",
     )
     p.add_argument(
         "--ckpt-format", choices=[m.value for m in CkptFormat], default=CkptFormat.TORCH_DIST.value
@@ -140,10 +153,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # An AR import keeps its causal mask; a DLM sees the whole sequence.
             attention=(
                 AttnMaskType.CAUSAL
-                if RunningMode(args.model_running_mode) is RunningMode.VANILLA
+                if args.model_running_mode is not None
+                and RunningMode(args.model_running_mode) is RunningMode.VANILLA
                 else AttnMaskType.BIDIRECTIONAL
             ),
             ckpt_format=CkptFormat(args.ckpt_format),
+            running_mode=None if args.model_running_mode is None else RunningMode(args.model_running_mode),
         )
     except (ValueError, FileNotFoundError) as exc:
         print(f"megadlms-import-hf: error: {exc}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Start from a Hugging Face model (Llama / Qwen2 / Qwen3 causal LMs, LLaDA's ``LLaDAModelLM``
-diffusion LM (``llada``), or a megadlms export): its weights in megadlms' GPTModel, to continue
-training it as a diffusion LM (LLaDA, or the Dream / DiffuLLaMA adaptation of an AR model) or
-as an AR model.
+and Dream's ``DreamModel`` diffusion LMs (``llada``, ``dream``), or a megadlms export): its weights
+in megadlms' GPTModel, to continue training it as a diffusion LM (LLaDA, or the Dream / DiffuLLaMA
+adaptation of an AR model) or as an AR model.
 
 Two ways in:
 
@@ -12,13 +12,15 @@ Two ways in:
   checkpoint (iteration 0, weights only) with the tokenizer (mask token added when it has
   none) and prints the flags to continue from it with ``--load CKPT --finetune``.
 
-What maps: token embeddings, RMSNorm weights and epsilon, RoPE base (default rope type
-only), grouped-query attention, head_dim, q/k/v biases (Qwen2; Llama ``attention_bias``
-with ``mlp_bias``), Qwen3's per-head q/k norms, SwiGLU MLP, tied or untied output layer, Mistral (Llama's
-weights; its ``sliding_window`` only when it covers the training length, else refused);
-LLaDA's fused or separate projections (``llada``). What is refused, with the
-reason: other activations, RoPE scaling (llama3, yarn, ...), sliding-window attention,
-biases on some linears but not others (other than Qwen2's q/k/v), unknown tensors.
+What maps: token embeddings, RMSNorm weights and epsilon, RoPE base and its scaling (linear,
+llama3, yarn: ``--rope-scaling``), grouped-query attention, head_dim, q/k/v biases (Qwen2;
+Llama ``attention_bias`` with ``mlp_bias``), Qwen3's per-head q/k norms, SwiGLU MLP, tied or
+untied output layer, Mistral (Llama's weights; its ``sliding_window`` only when it covers the
+training length, else refused); LLaDA's fused or separate projections (``llada``); LLaDA-MoE
+onto the MoE layers (``lladamoe``); Dream (``dream``: Qwen2's weights, trained with
+``--model-running-mode difflm-shift``). What is refused, with the reason: other activations,
+other RoPE scaling types (dynamic, longrope, ...), sliding-window attention, biases on some
+linears but not others (other than Qwen2's q/k/v), Gemma (``gemma``), unknown tensors.
 
 MegaDLMs' own exports (tools/weights_conversion/hf_configs: ``DiffLM`` / ``CausalLM`` with
 ``configuration_dlm`` / ``configuration_ar``; Qwen3-like, qk-norm, no biases) map too,
@@ -44,16 +46,27 @@ from typing import Dict, Iterable, List, Optional
 
 import torch
 
-from megadlms.common.enums import AttnMaskType
+from megadlms.common.enums import AttnMaskType, RunningMode
+from megadlms.config.flags.model import rope_scaling_flag
 from megadlms.models import GPTModel, TransformerConfig
+from megadlms.models.rope_scaling import rope_scaling_problems
 from megadlms.parallel.sharding import full_shape, local_from_full
 
-from . import llada
+from . import dream, gemma, llada, lladamoe
 from .mapping import hf_to_megadlms
 
 # Families whose weights are exactly GPTModel's (pre-norm RMSNorm, RoPE, SwiGLU, GQA).
 OWN_MODEL_TYPE = "megadlms"  # config.json model_type of our own exports (hf/export.py)
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", llada.MODEL_TYPE, OWN_MODEL_TYPE)
+SUPPORTED = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    llada.MODEL_TYPE,
+    lladamoe.MODEL_TYPE,
+    dream.MODEL_TYPE,
+    OWN_MODEL_TYPE,
+)
 ARCH_FIELDS = (
     "num_layers",
     "hidden_size",
@@ -69,7 +82,15 @@ ARCH_FIELDS = (
     "qk_layernorm",
     "position_embedding_type",
     "rotary_base",
+    "rope_scaling",
     "untie_embeddings_and_output_weights",
+    "num_moe_experts",
+    "moe_router_topk",
+    "moe_ffn_hidden_size",
+    "moe_layer_freq",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
 )
 
 
@@ -84,15 +105,27 @@ def read_hf_config(hf_dir: str) -> dict:
 def _rope_base(hf: dict, where: str) -> float:
     # Newer transformers write RoPE settings to rope_parameters; older files use rope_scaling.
     rope = hf.get("rope_parameters") or {}
-    scaling = hf.get("rope_scaling")
-    kind = (
-        rope.get("rope_type") or (scaling or {}).get("rope_type") or (scaling or {}).get("type") or "default"
-    )
-    if kind != "default":
-        raise ValueError(f"{where}: RoPE scaling {kind!r} cannot be mapped (megadlms has plain RoPE only)")
     base = rope.get("rope_theta", hf.get("rope_theta", 10000.0))
     # An int when exact: --rotary-base is an int flag, and the printed flags must parse back.
     return int(base) if float(base).is_integer() else float(base)
+
+
+def _rope_scaling(hf: dict, where: str) -> Optional[dict]:
+    """The config's RoPE scaling as ``TransformerConfig.rope_scaling`` (None: plain RoPE); a type
+    or parameter megadlms does not implement is refused by name (models/rope_scaling.py)."""
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    kind = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)
+    if kind == "default":
+        return None
+    rope.pop("rope_theta", None)
+    if rope.get("partial_rotary_factor", 1.0) == 1.0:
+        rope.pop("partial_rotary_factor", None)
+    scaling = {"rope_type": kind, **{k: v for k, v in rope.items() if v is not None}}
+    problems = rope_scaling_problems(scaling)
+    if problems:
+        raise ValueError(f"{where}: RoPE scaling {kind!r} cannot be mapped ({'; '.join(problems)})")
+    return scaling
 
 
 def megadlms_family(hf: dict) -> Optional[str]:
@@ -157,6 +190,7 @@ def _llama_like_fields(hf: dict, kind: str, family: Optional[str], where: str) -
         # Qwen3: per-head RMSNorm of q and k before RoPE (q_norm / k_norm), megadlms' qk_layernorm.
         qk_layernorm=kind == "qwen3",
         rotary_base=_rope_base(hf, where),
+        rope_scaling=_rope_scaling(hf, where),
         # transformers' PretrainedConfig defaults tie_word_embeddings to True, but Llama's and Qwen2's configs
         # default it to False; a file without the key comes from those, hence False.
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
@@ -192,10 +226,17 @@ def transformer_config_from_hf(
             ),
             **overrides,
         }
+    if kind in gemma.MODEL_TYPES:
+        raise ValueError(gemma.refusal(hf, where))
     if kind not in SUPPORTED:
         raise ValueError(f"{where}: model_type {kind!r} is not supported; megadlms imports {SUPPORTED}")
     if kind == llada.MODEL_TYPE:
         fields = llada.transformer_fields(hf, where)
+    elif kind == dream.MODEL_TYPE:  # Qwen2's architecture and tensor names (hf/dream.py)
+        fields = _llama_like_fields(hf, "qwen2", family, where)
+    elif kind == lladamoe.MODEL_TYPE:  # Llama-style attention and dense layers, MoE layers (hf/lladamoe.py)
+        moe = lladamoe.moe_fields(hf, where)
+        fields = {**_llama_like_fields(lladamoe.llama_like(hf), "llama", family, where), **moe}
     else:
         fields = _llama_like_fields(hf, kind, family, where)
     fields = {**_common_fields(seq_length, fields["max_position_embeddings"]), **fields}
@@ -266,6 +307,26 @@ def model_flags(cfg: TransformerConfig) -> List[str]:
         )
         if on
     ]
+    if cfg.rope_scaling:
+        flags.append(f"--rope-scaling {rope_scaling_flag(cfg.rope_scaling)}")
+    return flags + _moe_flags(cfg)
+
+
+def _moe_flags(cfg: TransformerConfig) -> List[str]:
+    """The MoE flags of ``cfg`` (none for a dense model)."""
+    if not cfg.num_moe_experts:
+        return []
+    freq = cfg.moe_layer_freq
+    flags = [
+        f"--num-experts {cfg.num_moe_experts}",
+        f"--moe-router-topk {cfg.moe_router_topk}",
+        f"--moe-ffn-hidden-size {cfg.moe_ffn_hidden_size}",
+        f"--moe-layer-freq {freq if isinstance(freq, int) else '[' + ','.join(map(str, freq)) + ']'}",
+    ]
+    if cfg.moe_shared_expert_intermediate_size:
+        flags.append(f"--moe-shared-expert-intermediate-size {cfg.moe_shared_expert_intermediate_size}")
+    if cfg.moe_router_pre_softmax:
+        flags.append("--moe-router-pre-softmax")
     return flags
 
 
@@ -292,14 +353,18 @@ def init_from_hf(
     *,
     mean_init_ids: Iterable[int] = (),
     num_real_tokens: Optional[int] = None,
+    running_mode: Optional[RunningMode] = None,
 ) -> dict:
     """Copy the HF model in ``hf_dir`` into the plain GPTModel ``model`` (in place).
 
     ``mean_init_ids``: vocabulary rows (e.g. an added [MASK]) to set to the mean embedding
     like the rows beyond the HF vocabulary; ``num_real_tokens``: rows the mean is taken
-    over (default all HF rows). Returns {"hf_vocab_size", "mean_rows"}."""
+    over (default all HF rows); ``running_mode``: the run's, checked against the model's
+    (``dream.check_running_mode``). Returns {"hf_vocab_size", "mean_rows"}."""
     where = f"--hf-init {hf_dir}"
     hf = read_hf_config(hf_dir)
+    if running_mode is not None:
+        dream.check_running_mode(hf, RunningMode(running_mode), where)
     ours = model.config
     theirs = transformer_config_from_hf(hf, where, seq_length=ours.seq_length)
     check_compatible(theirs, ours, where)
@@ -309,7 +374,10 @@ def init_from_hf(
     if not theirs.untie_embeddings_and_output_weights:
         tensors.pop("lm_head.weight", None)  # some tied exports store the copy anyway
     try:
-        sd = hf_to_megadlms(tensors, theirs)
+        moe: Dict[str, torch.Tensor] = {}
+        if hf.get("model_type") == lladamoe.MODEL_TYPE:
+            tensors, moe = lladamoe.split_experts(tensors, hf)
+        sd = {**hf_to_megadlms(tensors, theirs), **moe}
     except KeyError as exc:
         raise ValueError(f"{where}: {exc.args[0]}") from exc
     # Every tensor of the model, each as its FULL logical shape: at tp / ep > 1 the model holds shards,

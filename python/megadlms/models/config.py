@@ -23,6 +23,8 @@ from megadlms.common.enums import (
 )
 from megadlms.common.errors import Problems
 
+from .rope_scaling import rope_scaling_problems
+
 _NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 _POSITION_EMBEDDINGS = tuple(m.value for m in PositionEmbeddingType)
 ATTENTION_KINDS = tuple(m.value for m in AttnMaskType)
@@ -85,6 +87,9 @@ class TransformerConfig:
     """'rope' or 'learned_absolute' (--position-embedding-type), Megatron's default."""
     rotary_base: int = 10000
     """RoPE base (--rotary-base)."""
+    rope_scaling: Optional[dict] = None
+    """RoPE scaling (--rope-scaling): {"rope_type": linear | llama3 | yarn, its parameters}
+    (models/rope_scaling.py); None: plain RoPE."""
     untie_embeddings_and_output_weights: bool = False
     """Separate output-layer weight (--untie-embeddings-and-output-weights)."""
     init_method_std: float = 0.02
@@ -220,6 +225,8 @@ class TransformerConfig:
         )
         if self.num_moe_experts is not None:
             _check_moe(self, bad)
+        for problem in rope_scaling_problems(self.rope_scaling):
+            bad.check(False, problem)
         bad.raise_if_any()
 
     def is_moe_layer(self, layer_index: int) -> bool:
@@ -236,6 +243,8 @@ class TransformerConfig:
         """The JSON-able record stored in checkpoints (params_dtype as its name)."""
         d = plain(dataclasses.asdict(self))
         d["params_dtype"] = str(self.params_dtype).replace("torch.", "")
+        if d["rope_scaling"] is None:  # plain RoPE: today's record (checkpoints, exports) unchanged
+            del d["rope_scaling"]
         return d
 
     @classmethod

@@ -206,7 +206,7 @@ class GPTModel(nn.Module):
         self.embedding = embedding if pre else None
         self.rotary_pos_emb: Optional[RotaryEmbedding] = None
         if config.position_embedding_type == PositionEmbeddingType.ROPE:
-            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_base)
+            self.rotary_pos_emb = RotaryEmbedding(config.kv_channels, config.rotary_base, config.rope_scaling)
         self.decoder = TransformerBlock(config, attention, tp=tp, layers=layers, post_process=post)
         # the last stage's copy of a tied embedding (another stage holds the embedding itself)
         self.has_shared_embedding_copy = self.share_embeddings_and_output_weights and post and not pre

@@ -40,6 +40,7 @@ from megadlms.parallel.sharding import set_sharding
 from .config import ATTENTION_KINDS, TransformerConfig
 from .moe import MoELayer
 from .recompute import checkpoint, checkpointed_layers_forward, recompute_problems
+from .rope_scaling import scaled_inv_freq
 
 CORE_ATTN_IMPLEMENTATIONS = ("TEDotProductAttention", "FlexAttention")
 
@@ -129,12 +130,15 @@ class RotaryEmbedding(nn.Module):
     real weights and the module needs nothing on meta-device or FSDP2 materialisation.
     """
 
-    def __init__(self, kv_channels: int, rotary_base: int = 10000) -> None:
+    def __init__(
+        self, kv_channels: int, rotary_base: int = 10000, rope_scaling: Optional[dict] = None
+    ) -> None:
         super().__init__()
         if kv_channels % 2:
             raise ValueError(f"RotaryEmbedding needs an even head width, got kv_channels={kv_channels}")
         self.kv_channels = kv_channels
         self.rotary_base = rotary_base
+        self.rope_scaling = rope_scaling  # None: plain RoPE (models/rope_scaling.py)
 
     def forward(self, position_ids: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """position_ids int64 [B, S] -> (cos, sin), each fp32 [B, S, 1, D]."""
@@ -142,12 +146,20 @@ class RotaryEmbedding(nn.Module):
         exponent = torch.arange(0, dim, 2, device=position_ids.device, dtype=torch.float32) / dim
         # Kept in fp32: in bf16 the angles of far positions lose the bits that tell neighbours apart.
         inv_freq_D2 = 1.0 / (float(self.rotary_base) ** exponent)
+        scale = 1.0
+        if self.rope_scaling is not None:
+            inv_freq_D2, scale = scaled_inv_freq(
+                float(self.rotary_base) ** exponent, dim, float(self.rotary_base), self.rope_scaling
+            )
         freqs_BSD2 = position_ids.to(torch.float32)[..., None] * inv_freq_D2
         # Repeated, not interleaved: frequency j drives both dim j and dim j + D/2 (the rotate-half layout,
         # which is what Megatron checkpoints' q/k weights were trained with).
         emb_BSD = torch.cat((freqs_BSD2, freqs_BSD2), dim=-1)
+        cos, sin = emb_BSD.cos(), emb_BSD.sin()
+        if scale != 1.0:  # yarn's attention factor, on cos and sin as transformers applies it
+            cos, sin = cos * scale, sin * scale
         # Singleton head dim: the same angles broadcast over q's N heads and k's G heads.
-        return emb_BSD.cos()[:, :, None, :], emb_BSD.sin()[:, :, None, :]
+        return cos[:, :, None, :], sin[:, :, None, :]
 
 
 class SelfAttention(nn.Module):

@@ -24,9 +24,10 @@ def _difflm_mode_flags(g):
         g,
         "--model-running-mode",
         default="difflm-noshift",
-        choices=["difflm-noshift", "vanilla"],
-        help="difflm-noshift: masked diffusion LM on unshifted tokens; vanilla: autoregressive "
-        "(causal, shifted labels).",
+        choices=["difflm-noshift", "difflm-shift", "vanilla"],
+        help="difflm-noshift: masked diffusion LM on unshifted tokens; difflm-shift: masked diffusion "
+        "whose logits at position i predict token i+1 (Dream, Fast-dLLM v2; bidirectional); vanilla: "
+        "autoregressive (causal, shifted labels).",
     )
     add_flag(
         g,

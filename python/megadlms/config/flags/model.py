@@ -3,7 +3,34 @@ flags (TransformerConfig's fields; the MoE, fusion and recompute flags have thei
 
 from __future__ import annotations
 
+import argparse
+
 from ._flag import add_flag
+
+
+def _value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
+def rope_scaling_arg(value: str) -> dict:
+    """--rope-scaling 'rope_type=yarn,factor=4,...' -> {"rope_type": "yarn", "factor": 4, ...}
+    (numbers and true/false parsed; no quotes needed in a shell)."""
+    pairs = [item.split("=", 1) for item in value.split(",") if item.strip()]
+    if not pairs or any(len(p) != 2 or not p[0].strip() for p in pairs):
+        raise argparse.ArgumentTypeError(
+            f"--rope-scaling {value!r}: expected key=value pairs, e.g. rope_type=linear,factor=2"
+        )
+    return {k.strip(): _value(v.strip()) for k, v in pairs}
+
+
+def rope_scaling_flag(scaling: dict) -> str:
+    """The --rope-scaling value that parses back to ``scaling``."""
+    return ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in scaling.items())
 
 
 def model_args(p):
@@ -72,6 +99,15 @@ def _model_layer_flags(g):
         help="Position encoding: learned absolute table or rotary (RoPE).",
     )
     add_flag(g, "--rotary-base", type=int, default=10000, help="RoPE base frequency.")
+    add_flag(
+        g,
+        "--rope-scaling",
+        type=rope_scaling_arg,
+        default=None,
+        help="RoPE scaling as comma-separated key=value pairs, e.g. rope_type=llama3,factor=8,"
+        "low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192 (rope_type linear, "
+        "llama3 or yarn; transformers' parameter names). Default: plain RoPE.",
+    )
     add_flag(
         g,
         "--rotary-percent",

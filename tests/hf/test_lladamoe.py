@@ -1,0 +1,141 @@
+"""LLaDA-MoE's format against its own published code (tests/hf/lladamoe_ref, dllm's copy,
+vendored unchanged): a tiny random LLaDAMoEModelLM (a dense layer, then a sparse one with 4
+experts, top-2 and a shared expert; per-head q/k norms) saved with save_pretrained and imported
+onto megadlms' MoE layers gives its logits at ep 1 and ep 2; unmappable fields are refused by
+name."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import pytest
+import torch
+
+from megadlms.hf.importer import init_from_hf, model_flags, read_hf_config, transformer_config_from_hf
+from megadlms.models import GPTModel
+from tests.dist_utils import run_distributed
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("safetensors")
+pytestmark = pytest.mark.usefixtures("frozen_heap")  # in-process runs (tests/conftest.py)
+
+REF_DIR = __file__.rsplit("/", 1)[0] + "/lladamoe_ref"
+TINY = dict(
+    vocab_size=300,
+    hidden_size=32,
+    dense_intermediate_size=64,
+    expert_intermediate_size=16,
+    shared_expert_intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    partial_rotary_factor=1,
+    num_experts_per_tok=2,
+    num_experts=4,
+    norm_topk_prob=False,
+    qk_layernorm=True,
+    moe_layer_freq=[0, 1],
+    moe_router_enable_expert_bias=False,
+    moe_router_score_function="softmax",
+    pad_token_id=298,
+    eos_token_id=297,
+    max_position_embeddings=64,
+)
+
+
+def _default_rope(config, device=None, **kwargs):
+    """transformers 5 dropped ROPE_INIT_FUNCTIONS["default"], which LLaDA-MoE's file (written for
+    4.x) looks up: plain RoPE's inverse frequencies, as 4.x computed them."""
+    dim = config.hidden_size // config.num_attention_heads
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    return 1.0 / (config.rope_theta**exponent), 1.0
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(dir, LLaDA-MoE's logits on _ids()) of a random model saved with save_pretrained."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    added = "default" not in ROPE_INIT_FUNCTIONS
+    if added:
+        ROPE_INIT_FUNCTIONS["default"] = _default_rope
+    sys.path.insert(0, REF_DIR)
+    try:
+        config = importlib.import_module("lladamoe_model.configuration_lladamoe")
+        modeling = importlib.import_module("lladamoe_model.modeling_lladamoe")
+        torch.manual_seed(0)
+        model = modeling.LLaDAMoEModelLM(config.LLaDAMoEConfig(**TINY)).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.2)
+            logits = model(_ids()).logits
+        model._tied_weights_keys = {}  # 4.x's list; transformers 5 wants a mapping (this model is untied)
+        path = tmp_path_factory.mktemp("lladamoe")
+        model.save_pretrained(str(path))
+        yield str(path), logits
+    finally:
+        sys.path.remove(REF_DIR)
+        for k in [k for k in sys.modules if k == "lladamoe_model" or k.startswith("lladamoe_model.")]:
+            del sys.modules[k]
+        if added:
+            del ROPE_INIT_FUNCTIONS["default"]
+
+
+def _ids():
+    return torch.randint(0, 296, (2, 24), generator=torch.Generator().manual_seed(2))
+
+
+def test_lladamoe_import_matches_its_logits(saved):
+    path, ref_logits = saved
+    cfg = transformer_config_from_hf(read_hf_config(path), seq_length=32)
+    assert (cfg.num_moe_experts, cfg.moe_router_topk, cfg.moe_layer_freq) == (4, 2, [0, 1])
+    assert (cfg.moe_shared_expert_intermediate_size, cfg.moe_router_pre_softmax, cfg.qk_layernorm) == (
+        24,
+        True,
+        True,
+    )
+    assert "--moe-layer-freq [0,1]" in model_flags(cfg) and "--moe-router-pre-softmax" in model_flags(cfg)
+    model = GPTModel(cfg).eval()
+    init_from_hf(model, path)
+    with torch.no_grad():
+        got = model(_ids())
+    assert ref_logits.abs().max() > 0.1
+    torch.testing.assert_close(got, ref_logits, rtol=0, atol=1e-5)
+
+
+def _ep2(rank, world, path):
+    from megadlms.parallel import ParallelGroups, TensorParallelContext
+
+    groups = ParallelGroups.build(ep=2, dp=2)
+    cfg = transformer_config_from_hf(read_hf_config(path), seq_length=32)
+    model = GPTModel(cfg, tp=TensorParallelContext(expert_group=groups.ep.group)).eval()
+    init_from_hf(model, path)
+    local = model.decoder.layers[1].mlp.experts.linear_fc1.weight
+    with torch.no_grad():
+        return model(_ids()), tuple(local.shape)
+
+
+def test_lladamoe_import_at_ep2_matches_its_logits(saved):
+    path, ref_logits = saved
+    for logits, local_shape in run_distributed(_ep2, world_size=2, args=(path,), timeout=120):
+        assert local_shape == (2, 32, 32)  # 2 of the 4 experts on each rank: [gate; up] rows of width 16
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("clip_qkv", 8.0),
+        ("partial_rotary_factor", 0.5),
+        ("moe_router_score_function", "sigmoid"),
+        ("moe_router_enable_expert_bias", True),
+        ("routed_scaling_factor", 2.5),
+        ("router_num_group", 4),
+    ],
+)
+def test_lladamoe_refusals_are_named(saved, field, value):
+    hf = {**read_hf_config(saved[0]), field: value}
+    with pytest.raises(ValueError, match=field):
+        transformer_config_from_hf(hf)
