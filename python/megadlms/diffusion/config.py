@@ -54,6 +54,16 @@ class DiffusionConfig:
       eps 1e-3 and the sampled p by default; one crop per step (counter-based).
     """
 
+    block_size: Optional[int] = None
+    """Block diffusion (BD3-LM) with blocks of this many tokens (--difflm-block-size): one pass
+    over [x_t ; x_0] under the block mask, t drawn per block, the loss on x_t. A sequence of at
+    most one block runs the full-sequence objective unchanged (the x_0 half would be dead
+    weight: x_t's single block sees only itself). None: the full-sequence objective."""
+    noise_clip_low: float = 0.0
+    """Block diffusion: t ~ U(low, high) (BD3-LM's sampling_eps_min; --difflm-noise-clip-low)."""
+    noise_clip_high: float = 1.0
+    """Block diffusion: t ~ U(low, high) (BD3-LM's sampling_eps_max; --difflm-noise-clip-high)."""
+
     sft: bool = False
     """Supervised fine-tuning (--sft): batches carry ``answer_mask``; only answer positions are
     noised and scored (difflm-noshift), or carry the loss (vanilla: Megatron's SFT); no
@@ -83,7 +93,25 @@ class DiffusionConfig:
             isinstance(self.eval_mc_samples, int) and self.eval_mc_samples >= 1,
             f"eval_mc_samples must be >= 1, got {self.eval_mc_samples}",
         )
+        bad.check(
+            self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1),
+            f"block_size must be a positive integer or None, got {self.block_size!r}",
+        )
+        bad.check(
+            0.0 <= self.noise_clip_low < self.noise_clip_high <= 1.0,
+            "noise clip must satisfy 0 <= low < high <= 1, got "
+            f"({self.noise_clip_low}, {self.noise_clip_high})",
+        )
+        bad.check(
+            self.block_size is None or (self.diffusion and not self.sft),
+            "block_size (--difflm-block-size) needs difflm-noshift pretraining (not vanilla, not --sft)",
+        )
         bad.raise_if_any()
+
+    def blocks(self, length: int) -> bool:
+        """True when a model input of ``length`` tokens runs the block-diffusion pass (more than
+        one block); False: the full-sequence objective."""
+        return self.diffusion and self.block_size is not None and length > self.block_size
 
     @property
     def diffusion(self) -> bool:

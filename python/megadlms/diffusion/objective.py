@@ -21,6 +21,7 @@ import torch
 
 from megadlms.common.enums import AttnMaskType, Objective, PMaskMode, RunningMode, SFTLossNormalization
 
+from .block import block_forward_process, block_times, clip_times, two_stream
 from .config import DiffusionConfig
 from .loss import (
     LossSums,
@@ -32,7 +33,14 @@ from .loss import (
     sft_weights,
 )
 from .loss import token_cross_entropy_of as _scorer_of
-from .noise import forward_process, micro_batch_crop, sft_forward_process, validation_times
+from .noise import (
+    TAG_TIME,
+    counter_uniform,
+    forward_process,
+    micro_batch_crop,
+    sft_forward_process,
+    validation_times,
+)
 
 Batch = Dict[str, torch.Tensor]
 
@@ -48,6 +56,8 @@ class ObjectiveBatch:
     document_ids: Optional[torch.Tensor]
     scorer: Callable[..., LossSums]
     targets: Dict[str, Optional[torch.Tensor]]
+    block_size: Optional[int] = None
+    """Block diffusion: ``tokens`` is [x_t ; x_0] and the model runs BD3-LM's mask (None: plain)."""
 
     def forward(
         self, model: Callable[..., torch.Tensor], hidden_states: Optional[torch.Tensor] = None
@@ -57,6 +67,8 @@ class ObjectiveBatch:
         kw = {} if self.document_ids is None else {"document_ids": self.document_ids}
         if hidden_states is not None:
             kw["hidden_states"] = hidden_states
+        if self.block_size is not None:
+            kw["block_diffusion"] = self.block_size
         return model(self.tokens, self.position_ids, **kw)
 
     def score(self, logits: torch.Tensor, cross_entropy: TokenCrossEntropy) -> LossSums:
@@ -70,6 +82,33 @@ def _ar_score(logits, cross_entropy, labels, loss_mask) -> LossSums:
 
 def _diffusion_score(logits, cross_entropy, clean, masked, p_mask, loss_mask) -> LossSums:
     return diffusion_loss(logits, clean, masked, p_mask, loss_mask, cross_entropy)
+
+
+def _block_diffusion_score(logits, cross_entropy, clean, masked, p_mask, loss_mask) -> LossSums:
+    # The x_t half only: the x_0 half's logits are a by-product of giving x_t its clean context.
+    return diffusion_loss(logits[:, : clean.shape[1]], clean, masked, p_mask, loss_mask, cross_entropy)
+
+
+def _diffusion_batch(noisy, inputs: ObjectiveInputs, config: DiffusionConfig, targets) -> ObjectiveBatch:
+    """The model inputs of a noised batch: [x_t ; x_0] under the block mask when it has more
+    than one block, else x_t alone (today's full-sequence pass)."""
+    if not config.blocks(noisy.shape[1]):
+        return ObjectiveBatch(
+            noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets
+        )
+    tokens, positions = two_stream(noisy, inputs["clean"], inputs["position_ids"])
+    return ObjectiveBatch(tokens, positions, None, _block_diffusion_score, targets, config.block_size)
+
+
+def _noise(clean, sample_idx, config: DiffusionConfig, loss_mask, **kw):
+    """forward_process, or its block version (t per block) for a block-diffusion sequence; a
+    one-block sequence draws today's t (clipped to the noise range when the block size is set)."""
+    if config.blocks(clean.shape[1]):
+        return block_forward_process(clean, sample_idx, config, loss_mask, **kw)
+    if config.block_size is not None and kw.get("t") is None:
+        idx = torch.as_tensor(sample_idx, dtype=torch.int64, device=clean.device).reshape(-1)
+        kw["t"] = clip_times(counter_uniform(config.seed, TAG_TIME, idx, kw.get("draw", 0)), config)
+    return forward_process(clean, sample_idx, config, loss_mask, **kw)
 
 
 class ObjectiveInputs(TypedDict):
@@ -158,9 +197,9 @@ def _diffusion_training(batch: Batch, config: DiffusionConfig, crop: Optional[in
         noisy, masked, p_mask = sft_forward_process(clean, answer, sample_idx, config)
         loss_mask = sft_weights(answer, config.sft_loss_normalization)
     else:
-        noisy, masked, p_mask = forward_process(clean, sample_idx, config, loss_mask)
+        noisy, masked, p_mask = _noise(clean, sample_idx, config, loss_mask)
     targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
-    return ObjectiveBatch(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
+    return _diffusion_batch(noisy, inputs, config, targets)
 
 
 def _diffusion_validation(batch: Batch, config: DiffusionConfig, draw: int, num_draws: int) -> ObjectiveBatch:
@@ -177,11 +216,13 @@ def _diffusion_validation(batch: Batch, config: DiffusionConfig, draw: int, num_
         )
         loss_mask = answer.to(torch.float32)
     else:
-        noisy, masked, p_mask = forward_process(
+        if config.blocks(clean.shape[1]):  # stratified t per block
+            t = block_times(config, sample_idx, draw, -(-clean.shape[1] // config.block_size), num_draws)
+        noisy, masked, p_mask = _noise(
             clean, sample_idx, config, loss_mask, t=t, draw=draw + 1, p_mask_mode=PMaskMode.SAMPLED
         )
     targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
-    return ObjectiveBatch(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
+    return _diffusion_batch(noisy, inputs, config, targets)
 
 
 _TRAINING = {RunningMode.VANILLA: _ar_inputs, RunningMode.DIFFLM_NOSHIFT: _diffusion_training}
@@ -195,6 +236,12 @@ def training_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] =
     """``batch`` as one training micro-batch of ``config``'s objective, after the crop to
     ``crop`` positions (difflm-noshift: the noise of (seed, sample index, draw 0))."""
     return _TRAINING[config.model_running_mode](batch, config, crop)
+
+
+def model_length(config: DiffusionConfig, length: int) -> int:
+    """Tokens the model runs for a micro-batch of ``length`` positions (FLOPs, tokens/s): 2x
+    under block diffusion ([x_t ; x_0]), else ``length``."""
+    return 2 * length if config.blocks(length) else length
 
 
 def validation_draws(config: DiffusionConfig, num_mc_samples: int) -> int:

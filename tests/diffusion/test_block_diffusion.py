@@ -1,0 +1,116 @@
+"""Block diffusion (BD3-LM): the mask against bd3lms' own, the objective, and the defining
+property (the training pass's x_t logits are the cached generation step's)."""
+
+import dataclasses
+import pathlib
+
+import pytest
+import torch
+
+from megadlms.diffusion import DiffusionConfig, compute_loss, loss_token_count, training_inputs
+from megadlms.diffusion.noise import micro_batch_crop
+from megadlms.models import GPTModel, TransformerConfig
+from megadlms.ops.block_mask import block_diffusion_mask, block_diffusion_predicate
+from megadlms.ops.kv_cache import KVCache
+
+V, MASK = 23, 22
+_VENDORED = pathlib.Path(__file__).with_name("bd3lms_block_diff_mask.py.txt")
+
+
+def _bd3lms_block_diff_mask():
+    """bd3lms' block_diff_mask, exec'd from its vendored source (models/dit.py)."""
+    namespace = {"torch": torch}
+    exec(compile(_VENDORED.read_text(), str(_VENDORED), "exec"), namespace)
+    return namespace["block_diff_mask"]
+
+
+@pytest.mark.parametrize("S,B", [(8, 1), (8, 2), (12, 4), (16, 16), (32, 8), (24, 3)])
+def test_block_mask_equals_bd3lms(S, B):
+    reference = _bd3lms_block_diff_mask()
+    idx = torch.arange(2 * S)
+    expected = reference(None, None, idx[:, None], idx[None, :], block_size=B, n=S)
+    assert torch.equal(block_diffusion_mask(S, B, torch.device("cpu")), expected)
+    # the FlexAttention mask_mod is the same predicate, evaluated pointwise
+    q, kv = torch.tensor(5), torch.tensor(2 * S - 1)
+    assert bool(block_diffusion_predicate(q, kv, S, B)) == bool(expected[5, 2 * S - 1])
+
+
+def test_block_mask_padding_sees_itself_only():
+    mask = block_diffusion_mask(4, 2, torch.device("cpu"), total=10)
+    assert torch.equal(mask[:8, :8], block_diffusion_mask(4, 2, torch.device("cpu")))
+    assert not mask[:8, 8:].any() and torch.equal(mask[8:, 8:], torch.eye(2, dtype=torch.bool))
+
+
+def _model(dtype=torch.float32, S=16):
+    torch.manual_seed(0)
+    cfg = TransformerConfig(
+        num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=V, seq_length=S,
+        position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    return GPTModel(cfg, attention="bidirectional").to(dtype)
+
+
+def _batch(b=2, S=16):
+    g = torch.Generator().manual_seed(1)
+    text = torch.randint(0, MASK, (b, S + 1), generator=g)
+    pos = torch.arange(S).expand(b, S)
+    return {
+        "tokens": text[:, :-1], "labels": text[:, 1:], "loss_mask": torch.ones(b, S),
+        "position_ids": pos, "sample_idx": torch.arange(b) + 7,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("objective", ["megadlms", "llada"])
+def test_block_size_equal_seq_length_is_todays_objective(objective):
+    batch, model = _batch(), _model()
+    base = DiffusionConfig(mask_token_id=MASK, objective=objective)
+    block = dataclasses.replace(base, block_size=16)
+    a, b = compute_loss(model, batch, base, 3, crop=None), compute_loss(model, batch, block, 3, crop=None)
+    assert torch.equal(a.loss_sum, b.loss_sum) and torch.equal(a.num_tokens, b.num_tokens)
+    # every crop of the full-sequence objective is kept (shorter than one block)
+    for it in range(300):
+        assert micro_batch_crop(base, it, 0, 1, 16) == micro_batch_crop(block, it, 0, 1, 16)
+
+
+def test_block_objective_two_streams_and_crop():
+    batch = _batch()
+    cfg = DiffusionConfig(mask_token_id=MASK, objective="llada", block_size=4, p_mask="realised")
+    inputs = training_inputs(batch, cfg, None)
+    assert inputs.tokens.shape == (2, 32) and inputs.block_size == 4
+    assert torch.equal(inputs.tokens[:, 16:], batch["labels"])
+    assert torch.equal(inputs.position_ids[:, :16], inputs.position_ids[:, 16:])
+    masked = inputs.targets["masked"].view(2, 4, 4)
+    assert masked.any(dim=2).all()  # realised: at least one mask per block
+    assert torch.equal(loss_token_count(batch, None, cfg), torch.tensor(32.0))
+    loss = compute_loss(_model(), batch, cfg, 0, crop=None)
+    assert loss.stats["seq_length"] == 32 and torch.isfinite(loss.loss_sum)
+    crops = {micro_batch_crop(dataclasses.replace(cfg, varilen_prob=1.0), it, 0, 1, 16) for it in range(50)}
+    assert all(c < 4 or c % 4 == 0 for c in crops) and len(crops) > 2
+
+
+def test_noise_clip_bounds_block_times():
+    cfg = DiffusionConfig(mask_token_id=MASK, block_size=2, noise_clip_low=0.3, noise_clip_high=0.8)
+    from megadlms.diffusion.block import block_times
+
+    t = block_times(cfg, torch.arange(50), 0, 8)
+    assert t.shape == (50, 8) and bool(((t >= 0.3) & (t < 0.8)).all())
+
+
+def test_training_logits_equal_cached_generation_step():
+    """The defining property (float64): x_t block b's training logits are those of the cached
+    forward that committed the clean blocks < b and sees the noised block b."""
+    S, B = 16, 4
+    model, batch = _model(torch.float64), _batch()
+    cfg = DiffusionConfig(mask_token_id=MASK, objective="llada", block_size=B)
+    inputs = training_inputs(batch, cfg, None)
+    model.eval()
+    with torch.no_grad():
+        train = inputs.forward(model)[:, :S]
+        noisy, clean = inputs.tokens[:, :S], inputs.tokens[:, S:]
+        cache = KVCache()
+        for blk in range(S // B):
+            lo, hi = blk * B, (blk + 1) * B
+            step = model(noisy[:, lo:hi], kv_cache=cache, cache_offset=lo)
+            torch.testing.assert_close(step, train[:, lo:hi], rtol=0, atol=1e-10)
+            cache.truncate(lo)
+            model(clean[:, lo:hi], kv_cache=cache, cache_offset=lo)  # commit the clean block
