@@ -176,7 +176,8 @@ def sample_ids(
             mask_token_id=mask_token_id,
             gen_length=gen_length,
             steps=steps or gen_length,
-            block_length=block_length or gen_length,
+            # a block-diffusion model generates with its own block size
+            block_length=block_length or (None if model.config.difflm_block_size else gen_length),
             temperature=temperature,
             remasking=remasking,
             cfg_scale=cfg_scale,

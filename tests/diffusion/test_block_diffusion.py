@@ -114,3 +114,39 @@ def test_training_logits_equal_cached_generation_step():
             torch.testing.assert_close(step, train[:, lo:hi], rtol=0, atol=1e-10)
             cache.truncate(lo)
             model(clean[:, lo:hi], kv_cache=cache, cache_offset=lo)  # commit the clean block
+
+
+def _block_model(B=4, S=24):
+    model = _model(torch.float64, S=S)
+    model.config.difflm_block_size = B  # as a checkpoint of a --difflm-block-size run records it
+    return model
+
+
+@pytest.mark.parametrize("P", [0, 4, 5])
+def test_cached_block_generation_is_token_exact(P):
+    from megadlms.diffusion import generate
+
+    model = _block_model()
+    prompt = torch.randint(0, MASK, (2, P), generator=torch.Generator().manual_seed(3))
+    kw = dict(mask_token_id=MASK, gen_length=12, steps=12)
+    stats_c, stats_r = {}, {}
+    cached = generate(model, prompt, cache="prefix", stats=stats_c, **kw)
+    full = generate(model, prompt, cache=None, stats=stats_r, **kw)
+    assert cached.shape == (2, P + 12) and torch.equal(cached, full)
+    assert not (cached == MASK).any() and torch.equal(cached[:, :P], prompt)
+    assert stats_c["block_nfe"] == [4, 4, 4]
+    fast = generate(model, prompt, cache="prefix", threshold=0.5, **kw)
+    assert torch.equal(fast, generate(model, prompt, cache=None, threshold=0.5, **kw))
+
+
+def test_block_generation_stops_at_eos_block():
+    from megadlms.diffusion import generate
+
+    model = _block_model()
+    prompt = torch.randint(0, MASK, (1, 4), generator=torch.Generator().manual_seed(3))
+    full = generate(model, prompt, mask_token_id=MASK, gen_length=12, steps=12, cache="prefix")
+    eos = int(full[0, 5])  # a token of the first generated block
+    short = generate(model, prompt, mask_token_id=MASK, gen_length=12, steps=12, eos_token_id=eos)
+    assert torch.equal(short, full[:, :8])
+    with pytest.raises(ValueError, match="block size"):
+        generate(model, prompt, mask_token_id=MASK, gen_length=12, steps=12, block_length=6)

@@ -160,6 +160,10 @@ class TransformerConfig:
     """The attention residual add and pre_mlp_layernorm (RMSNorm) in one kernel each way
     (--no-residual-rmsnorm-fusion; no Megatron equivalent). LayerNorm models run unfused."""
 
+    difflm_block_size: Optional[int] = None
+    """Block diffusion (--difflm-block-size): the block size the model is trained with; the
+    sampler generates block by block with it (None: a full-sequence model)."""
+
     def __post_init__(self) -> None:
         """Fill the derived defaults (Megatron's rules) and check every field."""
         bad = Problems("TransformerConfig")
@@ -236,6 +240,8 @@ class TransformerConfig:
         """The JSON-able record stored in checkpoints (params_dtype as its name)."""
         d = plain(dataclasses.asdict(self))
         d["params_dtype"] = str(self.params_dtype).replace("torch.", "")
+        if d.get("difflm_block_size") is None:  # absent when off: other runs' checkpoints keep their bytes
+            d.pop("difflm_block_size", None)
         return d
 
     @classmethod
