@@ -150,3 +150,29 @@ def test_block_generation_stops_at_eos_block():
     assert torch.equal(short, full[:, :8])
     with pytest.raises(ValueError, match="block size"):
         generate(model, prompt, mask_token_id=MASK, gen_length=12, steps=12, block_length=6)
+
+
+@pytest.mark.parametrize(
+    "extra,world,needle",
+    [
+        (
+            ["--difflm-block-size", "5"],
+            1,
+            "--difflm-block-size 5 must be positive and divide --seq-length 32",
+        ),
+        (["--difflm-block-size", "8", "--context-parallel-size", "2"], 2, "not sliced over cp ranks"),
+        (["--difflm-block-size", "8", "--model-running-mode", "vanilla"], 1, "needs difflm-noshift"),
+        (["--difflm-noise-clip-low", "0.3"], 1, "--difflm-noise-clip-low needs --difflm-block-size"),
+        (["--difflm-block-size", "8", "--reset-attention-mask"], 1, "document packing"),
+    ],
+)
+def test_block_size_rules_name_the_flag(extra, world, needle):
+    from megadlms.config import parse_args, parse_config
+
+    base = "--mock-data --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 32".split()
+    base += "--micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-3".split()
+    with pytest.raises(ValueError, match=needle):
+        parse_args(base + extra, world_size=world)
+    cfg = parse_config(base + ["--difflm-block-size", "8", "--difflm-noise-clip-low", "0.3"], world_size=1)
+    assert cfg.diffusion.block_size == 8 and cfg.model.difflm_block_size == 8
+    assert cfg.diffusion.noise_clip_low == 0.3 and cfg.diffusion.noise_clip_high == 1.0
