@@ -176,3 +176,14 @@ def test_block_size_rules_name_the_flag(extra, world, needle):
     cfg = parse_config(base + ["--difflm-block-size", "8", "--difflm-noise-clip-low", "0.3"], world_size=1)
     assert cfg.diffusion.block_size == 8 and cfg.model.difflm_block_size == 8
     assert cfg.diffusion.noise_clip_low == 0.3 and cfg.diffusion.noise_clip_high == 1.0
+
+
+def test_flex_block_mask_gives_the_sdpa_logits():
+    """The FlexAttention BlockMask (same predicate) on CPU, eager and forward only."""
+    sdpa = _model()
+    flex = GPTModel(sdpa.config, attention="bidirectional", core_attn_implementation="FlexAttention")
+    flex.load_state_dict(sdpa.state_dict())
+    x = torch.randint(0, MASK, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        expected = sdpa.eval()(x, block_diffusion=4)
+        torch.testing.assert_close(flex.eval()(x, block_diffusion=4), expected, rtol=1e-5, atol=1e-5)
