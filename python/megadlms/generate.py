@@ -18,7 +18,7 @@ from typing import Dict, List, Optional, Sequence, Set
 import torch
 
 from megadlms.checkpoint import load_model_state, open_checkpoint, tokenizer_record
-from megadlms.common.enums import AttnMaskType
+from megadlms.common.enums import AttnMaskType, RunningMode
 from megadlms.data import TokenizerConfig
 from megadlms.data.chat import chat_prompt_ids, load_chat_tokenizer
 from megadlms.diffusion import generate, token_logits
@@ -104,6 +104,14 @@ def load_for_inference(path: str, device: Optional[torch.device] = None, *, pref
     return model.to(device).eval(), tokenizer, common
 
 
+def running_mode(common: dict) -> RunningMode:
+    """The checkpoint's --model-running-mode (its run record; an import records it alone), so a
+    shifted model (difflm-shift, Dream) is sampled and scored with its shift; difflm-noshift for
+    records without one."""
+    diffusion = (common.get("args") or {}).get("diffusion") or {}
+    return RunningMode(diffusion.get("model_running_mode", RunningMode.DIFFLM_NOSHIFT.value))
+
+
 def unpadded_vocab_size(tokenizer, common: dict) -> int:
     """The vocabulary before Megatron's padding (the rows past it are never tokens): as
     recorded with the model (``model_config.unpadded_vocab_size``), else (checkpoints before
@@ -185,6 +193,7 @@ def sample_ids(
             threshold=threshold,
             cache=cache,
             stats=stats,
+            running_mode=running_mode(common),
         )
     return out[:, len(ids) :].cpu()
 

@@ -137,7 +137,7 @@ def test_library_configs_accept_values_and_members():
     assert causal.attention is AttnMaskType.CAUSAL and causal.to_dict()["attention"] == "causal"
     assert type(causal.to_dict()["attention"]) is str
     with pytest.raises(
-        ValueError, match=r"model_running_mode must be one of \('difflm-noshift', 'vanilla'\)"
+        ValueError, match=r"model_running_mode must be one of \('difflm-noshift', 'difflm-shift', 'vanilla'\)"
     ):
         DiffusionConfig(model_running_mode="ar")
     with pytest.raises(ValueError, match=r"attention must be one of \('bidirectional', 'causal'\)"):

@@ -10,7 +10,7 @@ import torch
 from megadlms.diffusion import DiffusionConfig, compute_loss, loss_token_count, training_inputs
 from megadlms.diffusion.noise import micro_batch_crop
 from megadlms.models import GPTModel, TransformerConfig
-from megadlms.ops.block_mask import block_diffusion_mask, block_diffusion_predicate
+from megadlms.ops.block_mask import BlockDiffusion, block_diffusion_mask, block_diffusion_predicate
 from megadlms.ops.kv_cache import KVCache
 
 V, MASK = 23, 22
@@ -29,15 +29,15 @@ def test_block_mask_equals_bd3lms(S, B):
     reference = _bd3lms_block_diff_mask()
     idx = torch.arange(2 * S)
     expected = reference(None, None, idx[:, None], idx[None, :], block_size=B, n=S)
-    assert torch.equal(block_diffusion_mask(S, B, torch.device("cpu")), expected)
+    assert torch.equal(block_diffusion_mask(S, BlockDiffusion(B), torch.device("cpu")), expected)
     # the FlexAttention mask_mod is the same predicate, evaluated pointwise
     q, kv = torch.tensor(5), torch.tensor(2 * S - 1)
     assert bool(block_diffusion_predicate(q, kv, S, B)) == bool(expected[5, 2 * S - 1])
 
 
 def test_block_mask_padding_sees_itself_only():
-    mask = block_diffusion_mask(4, 2, torch.device("cpu"), total=10)
-    assert torch.equal(mask[:8, :8], block_diffusion_mask(4, 2, torch.device("cpu")))
+    mask = block_diffusion_mask(4, BlockDiffusion(2), torch.device("cpu"), total=10)
+    assert torch.equal(mask[:8, :8], block_diffusion_mask(4, BlockDiffusion(2), torch.device("cpu")))
     assert not mask[:8, 8:].any() and torch.equal(mask[8:, 8:], torch.eye(2, dtype=torch.bool))
 
 
@@ -76,7 +76,7 @@ def test_block_objective_two_streams_and_crop():
     batch = _batch()
     cfg = DiffusionConfig(mask_token_id=MASK, objective="llada", block_size=4, p_mask="realised")
     inputs = training_inputs(batch, cfg, None)
-    assert inputs.tokens.shape == (2, 32) and inputs.block_size == 4
+    assert inputs.tokens.shape == (2, 32) and inputs.block == BlockDiffusion(4)
     assert torch.equal(inputs.tokens[:, 16:], batch["labels"])
     assert torch.equal(inputs.position_ids[:, :16], inputs.position_ids[:, 16:])
     masked = inputs.targets["masked"].view(2, 4, 4)
@@ -161,7 +161,11 @@ def test_block_generation_stops_at_eos_block():
             "--difflm-block-size 5 must be positive and divide --seq-length 32",
         ),
         (["--difflm-block-size", "8", "--context-parallel-size", "2"], 2, "not sliced over cp ranks"),
-        (["--difflm-block-size", "8", "--model-running-mode", "vanilla"], 1, "needs difflm-noshift"),
+        (
+            ["--difflm-block-size", "8", "--model-running-mode", "vanilla"],
+            1,
+            "needs masked-diffusion pretraining",
+        ),
         (["--difflm-noise-clip-low", "0.3"], 1, "--difflm-noise-clip-low needs --difflm-block-size"),
         (["--difflm-block-size", "8", "--reset-attention-mask"], 1, "document packing"),
     ],
@@ -187,3 +191,50 @@ def test_flex_block_mask_gives_the_sdpa_logits():
     with torch.no_grad():
         expected = sdpa.eval()(x, block_diffusion=4)
         torch.testing.assert_close(flex.eval()(x, block_diffusion=4), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_shifted_block_logits_equal_cached_steps():
+    """difflm-shift (AR adaptation) with blocks, float64: each token is predicted where cached
+    generation has its predictor: inside the noised block by the position before it, a block's
+    first token by the last position of the committed clean block before it (x_0)."""
+    from megadlms.diffusion.block import logit_index
+
+    S, B = 16, 4
+    model, batch = _model(torch.float64, S=S), _batch()
+    cfg = DiffusionConfig(
+        mask_token_id=MASK, objective="llada", block_size=B, model_running_mode="difflm-shift"
+    )
+    inputs = training_inputs(batch, cfg, None)
+    n = inputs.tokens.shape[1] // 2
+    assert n == S and torch.equal(inputs.tokens[:, n:], batch["tokens"])  # x_0 = text[0:S]
+    model.eval()
+    with torch.no_grad():
+        train = inputs.forward(model).index_select(1, logit_index(n, B, torch.device("cpu")))
+        noisy, clean, cache = inputs.tokens[:, :n], inputs.tokens[:, n:], KVCache()
+        for lo in range(0, n, B):
+            step = model(noisy[:, lo : lo + B], kv_cache=cache, cache_offset=lo)
+            torch.testing.assert_close(step[:, :-1], train[:, lo : lo + B - 1], rtol=0, atol=1e-10)
+            cache.truncate(lo)
+            commit = model(clean[:, lo : lo + B], kv_cache=cache, cache_offset=lo)
+            torch.testing.assert_close(commit[:, -1], train[:, lo + B - 1], rtol=0, atol=1e-10)
+
+
+def test_ar_loss_weight_adds_a_leak_free_ar_loss():
+    model, batch = _model(), _batch()
+    kw = dict(mask_token_id=MASK, objective="llada", block_size=4, model_running_mode="difflm-shift")
+    losses = {
+        w: compute_loss(model, batch, DiffusionConfig(**kw, ar_loss_weight=w), 0, crop=None)
+        for w in (0.5, 1, 2)
+    }
+    ar = losses[2].loss_sum - losses[1].loss_sum  # the AR sum: the loss is diffusion + w * AR
+    assert float(ar.detach()) > 0
+    torch.testing.assert_close(losses[1].loss_sum - losses[0.5].loss_sum, ar / 2, rtol=1e-4, atol=1e-4)
+    # x_0 is token-causal: its logits at i never see token i + 1, the one they predict
+    inputs = training_inputs(batch, DiffusionConfig(**kw, ar_loss_weight=1.0), None)
+    changed = inputs.tokens.clone()
+    changed[:, 16 + 9] = (changed[:, 16 + 9] + 1) % MASK
+    with torch.no_grad():
+        a, b = inputs.forward(model.eval()), model(changed, inputs.position_ids, block_diffusion=inputs.block)
+    torch.testing.assert_close(a[:, 16 : 16 + 9], b[:, 16 : 16 + 9], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="difflm-shift"):
+        DiffusionConfig(mask_token_id=MASK, block_size=4, ar_loss_weight=1.0)

@@ -20,6 +20,9 @@ class RunningMode(enum.StrEnum):
 
     DIFFLM_NOSHIFT = "difflm-noshift"
     """Masked diffusion: the model sees x_t at the positions of x_0 and predicts the masked tokens."""
+    DIFFLM_SHIFT = "difflm-shift"
+    """Masked diffusion with the autoregressive alignment (Dream, Fast-dLLM v2): the logits at
+    position i predict the token at i + 1 (``megadlms.diffusion.shift``)."""
     VANILLA = "vanilla"
     """Autoregressive: next-token prediction on the shifted labels (a causal model)."""
 

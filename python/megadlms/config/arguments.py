@@ -107,6 +107,7 @@ def _diffusion_config(args) -> DiffusionConfig:
         eval_mc_samples=args.difflm_eval_mc_samples,
         objective=args.difflm_objective,
         block_size=args.difflm_block_size,
+        ar_loss_weight=args.difflm_ar_loss_weight or 0.0,
         noise_clip_low=0.0 if args.difflm_noise_clip_low is None else args.difflm_noise_clip_low,
         noise_clip_high=1.0 if args.difflm_noise_clip_high is None else args.difflm_noise_clip_high,
     )
@@ -177,10 +178,10 @@ def _megadlms_notes(args) -> List[str]:
     mask = args.attention_mask_type
     if args.model_running_mode == "vanilla" and mask not in (None, "causal", "causal_bottom_right"):
         notes.append(f"--attention-mask-type {mask}: vanilla mode runs causal attention (as MegaDLMs)")
-    if args.model_running_mode == "difflm-noshift" and mask is None:
+    if args.model_running_mode in ("difflm-noshift", "difflm-shift") and mask is None:
         notes.append(
-            "--attention-mask-type not given: difflm-noshift runs bidirectional (no_mask) attention "
-            "(MegaDLMs' default would be causal_bottom_right)"
+            f"--attention-mask-type not given: {args.model_running_mode} runs bidirectional (no_mask) "
+            "attention (MegaDLMs' default would be causal_bottom_right)"
         )
     if args.tokenizer_type is None and args.tokenizer_model:
         notes.append(

@@ -164,7 +164,7 @@ def cross_flag_problems(
     ]
     if optimizer is not None:
         out += [flag_message(p) for p in _precision_aware(args, optimizer)]
-    return out + _sft_problems(args) + _block_problems(args)
+    return out + _sft_problems(args) + _shift_problems(args) + _block_problems(args)
 
 
 def _block_problems(args) -> List[str]:
@@ -173,13 +173,20 @@ def _block_problems(args) -> List[str]:
     clip_flags = (("--difflm-noise-clip-low", args.difflm_noise_clip_low),
                   ("--difflm-noise-clip-high", args.difflm_noise_clip_high))  # fmt: skip
     clip = [f for f, v in clip_flags if v is not None]
+    if args.difflm_ar_loss_weight is not None:
+        clip.append("--difflm-ar-loss-weight")
     if B is None:
         return [f"{f} needs --difflm-block-size" for f in clip]
     out = []
+    if args.difflm_ar_loss_weight is not None and args.model_running_mode != "difflm-shift":
+        out.append(
+            "--difflm-ar-loss-weight needs --model-running-mode difflm-shift (the AR loss reads "
+            "logits that predict the next token)"
+        )
     if B < 1 or (S and S % B):
         out.append(f"--difflm-block-size {B} must be positive and divide --seq-length {S}")
     if args.model_running_mode == "vanilla" or args.sft:
-        out.append("--difflm-block-size needs difflm-noshift pretraining: drop it with vanilla or --sft")
+        out.append("--difflm-block-size needs masked-diffusion pretraining: drop it with vanilla or --sft")
     if args.context_parallel_size > 1:
         out.append(
             "--difflm-block-size is not supported with --context-parallel-size > 1 (the [x_t ; x_0] "
@@ -190,6 +197,19 @@ def _block_problems(args) -> List[str]:
     if args.attention_mask_type not in (None, "no_mask"):
         out.append(f"--difflm-block-size needs --attention-mask-type no_mask, got {args.attention_mask_type}")
     return out
+
+
+def _shift_problems(args) -> List[str]:
+    """--model-running-mode difflm-shift (Dream): a masked-diffusion model, so bidirectional."""
+    if args.model_running_mode == "difflm-shift" and args.attention_mask_type in (
+        "causal",
+        "causal_bottom_right",
+    ):
+        return [
+            f"--model-running-mode difflm-shift trains a bidirectional mask predictor (Dream): drop "
+            f"--attention-mask-type {args.attention_mask_type} (or use --model-running-mode vanilla)"
+        ]
+    return []
 
 
 def _sft_problems(args) -> List[str]:

@@ -31,6 +31,11 @@ noise of a sample never depends on the rank, micro-batch size or data-parallel s
 a run's loss curve is the same on 1, 2 or 3 ranks with or without gradient accumulation up
 to float reduction order. (MegaDLMs draws from a per-rank torch.Generator instead.)
 
+"difflm-shift" (Dream, Fast-dLLM v2; ``shift.py``, the one place that decides the shift):
+the logits at position i predict token i + 1. The model reads text[0:L] (``tokens``),
+text[1:L] may be masked, each target scored at the logit position before it; the sampler
+and the answer likelihood read each position's prediction from the logits before it.
+
 Vanilla mode (--model-running-mode vanilla): causal model, next-token CE on the shifted
 ``labels``, same normalisation.
 
@@ -82,6 +87,7 @@ from .objective import (
     validation_inputs,
 )
 from .sampler import add_gumbel_noise, generate, get_num_transfer_tokens
+from .shift import position_logits, predicts_next, to_logit_positions
 from .vocab import real_vocab_size, token_logits
 
 __all__ = [
@@ -119,4 +125,7 @@ __all__ = [
     "answer_nll_draws",
     "token_logits",
     "real_vocab_size",
+    "predicts_next",
+    "position_logits",
+    "to_logit_positions",
 ]

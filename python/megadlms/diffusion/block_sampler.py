@@ -19,6 +19,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from megadlms.common.enums import RunningMode
+from megadlms.ops.block_mask import BlockDiffusion
 from megadlms.ops.kv_cache import KVCache
 
 from .sampler import _commit, _logits, get_num_transfer_tokens
@@ -52,7 +54,7 @@ class _BlockForwards:
             return self.model(x[:, start:end], kv_cache=self.kv, cache_offset=start)
         prefix = x[:, :end]
         both = torch.cat([prefix, prefix], dim=1)
-        logits = self.model(both, block_diffusion=self.block_size, block_shift=self.shift)
+        logits = self.model(both, block_diffusion=BlockDiffusion(self.block_size, self.shift))
         return logits[:, start:end]
 
 
@@ -111,7 +113,7 @@ def generate_blocks(
             part = x[:, start:end]
             logits = _logits(
                 model, part, None, mask_token_id, 0.0, vocab_size,
-                lambda _: forwards(x, start, end),  # noqa: B023 (called at once)
+                lambda _: forwards(x, start, end), RunningMode.DIFFLM_NOSHIFT,  # noqa: B023 (called at once)
             )  # fmt: skip
             k = num_transfer[:, step] if threshold is None else None
             x[:, start:end] = _commit(

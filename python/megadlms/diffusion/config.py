@@ -11,6 +11,7 @@ from megadlms.common.errors import Problems
 MODEL_RUNNING_MODES = tuple(m.value for m in RunningMode)
 P_MASK_MODES = tuple(m.value for m in PMaskMode)
 OBJECTIVES = tuple(m.value for m in Objective)
+_DIFFUSION_MODES = (RunningMode.DIFFLM_NOSHIFT, RunningMode.DIFFLM_SHIFT)
 # (mask_eps, p_mask) of each objective: what each reference implementation trains with.
 _OBJECTIVE_DEFAULTS = {
     Objective.MEGADLMS: (0.0, PMaskMode.REALISED),
@@ -23,10 +24,11 @@ class DiffusionConfig:
     """Objective settings; field names follow the MegaDLMs flags in parentheses."""
 
     model_running_mode: RunningMode = RunningMode.DIFFLM_NOSHIFT
-    """'difflm-noshift' (masked diffusion, bidirectional) or 'vanilla' (AR, causal, shifted
-    labels) (--model-running-mode)."""
+    """'difflm-noshift' (masked diffusion, bidirectional), 'difflm-shift' (masked diffusion
+    whose logits at i predict token i + 1: Dream) or 'vanilla' (AR, causal, shifted labels)
+    (--model-running-mode)."""
     mask_token_id: int = -1
-    """Id of [MASK] in the vocabulary (--mask-token); required in difflm-noshift mode."""
+    """Id of [MASK] in the vocabulary (--mask-token); required in the difflm modes."""
     mask_eps: float = None  # type: ignore[assignment]  # None until __post_init__ picks the objective's
     """Per-token mask probability p = (1 - eps) * t + eps (--difflm-mask-eps); default from
     ``objective``: 0 (MegaDLMs) or 1e-3 (LLaDA)."""
@@ -64,6 +66,11 @@ class DiffusionConfig:
     noise_clip_high: float = 1.0
     """Block diffusion: t ~ U(low, high) (BD3-LM's sampling_eps_max; --difflm-noise-clip-high)."""
 
+    ar_loss_weight: float = 0.0
+    """Block diffusion of a difflm-shift model: the weight of the autoregressive loss on the
+    clean x_0 stream (which then attends token-causally), added to x_t's diffusion loss in the
+    same pass (--difflm-ar-loss-weight); 0: none."""
+
     sft: bool = False
     """Supervised fine-tuning (--sft): batches carry ``answer_mask``; only answer positions are
     noised and scored (difflm-noshift), or carry the loss (vanilla: Megatron's SFT); no
@@ -84,8 +91,8 @@ class DiffusionConfig:
         bad.check(0.0 <= self.mask_eps < 1.0, f"mask_eps must be in [0, 1), got {self.mask_eps}")
         bad.check(0.0 <= self.varilen_prob <= 1.0, f"varilen_prob must be in [0, 1], got {self.varilen_prob}")
         bad.check(
-            self.model_running_mode is not RunningMode.DIFFLM_NOSHIFT or self.mask_token_id >= 0,
-            "difflm-noshift needs the [MASK] token id (mask_token_id, from the tokenizer's mask "
+            not self.diffusion or self.mask_token_id >= 0,
+            f"{self.model_running_mode} needs the [MASK] token id (mask_token_id, from the tokenizer's mask "
             f"token), got mask_token_id={self.mask_token_id}",
         )
         bad.check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
@@ -104,19 +111,28 @@ class DiffusionConfig:
         )
         bad.check(
             self.block_size is None or (self.diffusion and not self.sft),
-            "block_size (--difflm-block-size) needs difflm-noshift pretraining (not vanilla, not --sft)",
+            "block_size (--difflm-block-size) needs masked-diffusion pretraining (not vanilla, not --sft)",
         )
+        bad.check(
+            not self.ar_loss_weight
+            or (self.block_size is not None and self.model_running_mode is RunningMode.DIFFLM_SHIFT),
+            f"ar_loss_weight ({self.ar_loss_weight}) needs block_size and the difflm-shift mode "
+            "(its logits predict the next token)",
+        )
+        bad.check(self.ar_loss_weight >= 0, f"ar_loss_weight must be >= 0, got {self.ar_loss_weight}")
         bad.raise_if_any()
 
     def blocks(self, length: int) -> bool:
         """True when a model input of ``length`` tokens runs the block-diffusion pass (more than
-        one block); False: the full-sequence objective."""
-        return self.diffusion and self.block_size is not None and length > self.block_size
+        one block, or any length with the AR loss on x_0); False: the full-sequence objective."""
+        if not self.diffusion or self.block_size is None:
+            return False
+        return length > self.block_size or self.ar_loss_weight > 0
 
     @property
     def diffusion(self) -> bool:
-        """True in the masked-diffusion mode, False in the autoregressive (vanilla) one."""
-        return self.model_running_mode is RunningMode.DIFFLM_NOSHIFT
+        """True in the masked-diffusion modes, False in the autoregressive (vanilla) one."""
+        return self.model_running_mode in _DIFFUSION_MODES
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise if the [MASK] id cannot be embedded by a model with ``vocab_size`` rows."""

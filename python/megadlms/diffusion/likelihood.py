@@ -27,7 +27,10 @@ from typing import Optional, Sequence, Union
 import torch
 import torch.nn.functional as F
 
+from megadlms.common.enums import RunningMode
+
 from .noise import counter_uniform
+from .shift import position_logits, predicts_next
 from .vocab import token_logits
 
 # noise.py's tags are 1..4; these streams must not alias them.
@@ -56,15 +59,16 @@ def answer_masks(length: int, rows: int, batch: int, seed: int, device=None) -> 
     return rank < num[:, None]
 
 
-def _logits(model, x: torch.Tensor, prompt_len: int, mask_token_id: int, cfg_scale: float, vocab_size):
-    """The real tokens' logits [b, S, U] (``token_logits``), guided when ``cfg_scale`` > 0."""
+def _logits(model, x: torch.Tensor, prompt_len: int, mask_token_id: int, cfg_scale: float, vocab_size, mode):
+    """The real tokens' logits [b, S, U] (``token_logits``) that predict each position (``mode``'s
+    rule: ``shift.position_logits``), guided when ``cfg_scale`` > 0."""
     if cfg_scale <= 0:
-        return token_logits(model, model(x), vocab_size)
+        return token_logits(model, position_logits(model(x), mode), vocab_size)
     uncond = x.clone()
     # Classifier-free guidance: the unconditional copy has its prompt masked; both run in one forward.
     uncond[:, :prompt_len] = mask_token_id
     cond, unc = model(torch.cat([x, uncond])).chunk(2)
-    return token_logits(model, unc + (cfg_scale + 1) * (cond - unc), vocab_size)
+    return token_logits(model, position_logits(unc + (cfg_scale + 1) * (cond - unc), mode), vocab_size)
 
 
 @torch.no_grad()
@@ -79,13 +83,16 @@ def answer_nll_draws(
     cfg_scale: float = 0.0,
     seed: int = 0,
     vocab_size: Optional[int] = None,
+    running_mode: RunningMode = RunningMode.DIFFLM_NOSHIFT,
 ) -> torch.Tensor:
     """float64 [mc_samples]: each draw's (L / l) * sum of masked answer CE; their mean
     estimates -ELBO of log p(answer | prompt). ``model(ids [b, S]) -> logits [b, S, V]``.
 
     The softmax is over the real tokens only: the first ``vocab_size`` rows (default: the
     model's ``config.unpadded_vocab_size``), so Megatron's padding rows take no probability
-    and the score is the one of the same model without them (``megadlms.diffusion.vocab``)."""
+    and the score is the one of the same model without them (``megadlms.diffusion.vocab``).
+    ``running_mode`` difflm-shift: the answer is scored with the logits before each position
+    (``megadlms.diffusion.shift``); the prompt must then hold at least one token."""
     if mc_samples < 1 or batch_size < 1:
         raise ValueError(f"mc_samples ({mc_samples}) and batch_size ({batch_size}) must be >= 1")
     device = next(model.parameters()).device
@@ -94,6 +101,11 @@ def answer_nll_draws(
     L, P = answer_t.numel(), prompt_t.numel()
     if L == 0:
         raise ValueError("the answer is empty: nothing to score")
+    running_mode = RunningMode(running_mode)
+    if P == 0 and predicts_next(running_mode):
+        raise ValueError(
+            f"a {running_mode} model needs a prompt of at least one token (position 0 has no predictor)"
+        )
     seq = torch.cat([prompt_t, answer_t])
     was_training = model.training
     model.eval()
@@ -105,7 +117,7 @@ def answer_nll_draws(
             x = seq.expand(rows, -1).clone()
             # x[:, P:] is a view, so the boolean assignment writes into x itself.
             x[:, P:][masked] = mask_token_id
-            logits = _logits(model, x, P, mask_token_id, cfg_scale, vocab_size)[:, P:]
+            logits = _logits(model, x, P, mask_token_id, cfg_scale, vocab_size, running_mode)[:, P:]
             if batch == 0:
                 _check_answer(answer_t, logits.shape[-1])
             ce = F.cross_entropy(
@@ -132,5 +144,5 @@ def _check_answer(answer: torch.Tensor, real: int) -> None:
 def conditional_log_likelihood(model, prompt: Ids, answer: Ids, **kwargs) -> float:
     """LLaDA's estimate of log p(answer | prompt) (the ELBO; see the module docstring).
     Keyword arguments as :func:`answer_nll_draws` (mask_token_id, mc_samples, batch_size,
-    cfg_scale, seed, vocab_size)."""
+    cfg_scale, seed, vocab_size, running_mode)."""
     return -answer_nll_draws(model, prompt, answer, **kwargs).mean().item()

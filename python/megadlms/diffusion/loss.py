@@ -153,6 +153,11 @@ def check_model_for_mode(model: torch.nn.Module, config: DiffusionConfig) -> Non
             "model_running_mode vanilla needs a causal model: a bidirectional "
             "model sees the next token it is asked to predict"
         )
+    if config.model_running_mode is RunningMode.DIFFLM_SHIFT and attention == AttnMaskType.CAUSAL:
+        raise ValueError(
+            "model_running_mode difflm-shift needs a bidirectional model (Dream's mask predictor): "
+            "a causal one never sees the unmasked tokens after a masked one"
+        )
     model_config = getattr(model, "config", None)
     if model_config is not None and hasattr(model_config, "vocab_size"):
         config.check_vocab(model_config.vocab_size)

@@ -15,13 +15,23 @@ here (``_TRAINING`` / ``_VALIDATION``); the scorer it names lives in loss.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, NamedTuple, Optional, TypedDict
 
 import torch
 
 from megadlms.common.enums import AttnMaskType, Objective, PMaskMode, RunningMode, SFTLossNormalization
+from megadlms.ops.block_mask import BlockDiffusion
 
-from .block import block_forward_process, block_times, clip_times, two_stream
+from .block import (
+    block_forward_process,
+    block_score,
+    block_times,
+    clip_times,
+    logit_index,
+    num_blocks,
+    two_stream,
+)
 from .config import DiffusionConfig
 from .loss import (
     LossSums,
@@ -41,6 +51,7 @@ from .noise import (
     sft_forward_process,
     validation_times,
 )
+from .shift import predicts_next, to_logit_positions
 
 Batch = Dict[str, torch.Tensor]
 
@@ -56,7 +67,7 @@ class ObjectiveBatch:
     document_ids: Optional[torch.Tensor]
     scorer: Callable[..., LossSums]
     targets: Dict[str, Optional[torch.Tensor]]
-    block_size: Optional[int] = None
+    block: Optional[BlockDiffusion] = None
     """Block diffusion: ``tokens`` is [x_t ; x_0] and the model runs BD3-LM's mask (None: plain)."""
 
     def forward(
@@ -67,8 +78,8 @@ class ObjectiveBatch:
         kw = {} if self.document_ids is None else {"document_ids": self.document_ids}
         if hidden_states is not None:
             kw["hidden_states"] = hidden_states
-        if self.block_size is not None:
-            kw["block_diffusion"] = self.block_size
+        if self.block is not None:
+            kw["block_diffusion"] = self.block
         return model(self.tokens, self.position_ids, **kw)
 
     def score(self, logits: torch.Tensor, cross_entropy: TokenCrossEntropy) -> LossSums:
@@ -84,27 +95,12 @@ def _diffusion_score(logits, cross_entropy, clean, masked, p_mask, loss_mask) ->
     return diffusion_loss(logits, clean, masked, p_mask, loss_mask, cross_entropy)
 
 
-def _block_diffusion_score(logits, cross_entropy, clean, masked, p_mask, loss_mask) -> LossSums:
-    # The x_t half only: the x_0 half's logits are a by-product of giving x_t its clean context.
-    return diffusion_loss(logits[:, : clean.shape[1]], clean, masked, p_mask, loss_mask, cross_entropy)
-
-
-def _diffusion_batch(noisy, inputs: ObjectiveInputs, config: DiffusionConfig, targets) -> ObjectiveBatch:
-    """The model inputs of a noised batch: [x_t ; x_0] under the block mask when it has more
-    than one block, else x_t alone (today's full-sequence pass)."""
-    if not config.blocks(noisy.shape[1]):
-        return ObjectiveBatch(
-            noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets
-        )
-    tokens, positions = two_stream(noisy, inputs["clean"], inputs["position_ids"])
-    return ObjectiveBatch(tokens, positions, None, _block_diffusion_score, targets, config.block_size)
-
-
 def _noise(clean, sample_idx, config: DiffusionConfig, loss_mask, **kw):
     """forward_process, or its block version (t per block) for a block-diffusion sequence; a
     one-block sequence draws today's t (clipped to the noise range when the block size is set)."""
-    if config.blocks(clean.shape[1]):
-        return block_forward_process(clean, sample_idx, config, loss_mask, **kw)
+    offset = 1 if predicts_next(config.model_running_mode) else 0  # the model reads a first token before
+    if config.blocks(clean.shape[1] + offset):
+        return block_forward_process(clean, sample_idx, config, loss_mask, offset=offset, **kw)
     if config.block_size is not None and kw.get("t") is None:
         idx = torch.as_tensor(sample_idx, dtype=torch.int64, device=clean.device).reshape(-1)
         kw["t"] = clip_times(counter_uniform(config.seed, TAG_TIME, idx, kw.get("draw", 0)), config)
@@ -120,6 +116,10 @@ class ObjectiveInputs(TypedDict):
     document_ids: Optional[torch.Tensor]
     answer_mask: Optional[torch.Tensor]
     """Fine-tuning batches: True at the answer positions of ``clean`` (else None)."""
+    first: Optional[torch.Tensor]
+    """difflm-shift: the [b, 1] first tokens, read by the model before ``clean`` and never
+    masked or scored (no position predicts them); else None. ``position_ids`` and
+    ``document_ids`` then describe the model input ``[first, clean]``."""
 
 
 def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] = None) -> ObjectiveInputs:
@@ -135,6 +135,8 @@ def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] 
     labels = batch["labels"]
     S = labels.shape[1]
     L = S if crop is None else crop
+    if predicts_next(config.model_running_mode):
+        return _shifted_inputs(batch, L)
     loss_mask, position_ids = batch.get("loss_mask"), batch.get("position_ids")
     document_ids, answer_mask = batch.get("document_ids"), batch.get("answer_mask")
     if config.objective is Objective.MEGADLMS:
@@ -158,6 +160,24 @@ def objective_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] 
         position_ids=None if position_ids is None else position_ids[:, pos],
         document_ids=docs,
         answer_mask=None if answer_mask is None else answer_mask[:, lab],
+        first=None,
+    )
+
+
+def _shifted_inputs(batch: Batch, L: int) -> ObjectiveInputs:
+    """difflm-shift (Dream's layout, whatever the objective): the model reads text[0:L]
+    (``tokens[:, :L]``, the autoregressive input); text[1:L] = ``labels[:, :L-1]`` may be
+    masked, each scored at the position before it (``megadlms.diffusion.shift``)."""
+    loss_mask, answer_mask = batch.get("loss_mask"), batch.get("answer_mask")
+    position_ids, document_ids = batch.get("position_ids"), batch.get("document_ids")
+    return ObjectiveInputs(
+        clean=batch["labels"][:, : L - 1],
+        loss_mask=None if loss_mask is None else loss_mask[:, : L - 1],
+        # As the autoregressive input: positions and documents of tokens[:, :L].
+        position_ids=None if position_ids is None else position_ids[:, :L],
+        document_ids=None if document_ids is None else document_ids[:, :L],
+        answer_mask=None if answer_mask is None else answer_mask[:, : L - 1],
+        first=batch["tokens"][:, :1],
     )
 
 
@@ -198,8 +218,38 @@ def _diffusion_training(batch: Batch, config: DiffusionConfig, crop: Optional[in
         loss_mask = sft_weights(answer, config.sft_loss_normalization)
     else:
         noisy, masked, p_mask = _noise(clean, sample_idx, config, loss_mask)
+    return _diffusion_batch(inputs, config, noisy, masked, p_mask, loss_mask)
+
+
+def _diffusion_batch(inputs: ObjectiveInputs, config: DiffusionConfig, noisy, masked, p_mask, loss_mask):
+    """The model input and the targets of a noised ``inputs``; difflm-shift: the first token
+    before the input, each target at the logit position that predicts it. Block diffusion
+    (more than one block): the input is [x_t ; x_0] under the block mask, x_t scored."""
+    clean, first = inputs["clean"], inputs["first"]
+    if first is not None:
+        noisy = torch.cat([first, noisy], dim=1)
+        # Every loss position needs an explicit weight: the last logit position predicts nothing.
+        weight = torch.ones_like(clean, dtype=torch.float32) if loss_mask is None else loss_mask
+        clean, masked, loss_mask = (
+            to_logit_positions(clean, 0),
+            to_logit_positions(masked, False),
+            to_logit_positions(weight, 0.0),
+        )
+        p_mask = to_logit_positions(p_mask, 1.0)
     targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
-    return _diffusion_batch(noisy, inputs, config, targets)
+    n = noisy.shape[1]
+    if not config.blocks(n):
+        return ObjectiveBatch(
+            noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets
+        )
+    # The x_t half is scored; the x_0 half gives it its clean context (and, weighted, the AR loss).
+    x0 = inputs["clean"] if first is None else torch.cat([first, inputs["clean"]], dim=1)
+    tokens, positions = two_stream(noisy, x0, inputs["position_ids"])
+    B = int(config.block_size)  # type: ignore[arg-type]  # blocks() holds only with a block size
+    index = None if first is None else logit_index(n, B, noisy.device)
+    scorer = functools.partial(block_score, index=index, ar_weight=config.ar_loss_weight)
+    spec = BlockDiffusion(B, causal_clean=config.ar_loss_weight > 0)
+    return ObjectiveBatch(tokens, positions, None, scorer, targets, spec)
 
 
 def _diffusion_validation(batch: Batch, config: DiffusionConfig, draw: int, num_draws: int) -> ObjectiveBatch:
@@ -216,19 +266,25 @@ def _diffusion_validation(batch: Batch, config: DiffusionConfig, draw: int, num_
         )
         loss_mask = answer.to(torch.float32)
     else:
-        if config.blocks(clean.shape[1]):  # stratified t per block
-            t = block_times(config, sample_idx, draw, -(-clean.shape[1] // config.block_size), num_draws)
+        shifted = 1 if inputs["first"] is not None else 0
+        if config.blocks(clean.shape[1] + shifted):  # stratified t per block
+            nb = num_blocks(clean.shape[1] + shifted, int(config.block_size))  # type: ignore[arg-type]
+            t = block_times(config, sample_idx, draw, nb, num_draws)
         noisy, masked, p_mask = _noise(
             clean, sample_idx, config, loss_mask, t=t, draw=draw + 1, p_mask_mode=PMaskMode.SAMPLED
         )
-    targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
-    return _diffusion_batch(noisy, inputs, config, targets)
+    return _diffusion_batch(inputs, config, noisy, masked, p_mask, loss_mask)
 
 
-_TRAINING = {RunningMode.VANILLA: _ar_inputs, RunningMode.DIFFLM_NOSHIFT: _diffusion_training}
+_TRAINING = {
+    RunningMode.VANILLA: _ar_inputs,
+    RunningMode.DIFFLM_NOSHIFT: _diffusion_training,
+    RunningMode.DIFFLM_SHIFT: _diffusion_training,
+}
 _VALIDATION = {
     RunningMode.VANILLA: lambda batch, config, draw, num_draws: _ar_inputs(batch, config, None),
     RunningMode.DIFFLM_NOSHIFT: _diffusion_validation,
+    RunningMode.DIFFLM_SHIFT: _diffusion_validation,
 }
 
 

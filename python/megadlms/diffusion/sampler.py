@@ -29,8 +29,10 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
+from megadlms.common.enums import RunningMode
 from megadlms.ops.kv_cache import KVCache
 
+from .shift import position_logits, predicts_next
 from .vocab import real_vocab_size, token_logits
 
 REMASKING = ("low_confidence", "random")
@@ -88,10 +90,11 @@ def _check_threshold(threshold: Optional[float]) -> None:
         raise ValueError(f"threshold must be in (0, 1] (a confidence), got {threshold}")
 
 
-def _logits(model, x, prompt_index, mask_token_id, cfg_scale, vocab_size, forward) -> torch.Tensor:
+def _logits(model, x, prompt_index, mask_token_id, cfg_scale, vocab_size, forward, mode) -> torch.Tensor:
     """Token logits of ``x`` (a slice of the sequence, with its part of ``prompt_index``) through
     ``forward(batch) -> logits``; with classifier-free guidance the pair [x; x with the prompt
-    masked] in one batch."""
+    masked] in one batch. ``mode``: the running mode, whose rule (``shift.position_logits``)
+    gives each position the logits that predict it."""
     if cfg_scale > 0:
         uncond = x.clone()
         uncond[prompt_index] = mask_token_id
@@ -99,6 +102,7 @@ def _logits(model, x, prompt_index, mask_token_id, cfg_scale, vocab_size, forwar
         logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
     else:
         logits = forward(x)
+    logits = position_logits(logits, mode)
     # The real tokens only (vocab-parallel slices gathered, Megatron's padding rows cut): no padding id can be
     # drawn, and confidences are probabilities over the tokens, as the Hugging Face export computes them.
     logits = token_logits(model, logits, vocab_size)
@@ -233,6 +237,7 @@ def generate(
     cache: Optional[str] = None,
     attention_mask: Optional[torch.Tensor] = None,
     stats: Optional[Dict[str, Any]] = None,
+    running_mode: RunningMode = RunningMode.DIFFLM_NOSHIFT,
     eos_token_id: Optional[int] = None,
 ) -> torch.Tensor:
     """Complete ``prompt`` int64 [b, P] with ``gen_length`` tokens -> int64 [b, P + gen_length].
@@ -262,6 +267,11 @@ def generate(
     must be its block size (the default there), ``cache`` "prefix" is exact there, and
     generation stops after the block in which every row has produced ``eos_token_id`` (so the
     result may be shorter).
+
+    ``running_mode`` difflm-shift (Dream): the model's logits at i predict token i + 1; each
+    position is chosen from the logits before it (``megadlms.diffusion.shift``), as Dream's
+    ``diffusion_generate``; no ``cache`` (a cached step recomputes from the block's first
+    position, whose predictor is the cached one before it).
     """
     block_size = getattr(getattr(model, "config", None), "difflm_block_size", None)
     if block_size is not None:
@@ -270,6 +280,13 @@ def generate(
     _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
     _check_threshold(threshold)
     mode = _cache_mode(cache)
+    running_mode = RunningMode(running_mode)
+    if mode is not None and predicts_next(running_mode):
+        raise ValueError(f"cache={cache!r} is not supported for a {running_mode} model: pass cache=None")
+    if predicts_next(running_mode) and prompt.dim() == 2 and prompt.shape[1] == 0:
+        raise ValueError(
+            f"a {running_mode} model needs a prompt of at least one token (position 0 has no predictor)"
+        )
     num_blocks = gen_length // block_length
     # The real vocabulary when the model (or the caller) knows it, else the output rows; a model that records
     # neither is checked at its first logits (_logits).
@@ -310,6 +327,7 @@ def generate(
                 logits = _logits(
                     model, part, prompt_index[:, lo:hi], mask_token_id, cfg_scale, vocab_size,
                     lambda batch: forwards(batch, lo, step, start),  # noqa: B023 (called at once)
+                    running_mode,
                 )  # fmt: skip
                 mask_index = (
                     part == mask_token_id if keep is None else (part == mask_token_id) & keep[:, lo:hi]
@@ -343,6 +361,8 @@ def _generate_blocks(model, prompt: torch.Tensor, block_size: int, args: Dict[st
             f"block_length ({args['block_length']}) must be the model's block size ({block_size}) "
             "for a block-diffusion model (or left out)"
         )
+    if predicts_next(RunningMode(args["running_mode"])):
+        raise ValueError("block diffusion generation of a difflm-shift model is not supported yet")
     if args["cfg_scale"] or args["attention_mask"] is not None:
         raise ValueError("block diffusion generation runs without cfg_scale and attention_mask (padding)")
     _check_arguments(

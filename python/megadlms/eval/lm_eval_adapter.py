@@ -39,7 +39,13 @@ from megadlms.common.enums import AttnMaskType
 from megadlms.data.chat import load_chat_tokenizer
 from megadlms.diffusion import conditional_log_likelihood, generate
 from megadlms.diffusion.sampler import CACHE_MODES
-from megadlms.generate import END_OF_TURN_TOKENS, chat_tokenizer_dir, cut_at_stop, load_for_inference
+from megadlms.generate import (
+    END_OF_TURN_TOKENS,
+    chat_tokenizer_dir,
+    cut_at_stop,
+    load_for_inference,
+    running_mode,
+)
 
 
 def _bool(v) -> bool:
@@ -84,6 +90,7 @@ class MegaDLMsLM(LM):
         if self.model.config.attention != AttnMaskType.BIDIRECTIONAL:
             raise ValueError(f"pretrained={pretrained} is a causal (vanilla) model; this adapter is for DLMs")
         self.mask_id = self.tokenizer.mask_token_id
+        self.running_mode = running_mode(self.common)  # difflm-shift (Dream): scored and sampled shifted
         self.mc_samples, self.mc_batch = int(mc_samples), int(mc_batch_size)
         self.cfg_scale, self.seed = float(cfg_scale), int(seed)
         self.is_check_greedy = _bool(is_check_greedy)
@@ -137,6 +144,7 @@ class MegaDLMsLM(LM):
             prompt,
             answer,
             mask_token_id=self.mask_id,
+            running_mode=self.running_mode,
             mc_samples=self.mc_samples,
             batch_size=self.mc_batch,
             cfg_scale=self.cfg_scale,
@@ -151,6 +159,7 @@ class MegaDLMsLM(LM):
             self.model,
             x,
             mask_token_id=self.mask_id,
+            running_mode=self.running_mode,
             gen_length=L,
             # One token per step in one block, as LLaDA's own is_greedy check decodes.
             steps=L,
@@ -185,6 +194,7 @@ class MegaDLMsLM(LM):
                     [self.tokenizer.eod],
                     ids[start : start + width],
                     mask_token_id=self.mask_id,
+                    running_mode=self.running_mode,
                     mc_samples=self.mc_samples,
                     batch_size=self.mc_batch,
                     seed=self.seed,
@@ -209,6 +219,7 @@ class MegaDLMsLM(LM):
                 self.model,
                 x,
                 mask_token_id=self.mask_id,
+                running_mode=self.running_mode,
                 gen_length=self.gen_length,
                 steps=self.steps,
                 block_length=self.block_length,

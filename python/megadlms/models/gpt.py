@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadlms.common.enums import AttnMaskType, PositionEmbeddingType, as_member
-from megadlms.ops.block_mask import block_diffusion_mask
+from megadlms.ops.block_mask import BlockDiffusion, block_diffusion_mask
 from megadlms.ops.kv_cache import CachedAttention, KVCache
 from megadlms.parallel import (
     TensorParallelContext,
@@ -163,9 +163,9 @@ class GPTModel(nn.Module):
     ``kv_cache`` (:class:`~megadlms.ops.kv_cache.KVCache`, generation): the call's tokens are
     slots [cache_offset, cache_offset + S) (default positions: those slot numbers); their keys
     and values are written there and their queries attend to every slot of the cache.
-    ``block_diffusion`` (a block size B, training): the input is ``[x_t ; x_0]`` (2n tokens, the
-    positions of x_0 repeating those of x_t) under BD3-LM's mask (:mod:`megadlms.ops.block_mask`;
-    ``block_shift``: its blocks' alignment).
+    ``block_diffusion`` (a :class:`~megadlms.ops.block_mask.BlockDiffusion`, training): the input
+    is ``[x_t ; x_0]`` (2n tokens, the positions of x_0 repeating those of x_t) under BD3-LM's
+    mask (:mod:`megadlms.ops.block_mask`).
 
     ``pipeline``: the :class:`PipelineChunk` this model builds (default: the whole model).
     Its weights are bitwise the whole model's for the same seed (the parts other chunks hold
@@ -308,8 +308,7 @@ class GPTModel(nn.Module):
         hidden_states: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
         cache_offset: int = 0,
-        block_diffusion: Optional[int] = None,
-        block_shift: int = 0,
+        block_diffusion: Optional[BlockDiffusion | int] = None,
     ) -> torch.Tensor:
         B, S, device = self._check_inputs(input_ids, position_ids, hidden_states)
         if kv_cache is not None:
@@ -346,12 +345,7 @@ class GPTModel(nn.Module):
             document_ids = None
         if block_diffusion is not None:  # the [x_t ; x_0] pass: BD3-LM's mask (padding sees itself only)
             cached = block_diffusion_mask(
-                S // 2,
-                block_diffusion,
-                device,
-                self.core_attn_implementation,
-                total=S + pad,
-                shift=block_shift,
+                S // 2, _block_spec(block_diffusion), device, self.core_attn_implementation, total=S + pad
             )
         out = self._forward(input_ids, position_ids, document_ids, hidden_states, cached)
         # Only logits are cropped: a later pipeline chunk expects the padded length it splits over TP.
@@ -448,6 +442,11 @@ class GPTModel(nn.Module):
             # Tied within one chunk: the output layer multiplies by the embedding's own local vocab shard.
             weight = self.embedding.word_embeddings.weight
         return self.output_layer(x_BSH, weight)
+
+
+def _block_spec(block_diffusion) -> BlockDiffusion:
+    """A bare block size stands for the training mask of that size."""
+    return BlockDiffusion(block_diffusion) if isinstance(block_diffusion, int) else block_diffusion
 
 
 def _pad_sequence(input_ids, position_ids, document_ids, pad: int):

@@ -24,9 +24,10 @@ def _difflm_mode_flags(g):
         g,
         "--model-running-mode",
         default="difflm-noshift",
-        choices=["difflm-noshift", "vanilla"],
-        help="difflm-noshift: masked diffusion LM on unshifted tokens; vanilla: autoregressive "
-        "(causal, shifted labels).",
+        choices=["difflm-noshift", "difflm-shift", "vanilla"],
+        help="difflm-noshift: masked diffusion LM on unshifted tokens; difflm-shift: masked diffusion "
+        "whose logits at position i predict token i+1 (Dream, Fast-dLLM v2; bidirectional); vanilla: "
+        "autoregressive (causal, shifted labels).",
     )
     add_flag(
         g,
@@ -130,4 +131,13 @@ def _difflm_block_flags(g):
         type=float,
         default=None,
         help="Block diffusion: t ~ U(low, high) (BD3-LM's sampling_eps_max). Default 1.",
+    )
+    add_flag(
+        g,
+        "--difflm-ar-loss-weight",
+        type=float,
+        default=None,
+        help="Block diffusion with --model-running-mode difflm-shift (AR-to-block adaptation): add this "
+        "weight times the autoregressive loss of the clean x_0 stream (then token-causal) to x_t's "
+        "diffusion loss, in the same pass. Default: 0.",
     )
