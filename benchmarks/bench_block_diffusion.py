@@ -9,10 +9,10 @@ everything and against the full-attention (LLaDA) sampler.
 Training: ``compute_loss`` + backward of one micro-batch, the settings round-robin in one
 process (the same background load), median of ``--reps`` process CPU times (one thread:
 CPU time is compute time, which a shared machine's load disturbs far less than wall time).
-Activation memory: the bytes autograd saves for backward in one training forward (``saved_tensors_hooks``, each
-storage once, parameters left out). Generation: ``--gen`` tokens after a ``--prompt``-token
-prompt, one denoising step per token, median of ``--reps`` (CPU time); B = 16 for the block
-model.
+Activation memory: the bytes autograd saves for backward in one training forward
+(``saved_tensors_hooks``, each storage once, parameters left out). Generation: ``--gen``
+tokens after a ``--prompt``-token prompt, one denoising step per token, median of ``--reps``
+(CPU time); B = 16 for the block model.
 Prints a markdown table (numbers in README "Block diffusion" and docs/block_diffusion.md).
 """
 
