@@ -238,3 +238,18 @@ def test_ar_loss_weight_adds_a_leak_free_ar_loss():
     torch.testing.assert_close(a[:, 16 : 16 + 9], b[:, 16 : 16 + 9], rtol=0, atol=0)
     with pytest.raises(ValueError, match="difflm-shift"):
         DiffusionConfig(mask_token_id=MASK, block_size=4, ar_loss_weight=1.0)
+
+
+@pytest.mark.parametrize("P", [3, 8])
+def test_shifted_block_generation_cache_is_token_exact(P):
+    from megadlms.diffusion import generate
+
+    model = _block_model()
+    prompt = torch.randint(0, MASK, (2, P), generator=torch.Generator().manual_seed(4))
+    kw = dict(mask_token_id=MASK, gen_length=12, steps=12, running_mode="difflm-shift")
+    cached = generate(model, prompt, cache="prefix", **kw)
+    assert torch.equal(cached, generate(model, prompt, cache=None, **kw))
+    assert not (cached == MASK).any()
+    assert not torch.equal(
+        cached, generate(model, prompt, cache="prefix", mask_token_id=MASK, gen_length=12, steps=12)
+    )

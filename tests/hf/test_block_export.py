@@ -41,3 +41,18 @@ def test_block_export_generates_megadlms_tokens(tmp_path):
     short = hf.generate(prompt, mask_id=MASK, eos_token_id=eos, **kw)
     assert torch.equal(short, generate(ours, prompt, mask_token_id=MASK, eos_token_id=eos, **kw))
     assert short.shape[1] < want.shape[1]
+
+
+def test_megadlms_generate_cli_runs_a_block_checkpoint(tmp_path, capsys):
+    from megadlms.generate import main
+
+    cfg = tiny_config(**ROPE_SWIGLU, difflm_block_size=4)
+    torch.manual_seed(0)
+    model = GPTModel(cfg, attention="bidirectional")
+    records = RunRecords(model_config=cfg.to_dict(), tokenizer=TokenizerConfig().to_dict())
+    save_checkpoint(str(tmp_path / "ck"), 1, model=model, ckpt_format="torch_dist", records=records)
+    base = ["--load", str(tmp_path / "ck"), "--prompt", "abc", "--gen-length", "8", "--device", "cpu"]
+    assert main(base + ["--cache", "prefix"]) == 0
+    cached = capsys.readouterr().out
+    assert main(base) == 0
+    assert capsys.readouterr().out == cached and cached.startswith("abc")

@@ -24,6 +24,7 @@ from megadlms.ops.block_mask import BlockDiffusion
 from megadlms.ops.kv_cache import KVCache
 
 from .sampler import _commit, _logits, get_num_transfer_tokens
+from .shift import predicts_next
 
 
 def model_block_size(model: torch.nn.Module) -> Optional[int]:
@@ -34,9 +35,10 @@ def model_block_size(model: torch.nn.Module) -> Optional[int]:
 class _BlockForwards:
     """The model calls of one block-diffusion generation (see the module docstring)."""
 
-    def __init__(self, model, block_size: int, shift: int, cached: bool) -> None:
-        self.model, self.block_size, self.shift = model, block_size, shift
+    def __init__(self, model, block_size: int, shift: int, cached: bool, shifted: bool) -> None:
+        self.model, self.block_size, self.shift, self.shifted = model, block_size, shift, shifted
         self.kv: Optional[KVCache] = KVCache() if cached else None
+        self.last: Optional[torch.Tensor] = None  # difflm-shift: the last commit's last logits
         self.nfe = 0
 
     def commit(self, x: torch.Tensor, start: int, end: int) -> None:
@@ -44,17 +46,23 @@ class _BlockForwards:
         if self.kv is not None:
             self.nfe += 1
             self.kv.truncate(start)
-            self.model(x[:, start:end], kv_cache=self.kv, cache_offset=start)
+            logits = self.model(x[:, start:end], kv_cache=self.kv, cache_offset=start)
+            self.last = logits[:, -1:]  # difflm-shift: the predictor of the next block's first token
 
     def __call__(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """Logits of the current block x[:, start:end] given the clean blocks before it."""
+        """Logits that predict the current block x[:, start:end] given the clean blocks before it
+        (difflm-shift: the first from the clean prefix's last position, the rest from the
+        positions before them, as the training pass scores them)."""
         self.nfe += 1
         if self.kv is not None:
             self.kv.truncate(start)
-            return self.model(x[:, start:end], kv_cache=self.kv, cache_offset=start)
+            logits = self.model(x[:, start:end], kv_cache=self.kv, cache_offset=start)
+            return torch.cat([self.last, logits[:, :-1]], dim=1) if self.shifted else logits
         prefix = x[:, :end]
         both = torch.cat([prefix, prefix], dim=1)
         logits = self.model(both, block_diffusion=BlockDiffusion(self.block_size, self.shift))
+        if self.shifted:  # x_0's position start - 1, then x_t's positions start .. end - 2
+            return torch.cat([logits[:, end + start - 1 : end + start], logits[:, start : end - 1]], dim=1)
         return logits[:, start:end]
 
 
@@ -75,11 +83,13 @@ def generate_blocks(
     cache: Optional[str] = "prefix",
     eos_token_id: Optional[int] = None,
     stats: Optional[Dict[str, Any]] = None,
+    running_mode: RunningMode = RunningMode.DIFFLM_NOSHIFT,
 ) -> torch.Tensor:
     """Complete ``prompt`` [b, P] block by block -> [b, P + n * block_size] (n <= gen_length /
     block_size: generation stops after the block in which every row has produced
     ``eos_token_id``). ``steps``: denoising steps of all blocks (a multiple of their number);
-    ``cache``: "prefix" (exact) or None (recompute everything). Called by
+    ``cache``: "prefix" (exact) or None (recompute everything); ``running_mode`` difflm-shift:
+    each token from the logits before it (a prompt of at least one token). Called by
     :func:`~megadlms.diffusion.sampler.generate` for a model with a block size."""
     if gen_length % block_size or steps % (gen_length // block_size):
         raise ValueError(
@@ -89,11 +99,16 @@ def generate_blocks(
     if cache not in (None, "prefix"):
         raise ValueError(f"block diffusion runs cache 'prefix' (exact) or None, got {cache!r}")
     b, P = prompt.shape
+    shifted = predicts_next(RunningMode(running_mode))
+    if shifted and P == 0:
+        raise ValueError(
+            "a difflm-shift model needs a prompt of at least one token (position 0 has no predictor)"
+        )
     num_blocks = gen_length // block_size
     x = torch.cat(
         [prompt, torch.full((b, gen_length), mask_token_id, dtype=prompt.dtype, device=prompt.device)], 1
     )
-    forwards = _BlockForwards(model, block_size, (-P) % block_size, cache == "prefix")
+    forwards = _BlockForwards(model, block_size, (-P) % block_size, cache == "prefix", shifted)
     # the prompt's blocks end at P: boundaries at P - k * block_size
     bounds = sorted({0, *range(P % block_size, P + 1, block_size)})
     for lo, hi in zip(bounds, bounds[1:]):

@@ -361,8 +361,6 @@ def _generate_blocks(model, prompt: torch.Tensor, block_size: int, args: Dict[st
             f"block_length ({args['block_length']}) must be the model's block size ({block_size}) "
             "for a block-diffusion model (or left out)"
         )
-    if predicts_next(RunningMode(args["running_mode"])):
-        raise ValueError("block diffusion generation of a difflm-shift model is not supported yet")
     if args["cfg_scale"] or args["attention_mask"] is not None:
         raise ValueError("block diffusion generation runs without cfg_scale and attention_mask (padding)")
     _check_arguments(
@@ -380,7 +378,7 @@ def _generate_blocks(model, prompt: torch.Tensor, block_size: int, args: Dict[st
             gen_length=args["gen_length"], steps=args["steps"], temperature=args["temperature"],
             remasking=args["remasking"], generator=generator, vocab_size=args["vocab_size"],
             threshold=args["threshold"], cache=_cache_mode(args["cache"]),
-            eos_token_id=args["eos_token_id"], stats=args["stats"],
+            eos_token_id=args["eos_token_id"], stats=args["stats"], running_mode=args["running_mode"],
         )  # fmt: skip
     finally:
         model.train(was_training)
