@@ -275,7 +275,7 @@ def generate(
     """
     block_size = getattr(getattr(model, "config", None), "difflm_block_size", None)
     if block_size is not None:
-        return _generate_blocks(model, prompt, block_size, locals())
+        return _generate_blocks(model, prompt, block_size, locals())  # locals(): this call's arguments
     block_length = 128 if block_length is None else block_length
     _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
     _check_threshold(threshold)
