@@ -253,3 +253,15 @@ def test_shifted_block_generation_cache_is_token_exact(P):
     assert not torch.equal(
         cached, generate(model, prompt, cache="prefix", mask_token_id=MASK, gen_length=12, steps=12)
     )
+
+
+def test_run_record_without_block_diffusion_is_unchanged():
+    from megadlms.config import parse_config
+
+    base = "--mock-data --num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 32".split()
+    base += "--micro-batch-size 1 --global-batch-size 2 --train-iters 1 --lr 1e-3".split()
+    plain = parse_config(base, world_size=1).to_dict()
+    assert not {"block_size", "noise_clip_low", "noise_clip_high", "ar_loss_weight"} & set(plain["diffusion"])
+    assert "difflm_block_size" not in plain["model"]
+    block = parse_config(base + ["--difflm-block-size", "8"], world_size=1).to_dict()
+    assert block["diffusion"]["block_size"] == 8 and block["model"]["difflm_block_size"] == 8

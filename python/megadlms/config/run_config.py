@@ -22,6 +22,7 @@ from megadlms.common.enums import CkptFormat, NonPersistentCkptType, as_member, 
 from megadlms.common.errors import Problems
 from megadlms.data import DEFAULT_SPLIT, TokenizerConfig, data_source_problems
 from megadlms.diffusion import DiffusionConfig
+from megadlms.diffusion.config import block_diffusion_defaults
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.models import TransformerConfig
 from megadlms.optimizer import OptimizerConfig
@@ -479,4 +480,6 @@ class RunConfig:
         d["model"] = self.model.to_dict()
         if self.resilience == ResilienceConfig():  # off: today's record (checkpoints, metrics) unchanged
             del d["resilience"]
+        for name in block_diffusion_defaults(self.diffusion):  # block diffusion off: today's record too
+            del d["diffusion"][name]
         return d

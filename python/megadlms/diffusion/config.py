@@ -141,3 +141,13 @@ class DiffusionConfig:
                 f"mask_token_id {self.mask_token_id} is outside the model vocabulary "
                 f"[0, {vocab_size}): check the tokenizer's mask token and vocab_size"
             )
+
+
+_BLOCK_FIELDS = ("block_size", "noise_clip_low", "noise_clip_high", "ar_loss_weight")
+
+
+def block_diffusion_defaults(config: DiffusionConfig) -> tuple:
+    """The block-diffusion fields of ``config`` still at their defaults (every one for a run
+    without block diffusion): run records leave them out, so such a run's record keeps its bytes."""
+    defaults = DiffusionConfig(mask_token_id=0)
+    return tuple(f for f in _BLOCK_FIELDS if getattr(config, f) == getattr(defaults, f))
