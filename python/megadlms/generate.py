@@ -156,8 +156,10 @@ def sample_ids(
     threshold: Optional[float] = None,
     cache: Optional[str] = None,
     stats: Optional[Dict[str, int]] = None,
+    eos_token_id: Optional[int] = None,
 ) -> torch.Tensor:
-    """The ``gen_length`` new token ids [num_samples, gen_length] (CPU) after prompt ``ids``;
+    """The ``gen_length`` new token ids [num_samples, gen_length] (CPU) after prompt ``ids`` (a
+    block-diffusion model given ``eos_token_id``: up to the block in which every sample has it);
     ``threshold``, ``cache`` and ``stats`` (receives "nfe"): :func:`megadlms.diffusion.generate`'s."""
 
     device = next(model.parameters()).device
@@ -184,7 +186,8 @@ def sample_ids(
             mask_token_id=mask_token_id,
             gen_length=gen_length,
             steps=steps or gen_length,
-            block_length=block_length or gen_length,
+            # a block-diffusion model generates with its own block size
+            block_length=block_length or (None if model.config.difflm_block_size else gen_length),
             temperature=temperature,
             remasking=remasking,
             cfg_scale=cfg_scale,
@@ -193,6 +196,7 @@ def sample_ids(
             cache=cache,
             stats=stats,
             running_mode=running_mode(common),
+            eos_token_id=eos_token_id,  # a block-diffusion model stops after the block holding it
         )
     return out[:, len(ids) :].cpu()
 
@@ -203,6 +207,8 @@ def generate_text(model, tokenizer, common: dict, prompt: str, **sampling) -> li
     remasking, cfg_scale, seed, num_samples)."""
 
     mask_id = None if _is_causal(common) else tokenizer.mask_token_id
+    if model.config.difflm_block_size is not None:  # variable length: stop at the end-of-document block
+        sampling.setdefault("eos_token_id", getattr(tokenizer, "eod", None))
     rows = sample_ids(model, common, tokenizer.tokenize(prompt), mask_id, **sampling)
     return [tokenizer.detokenize(row.tolist()) for row in rows]
 

@@ -113,6 +113,10 @@ def _diffusion_config(args) -> DiffusionConfig:
         varilen_prob=args.difflm_varilen_prob,
         eval_mc_samples=args.difflm_eval_mc_samples,
         objective=args.difflm_objective,
+        block_size=args.difflm_block_size,
+        ar_loss_weight=args.difflm_ar_loss_weight or 0.0,
+        noise_clip_low=0.0 if args.difflm_noise_clip_low is None else args.difflm_noise_clip_low,
+        noise_clip_high=1.0 if args.difflm_noise_clip_high is None else args.difflm_noise_clip_high,
     )
 
 

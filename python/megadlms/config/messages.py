@@ -25,6 +25,8 @@ _FIELD_FLAG_OVERRIDES = {
     "eval_mc_samples": "--difflm-eval-mc-samples",
     "mask_token_id": "--mask-token",
     "objective": "--difflm-objective",
+    "block_size": "--difflm-block-size",
+    "ar_loss_weight": "--difflm-ar-loss-weight",
     "attention": "--attention-mask-type",
     "grad_reduce_in_fp32": "--accumulate-allreduce-grads-in-fp32",
     "bucket_size": "--ddp-bucket-size",

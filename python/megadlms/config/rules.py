@@ -62,8 +62,8 @@ def _unsupported_problems(args) -> List[str]:
             out.append(f"{flag}{shown} is not supported yet by megadlms: {fix}")
     if args.attention_mask_type == "block_causal":
         out.append(
-            "--attention-mask-type block_causal needs MegaDLMs' conditional (block diffusion) mode, "
-            "which megadlms does not have: use no_mask or causal"
+            "--attention-mask-type block_causal needs MegaDLMs' conditional mode, which megadlms does not "
+            "have: use no_mask (block diffusion is --difflm-block-size B with no_mask)"
         )
     return out + _megadlms_problems(args)
 
@@ -165,7 +165,39 @@ def cross_flag_problems(
     ]
     if optimizer is not None:
         out += [flag_message(p) for p in _precision_aware(args, optimizer)]
-    return out + _sft_problems(args) + _shift_problems(args)
+    return out + _sft_problems(args) + _shift_problems(args) + _block_problems(args)
+
+
+def _block_problems(args) -> List[str]:
+    """--difflm-block-size (block diffusion): what its [x_t ; x_0] pass runs with."""
+    B, S = args.difflm_block_size, args.seq_length
+    clip_flags = (("--difflm-noise-clip-low", args.difflm_noise_clip_low),
+                  ("--difflm-noise-clip-high", args.difflm_noise_clip_high))  # fmt: skip
+    clip = [f for f, v in clip_flags if v is not None]
+    if args.difflm_ar_loss_weight is not None:
+        clip.append("--difflm-ar-loss-weight")
+    if B is None:
+        return [f"{f} needs --difflm-block-size" for f in clip]
+    out = []
+    if args.difflm_ar_loss_weight is not None and args.model_running_mode != "difflm-shift":
+        out.append(
+            "--difflm-ar-loss-weight needs --model-running-mode difflm-shift (the AR loss reads "
+            "logits that predict the next token)"
+        )
+    if B < 1 or (S and S % B):
+        out.append(f"--difflm-block-size {B} must be positive and divide --seq-length {S}")
+    if args.model_running_mode == "vanilla" or args.sft:
+        out.append("--difflm-block-size needs masked-diffusion pretraining: drop it with vanilla or --sft")
+    if args.context_parallel_size > 1:
+        out.append(
+            "--difflm-block-size is not supported with --context-parallel-size > 1 (the [x_t ; x_0] "
+            "block mask is not sliced over cp ranks): use --context-parallel-size 1"
+        )
+    if args.reset_attention_mask:
+        out.append("--difflm-block-size cannot be combined with --reset-attention-mask (document packing)")
+    if args.attention_mask_type not in (None, "no_mask"):
+        out.append(f"--difflm-block-size needs --attention-mask-type no_mask, got {args.attention_mask_type}")
+    return out
 
 
 def _shift_problems(args) -> List[str]:

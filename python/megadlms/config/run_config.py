@@ -22,6 +22,7 @@ from megadlms.common.enums import CkptFormat, NonPersistentCkptType, as_member, 
 from megadlms.common.errors import Problems
 from megadlms.data import DEFAULT_SPLIT, TokenizerConfig, data_source_problems
 from megadlms.diffusion import DiffusionConfig
+from megadlms.diffusion.config import block_diffusion_defaults
 from megadlms.distributed import DistributedDataParallelConfig
 from megadlms.models import TransformerConfig
 from megadlms.optimizer import OptimizerConfig
@@ -482,4 +483,6 @@ class RunConfig:
         if self.resilience == ResilienceConfig():  # off: today's record (checkpoints, metrics) unchanged
             del d["resilience"]
         del d["profiling"]  # a diagnostic that changes no number: not part of the run's record
+        for name in block_diffusion_defaults(self.diffusion):  # block diffusion off: today's record too
+            del d["diffusion"][name]
         return d

@@ -56,6 +56,21 @@ class DiffusionConfig:
       eps 1e-3 and the sampled p by default; one crop per step (counter-based).
     """
 
+    block_size: Optional[int] = None
+    """Block diffusion (BD3-LM) with blocks of this many tokens (--difflm-block-size): one pass
+    over [x_t ; x_0] under the block mask, t drawn per block, the loss on x_t. A sequence of at
+    most one block runs the full-sequence objective unchanged (the x_0 half would be dead
+    weight: x_t's single block sees only itself). None: the full-sequence objective."""
+    noise_clip_low: float = 0.0
+    """Block diffusion: t ~ U(low, high) (BD3-LM's sampling_eps_min; --difflm-noise-clip-low)."""
+    noise_clip_high: float = 1.0
+    """Block diffusion: t ~ U(low, high) (BD3-LM's sampling_eps_max; --difflm-noise-clip-high)."""
+
+    ar_loss_weight: float = 0.0
+    """Block diffusion of a difflm-shift model: the weight of the autoregressive loss on the
+    clean x_0 stream (which then attends token-causally), added to x_t's diffusion loss in the
+    same pass (--difflm-ar-loss-weight); 0: none."""
+
     sft: bool = False
     """Supervised fine-tuning (--sft): batches carry ``answer_mask``; only answer positions are
     noised and scored (difflm-noshift), or carry the loss (vanilla: Megatron's SFT); no
@@ -85,7 +100,34 @@ class DiffusionConfig:
             isinstance(self.eval_mc_samples, int) and self.eval_mc_samples >= 1,
             f"eval_mc_samples must be >= 1, got {self.eval_mc_samples}",
         )
+        bad.check(
+            self.block_size is None or (isinstance(self.block_size, int) and self.block_size >= 1),
+            f"block_size must be a positive integer or None, got {self.block_size!r}",
+        )
+        bad.check(
+            0.0 <= self.noise_clip_low < self.noise_clip_high <= 1.0,
+            "noise clip must satisfy 0 <= low < high <= 1, got "
+            f"({self.noise_clip_low}, {self.noise_clip_high})",
+        )
+        bad.check(
+            self.block_size is None or (self.diffusion and not self.sft),
+            "block_size (--difflm-block-size) needs masked-diffusion pretraining (not vanilla, not --sft)",
+        )
+        bad.check(
+            not self.ar_loss_weight
+            or (self.block_size is not None and self.model_running_mode is RunningMode.DIFFLM_SHIFT),
+            f"ar_loss_weight ({self.ar_loss_weight}) needs block_size and the difflm-shift mode "
+            "(its logits predict the next token)",
+        )
+        bad.check(self.ar_loss_weight >= 0, f"ar_loss_weight must be >= 0, got {self.ar_loss_weight}")
         bad.raise_if_any()
+
+    def blocks(self, length: int) -> bool:
+        """True when a model input of ``length`` tokens runs the block-diffusion pass (more than
+        one block, or any length with the AR loss on x_0); False: the full-sequence objective."""
+        if not self.diffusion or self.block_size is None:
+            return False
+        return length > self.block_size or self.ar_loss_weight > 0
 
     @property
     def diffusion(self) -> bool:
@@ -99,3 +141,13 @@ class DiffusionConfig:
                 f"mask_token_id {self.mask_token_id} is outside the model vocabulary "
                 f"[0, {vocab_size}): check the tokenizer's mask token and vocab_size"
             )
+
+
+_BLOCK_FIELDS = ("block_size", "noise_clip_low", "noise_clip_high", "ar_loss_weight")
+
+
+def block_diffusion_defaults(config: DiffusionConfig) -> tuple:
+    """The block-diffusion fields of ``config`` still at their defaults (every one for a run
+    without block diffusion): run records leave them out, so such a run's record keeps its bytes."""
+    defaults = DiffusionConfig(mask_token_id=0)
+    return tuple(f for f in _BLOCK_FIELDS if getattr(config, f) == getattr(defaults, f))

@@ -111,7 +111,7 @@ def micro_batch_crop(
     if not config.diffusion or config.sft:  # fine-tuning never crops: the answer must stay whole
         return None
     if config.objective is Objective.LLADA:
-        return varilen_length(config.seed, iteration, seq_length, config.varilen_prob)
+        return block_crop(varilen_length(config.seed, iteration, seq_length, config.varilen_prob), config)
     if not bidirectional or config.varilen_prob <= 0.0:
         return None
     # MegaDLMs' seeding, not config.seed: reproducing its crops bit for bit needs its exact numpy stream.
@@ -119,7 +119,17 @@ def micro_batch_crop(
     # Draw order u then L, and L drawn even when unused: MegaDLMs' sequence of draws.
     u = rng.uniform(0, 1)
     length = int(rng.randint(low=2, high=seq_length + 1))
-    return length if u < config.varilen_prob else None
+    return block_crop(length, config) if u < config.varilen_prob else None
+
+
+def block_crop(crop: Optional[int], config: DiffusionConfig) -> Optional[int]:
+    """Block diffusion (``config.block_size``): a crop rounded down to a multiple of the block
+    size; a crop shorter than one block stays as it is (one partial block), so block_size =
+    seq_length keeps every crop of the full-sequence objective."""
+    B = config.block_size
+    if crop is None or B is None or crop < B:
+        return crop
+    return crop // B * B
 
 
 def forward_process(
@@ -170,23 +180,30 @@ def forward_process(
         p_mask = p_b.to(torch.float32)[:, None].expand(b, S)
     elif mode == PMaskMode.REALISED:
         is_loss = torch.ones_like(masked) if loss_mask is None else loss_mask > 0
-        # A row with loss tokens but none masked would add nothing and make the realised p 0; force one mask,
-        # as MegaDLMs. Rows without any loss token are left alone.
-        none_masked = ((masked & is_loss).sum(dim=1) == 0) & is_loss.any(dim=1)
-        # 2.0 is above every uniform: a non-loss position never wins the argmin.
-        first = torch.where(is_loss, u_bS, torch.full_like(u_bS, 2.0)).argmin(dim=1)
-        force = torch.zeros_like(masked)
-        force[torch.arange(b, device=device), first] = none_masked
-        masked = masked | force
-        # clamp and the frac > 0 fallback only matter for rows without loss tokens, whose weights are 0
-        # anyway: they just avoid 0/0 and 1/0.
-        num_loss = is_loss.sum(dim=1).clamp(min=1).to(torch.float32)
-        frac = (masked & is_loss).sum(dim=1).to(torch.float32) / num_loss
-        p_mask = torch.where(frac > 0, frac, torch.ones_like(frac))[:, None].expand(b, S)
+        masked, p_mask = realise_masks(masked, u_bS, is_loss)
     else:
         raise ValueError(f"p_mask mode must be 'sampled' or 'realised', got {mode!r}")
     noisy = torch.where(masked, torch.full_like(tokens, config.mask_token_id), tokens)
     return noisy, masked, p_mask.contiguous()
+
+
+def realise_masks(masked: torch.Tensor, u_bS: torch.Tensor, is_loss: torch.Tensor):
+    """MegaDLMs' 'realised' p of each row of ``masked`` [b, S]: (masked with >= 1 forced, p_mask)."""
+    b, S = masked.shape
+    # A row with loss tokens but none masked would add nothing and make the realised p 0; force one mask,
+    # as MegaDLMs. Rows without any loss token are left alone.
+    none_masked = ((masked & is_loss).sum(dim=1) == 0) & is_loss.any(dim=1)
+    # 2.0 is above every uniform: a non-loss position never wins the argmin.
+    first = torch.where(is_loss, u_bS, torch.full_like(u_bS, 2.0)).argmin(dim=1)
+    force = torch.zeros_like(masked)
+    force[torch.arange(b, device=masked.device), first] = none_masked
+    masked = masked | force
+    # clamp and the frac > 0 fallback only matter for rows without loss tokens, whose weights are 0
+    # anyway: they just avoid 0/0 and 1/0.
+    num_loss = is_loss.sum(dim=1).clamp(min=1).to(torch.float32)
+    frac = (masked & is_loss).sum(dim=1).to(torch.float32) / num_loss
+    p_mask = torch.where(frac > 0, frac, torch.ones_like(frac))[:, None].expand(b, S)
+    return masked, p_mask
 
 
 def sft_forward_process(

@@ -15,12 +15,23 @@ here (``_TRAINING`` / ``_VALIDATION``); the scorer it names lives in loss.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Callable, Dict, NamedTuple, Optional, TypedDict
 
 import torch
 
 from megadlms.common.enums import AttnMaskType, Objective, PMaskMode, RunningMode, SFTLossNormalization
+from megadlms.ops.block_mask import BlockDiffusion
 
+from .block import (
+    block_forward_process,
+    block_score,
+    block_times,
+    clip_times,
+    logit_index,
+    num_blocks,
+    two_stream,
+)
 from .config import DiffusionConfig
 from .loss import (
     LossSums,
@@ -32,7 +43,14 @@ from .loss import (
     sft_weights,
 )
 from .loss import token_cross_entropy_of as _scorer_of
-from .noise import forward_process, micro_batch_crop, sft_forward_process, validation_times
+from .noise import (
+    TAG_TIME,
+    counter_uniform,
+    forward_process,
+    micro_batch_crop,
+    sft_forward_process,
+    validation_times,
+)
 from .shift import predicts_next, to_logit_positions
 
 Batch = Dict[str, torch.Tensor]
@@ -49,6 +67,8 @@ class ObjectiveBatch:
     document_ids: Optional[torch.Tensor]
     scorer: Callable[..., LossSums]
     targets: Dict[str, Optional[torch.Tensor]]
+    block: Optional[BlockDiffusion] = None
+    """Block diffusion: ``tokens`` is [x_t ; x_0] and the model runs BD3-LM's mask (None: plain)."""
 
     def forward(
         self, model: Callable[..., torch.Tensor], hidden_states: Optional[torch.Tensor] = None
@@ -58,6 +78,8 @@ class ObjectiveBatch:
         kw = {} if self.document_ids is None else {"document_ids": self.document_ids}
         if hidden_states is not None:
             kw["hidden_states"] = hidden_states
+        if self.block is not None:
+            kw["block_diffusion"] = self.block
         return model(self.tokens, self.position_ids, **kw)
 
     def score(self, logits: torch.Tensor, cross_entropy: TokenCrossEntropy) -> LossSums:
@@ -71,6 +93,18 @@ def _ar_score(logits, cross_entropy, labels, loss_mask) -> LossSums:
 
 def _diffusion_score(logits, cross_entropy, clean, masked, p_mask, loss_mask) -> LossSums:
     return diffusion_loss(logits, clean, masked, p_mask, loss_mask, cross_entropy)
+
+
+def _noise(clean, sample_idx, config: DiffusionConfig, loss_mask, **kw):
+    """forward_process, or its block version (t per block) for a block-diffusion sequence; a
+    one-block sequence draws today's t (clipped to the noise range when the block size is set)."""
+    offset = 1 if predicts_next(config.model_running_mode) else 0  # the model reads a first token before
+    if config.blocks(clean.shape[1] + offset):
+        return block_forward_process(clean, sample_idx, config, loss_mask, offset=offset, **kw)
+    if config.block_size is not None and kw.get("t") is None:
+        idx = torch.as_tensor(sample_idx, dtype=torch.int64, device=clean.device).reshape(-1)
+        kw["t"] = clip_times(counter_uniform(config.seed, TAG_TIME, idx, kw.get("draw", 0)), config)
+    return forward_process(clean, sample_idx, config, loss_mask, **kw)
 
 
 class ObjectiveInputs(TypedDict):
@@ -183,13 +217,14 @@ def _diffusion_training(batch: Batch, config: DiffusionConfig, crop: Optional[in
         noisy, masked, p_mask = sft_forward_process(clean, answer, sample_idx, config)
         loss_mask = sft_weights(answer, config.sft_loss_normalization)
     else:
-        noisy, masked, p_mask = forward_process(clean, sample_idx, config, loss_mask)
-    return _diffusion_batch(inputs, noisy, masked, p_mask, loss_mask)
+        noisy, masked, p_mask = _noise(clean, sample_idx, config, loss_mask)
+    return _diffusion_batch(inputs, config, noisy, masked, p_mask, loss_mask)
 
 
-def _diffusion_batch(inputs: ObjectiveInputs, noisy, masked, p_mask, loss_mask) -> ObjectiveBatch:
+def _diffusion_batch(inputs: ObjectiveInputs, config: DiffusionConfig, noisy, masked, p_mask, loss_mask):
     """The model input and the targets of a noised ``inputs``; difflm-shift: the first token
-    before the input, each target at the logit position that predicts it."""
+    before the input, each target at the logit position that predicts it. Block diffusion
+    (more than one block): the input is [x_t ; x_0] under the block mask, x_t scored."""
     clean, first = inputs["clean"], inputs["first"]
     if first is not None:
         noisy = torch.cat([first, noisy], dim=1)
@@ -202,7 +237,19 @@ def _diffusion_batch(inputs: ObjectiveInputs, noisy, masked, p_mask, loss_mask) 
         )
         p_mask = to_logit_positions(p_mask, 1.0)
     targets = {"clean": clean, "masked": masked, "p_mask": p_mask, "loss_mask": loss_mask}
-    return ObjectiveBatch(noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets)
+    n = noisy.shape[1]
+    if not config.blocks(n):
+        return ObjectiveBatch(
+            noisy, inputs["position_ids"], inputs["document_ids"], _diffusion_score, targets
+        )
+    # The x_t half is scored; the x_0 half gives it its clean context (and, weighted, the AR loss).
+    x0 = inputs["clean"] if first is None else torch.cat([first, inputs["clean"]], dim=1)
+    tokens, positions = two_stream(noisy, x0, inputs["position_ids"])
+    B = int(config.block_size)  # type: ignore[arg-type]  # blocks() holds only with a block size
+    index = None if first is None else logit_index(n, B, noisy.device)
+    scorer = functools.partial(block_score, index=index, ar_weight=config.ar_loss_weight)
+    spec = BlockDiffusion(B, causal_clean=config.ar_loss_weight > 0)
+    return ObjectiveBatch(tokens, positions, None, scorer, targets, spec)
 
 
 def _diffusion_validation(batch: Batch, config: DiffusionConfig, draw: int, num_draws: int) -> ObjectiveBatch:
@@ -219,10 +266,14 @@ def _diffusion_validation(batch: Batch, config: DiffusionConfig, draw: int, num_
         )
         loss_mask = answer.to(torch.float32)
     else:
-        noisy, masked, p_mask = forward_process(
+        shifted = 1 if inputs["first"] is not None else 0
+        if config.blocks(clean.shape[1] + shifted):  # stratified t per block
+            nb = num_blocks(clean.shape[1] + shifted, int(config.block_size))  # type: ignore[arg-type]
+            t = block_times(config, sample_idx, draw, nb, num_draws)
+        noisy, masked, p_mask = _noise(
             clean, sample_idx, config, loss_mask, t=t, draw=draw + 1, p_mask_mode=PMaskMode.SAMPLED
         )
-    return _diffusion_batch(inputs, noisy, masked, p_mask, loss_mask)
+    return _diffusion_batch(inputs, config, noisy, masked, p_mask, loss_mask)
 
 
 _TRAINING = {
@@ -241,6 +292,12 @@ def training_inputs(batch: Batch, config: DiffusionConfig, crop: Optional[int] =
     """``batch`` as one training micro-batch of ``config``'s objective, after the crop to
     ``crop`` positions (difflm-noshift: the noise of (seed, sample index, draw 0))."""
     return _TRAINING[config.model_running_mode](batch, config, crop)
+
+
+def model_length(config: DiffusionConfig, length: int) -> int:
+    """Tokens the model runs for a micro-batch of ``length`` positions (FLOPs, tokens/s): 2x
+    under block diffusion ([x_t ; x_0]), else ``length``."""
+    return 2 * length if config.blocks(length) else length
 
 
 def validation_draws(config: DiffusionConfig, num_mc_samples: int) -> int:

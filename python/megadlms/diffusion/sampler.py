@@ -226,7 +226,7 @@ def generate(
     mask_token_id: int,
     gen_length: int = 128,
     steps: int = 128,
-    block_length: int = 128,
+    block_length: Optional[int] = None,
     temperature: float = 0.0,
     remasking: str = "low_confidence",
     cfg_scale: float = 0.0,
@@ -238,6 +238,7 @@ def generate(
     attention_mask: Optional[torch.Tensor] = None,
     stats: Optional[Dict[str, Any]] = None,
     running_mode: RunningMode = RunningMode.DIFFLM_NOSHIFT,
+    eos_token_id: Optional[int] = None,
 ) -> torch.Tensor:
     """Complete ``prompt`` int64 [b, P] with ``gen_length`` tokens -> int64 [b, P + gen_length].
 
@@ -261,11 +262,21 @@ def generate(
     that receives ``"nfe"``, the number of model forward passes (the CFG pair counts as one, as
     Fast-dLLM counts), and ``"block_nfe"``, those of each block.
 
+    ``block_length`` defaults to 128. A block-diffusion model (``model.config.difflm_block_size``
+    set) generates block by block with :func:`~.block_sampler.generate_blocks`: ``block_length``
+    must be its block size (the default there), ``cache`` "prefix" is exact there, and
+    generation stops after the block in which every row has produced ``eos_token_id`` (so the
+    result may be shorter).
+
     ``running_mode`` difflm-shift (Dream): the model's logits at i predict token i + 1; each
     position is chosen from the logits before it (``megadlms.diffusion.shift``), as Dream's
     ``diffusion_generate``; no ``cache`` (a cached step recomputes from the block's first
     position, whose predictor is the cached one before it).
     """
+    block_size = getattr(getattr(model, "config", None), "difflm_block_size", None)
+    if block_size is not None:
+        return _generate_blocks(model, prompt, block_size, locals())  # locals(): this call's arguments
+    block_length = 128 if block_length is None else block_length
     _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
     _check_threshold(threshold)
     mode = _cache_mode(cache)
@@ -338,3 +349,36 @@ def generate(
     if stats is not None:
         stats["nfe"], stats["block_nfe"] = forwards.nfe, block_nfe
     return x
+
+
+def _generate_blocks(model, prompt: torch.Tensor, block_size: int, args: Dict[str, Any]) -> torch.Tensor:
+    """:func:`generate`'s arguments for a block-diffusion model, checked and passed on."""
+    # here, not at the top: block_sampler builds on this module's helpers
+    from .block_sampler import generate_blocks
+
+    if args["block_length"] not in (None, block_size):
+        raise ValueError(
+            f"block_length ({args['block_length']}) must be the model's block size ({block_size}) "
+            "for a block-diffusion model (or left out)"
+        )
+    if args["cfg_scale"] or args["attention_mask"] is not None:
+        raise ValueError("block diffusion generation runs without cfg_scale and attention_mask (padding)")
+    _check_arguments(
+        prompt, args["gen_length"], args["steps"], block_size, args["temperature"], args["remasking"], 0.0
+    )
+    _check_threshold(args["threshold"])
+    generator = args["generator"]
+    if generator is None:
+        generator = torch.Generator(device=prompt.device).manual_seed(args["seed"] or 0)
+    was_training = model.training
+    model.eval()
+    try:
+        return generate_blocks(
+            model, prompt, mask_token_id=args["mask_token_id"], block_size=block_size,
+            gen_length=args["gen_length"], steps=args["steps"], temperature=args["temperature"],
+            remasking=args["remasking"], generator=generator, vocab_size=args["vocab_size"],
+            threshold=args["threshold"], cache=_cache_mode(args["cache"]),
+            eos_token_id=args["eos_token_id"], stats=args["stats"], running_mode=args["running_mode"],
+        )  # fmt: skip
+    finally:
+        model.train(was_training)

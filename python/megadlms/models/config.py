@@ -165,6 +165,10 @@ class TransformerConfig:
     """The attention residual add and pre_mlp_layernorm (RMSNorm) in one kernel each way
     (--no-residual-rmsnorm-fusion; no Megatron equivalent). LayerNorm models run unfused."""
 
+    difflm_block_size: Optional[int] = None
+    """Block diffusion (--difflm-block-size): the block size the model is trained with; the
+    sampler generates block by block with it (None: a full-sequence model)."""
+
     def __post_init__(self) -> None:
         """Fill the derived defaults (Megatron's rules) and check every field."""
         bad = Problems("TransformerConfig")
@@ -245,6 +249,8 @@ class TransformerConfig:
         d["params_dtype"] = str(self.params_dtype).replace("torch.", "")
         if d["rope_scaling"] is None:  # plain RoPE: today's record (checkpoints, exports) unchanged
             del d["rope_scaling"]
+        if d.get("difflm_block_size") is None:  # absent when off: other runs' checkpoints keep their bytes
+            d.pop("difflm_block_size", None)
         return d
 
     @classmethod

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megadlms.common.enums import AttnMaskType, PositionEmbeddingType, as_member
+from megadlms.ops.block_mask import BlockDiffusion, block_diffusion_mask
 from megadlms.ops.kv_cache import CachedAttention, KVCache
 from megadlms.parallel import (
     TensorParallelContext,
@@ -162,6 +163,9 @@ class GPTModel(nn.Module):
     ``kv_cache`` (:class:`~megadlms.ops.kv_cache.KVCache`, generation): the call's tokens are
     slots [cache_offset, cache_offset + S) (default positions: those slot numbers); their keys
     and values are written there and their queries attend to every slot of the cache.
+    ``block_diffusion`` (a :class:`~megadlms.ops.block_mask.BlockDiffusion`, training): the input
+    is ``[x_t ; x_0]`` (2n tokens, the positions of x_0 repeating those of x_t) under BD3-LM's
+    mask (:mod:`megadlms.ops.block_mask`).
 
     ``pipeline``: the :class:`PipelineChunk` this model builds (default: the whole model).
     Its weights are bitwise the whole model's for the same seed (the parts other chunks hold
@@ -304,13 +308,16 @@ class GPTModel(nn.Module):
         hidden_states: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
         cache_offset: int = 0,
+        block_diffusion: Optional[BlockDiffusion | int] = None,
     ) -> torch.Tensor:
         B, S, device = self._check_inputs(input_ids, position_ids, hidden_states)
         if kv_cache is not None:
             self._check_cache(document_ids, S, cache_offset)
+        if block_diffusion is not None:
+            self._check_block_diffusion(document_ids, kv_cache, S)
         if input_ids is None:  # a later pipeline chunk: only the shape matters (padding)
             input_ids = torch.zeros(B, S, dtype=torch.int64, device=device)
-        if S > self.config.max_position_embeddings:
+        if (S // 2 if block_diffusion is not None else S) > self.config.max_position_embeddings:
             raise ValueError(
                 f"input length {S} exceeds max_position_embeddings ({self.config.max_position_embeddings})"
             )
@@ -318,6 +325,8 @@ class GPTModel(nn.Module):
             if self.tp.cp_group is not None:  # a local arange would be the wrong (non-global) positions
                 ContextParallelPlan.build(None, self.tp.cp_group, False)  # raises, naming the fix
             position_ids = torch.arange(cache_offset, cache_offset + S, device=device).expand(B, S)
+            if block_diffusion is not None:  # x_0 repeats the positions of x_t
+                position_ids = torch.arange(S // 2, device=device).repeat(2).expand(B, S)
         elif position_ids.shape != input_ids.shape:
             # A shared [S] / [1, S] row broadcast over the batch (a view, no copy).
             position_ids = position_ids.expand(B, S)
@@ -334,6 +343,10 @@ class GPTModel(nn.Module):
         if kv_cache is not None:  # the padding of the sequence split is never written to the cache
             cached = CachedAttention(kv_cache, cache_offset, S, self.attention == AttnMaskType.CAUSAL)
             document_ids = None
+        if block_diffusion is not None:  # the [x_t ; x_0] pass: BD3-LM's mask (padding sees itself only)
+            cached = block_diffusion_mask(
+                S // 2, _block_spec(block_diffusion), device, self.core_attn_implementation, total=S + pad
+            )
         out = self._forward(input_ids, position_ids, document_ids, hidden_states, cached)
         # Only logits are cropped: a later pipeline chunk expects the padded length it splits over TP.
         return out[:, :S] if pad and self.pipeline.post_process else out
@@ -390,6 +403,21 @@ class GPTModel(nn.Module):
                 f"{self.config.max_position_embeddings} positions"
             )
 
+    def _check_block_diffusion(self, document_ids, kv_cache, S: int) -> None:
+        """The rules of a block-diffusion training pass, each a ValueError naming the fix."""
+        if self.attention == AttnMaskType.CAUSAL:
+            raise ValueError(
+                "block_diffusion: a causal model cannot run the [x_t ; x_0] mask; build it bidirectional"
+            )
+        if self.tp.cp_group is not None:
+            raise ValueError(
+                "block_diffusion: the [x_t ; x_0] mask is not sliced over context parallelism; build cp = 1"
+            )
+        if document_ids is not None or kv_cache is not None:
+            raise ValueError("block_diffusion cannot be combined with document_ids (packing) or a kv_cache")
+        if S % 2:
+            raise ValueError(f"block_diffusion: the input holds [x_t ; x_0], an even length, got {S}")
+
     def _forward(
         self, input_ids, position_ids, document_ids, hidden_states=None, cached=None
     ) -> torch.Tensor:
@@ -414,6 +442,11 @@ class GPTModel(nn.Module):
             # Tied within one chunk: the output layer multiplies by the embedding's own local vocab shard.
             weight = self.embedding.word_embeddings.weight
         return self.output_layer(x_BSH, weight)
+
+
+def _block_spec(block_diffusion) -> BlockDiffusion:
+    """A bare block size stands for the training mask of that size."""
+    return BlockDiffusion(block_diffusion) if isinstance(block_diffusion, int) else block_diffusion
 
 
 def _pad_sequence(input_ids, position_ids, document_ids, pad: int):

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from megadlms.common.ranges import OPTIMIZER, traced
-from megadlms.diffusion import loss_token_count, micro_batch_crop
+from megadlms.diffusion import loss_token_count, micro_batch_crop, model_length
 from megadlms.distributed import DataParallel, finalize_model_grads, step_scales
 from megadlms.models.moe import set_moe_aux_loss_scale
 
@@ -246,7 +246,8 @@ def forward_backward(
     loss_total, nan_ranks, exit_reduced = _reduce_step(
         local_loss, error, exit_flags(), iteration, device, loss_owner
     )
-    seq_length = micro_batches[0]["labels"].shape[1] if crops[0] is None else crops[0]
+    # block diffusion runs [x_t ; x_0]: FLOPs and tokens/s count the 2S pass
+    seq_length = model_length(diff_cfg, micro_batches[0]["labels"].shape[1] if crops[0] is None else crops[0])
     times = {"forward-backward": time.perf_counter() - t0, "schedule": compute}  # .item() above synced
     # (a data error raised in _reduce_step: the micro-batches exist here)
     lengths = [micro_batches[0]["labels"].shape[1] if c is None else c for c in crops]

@@ -14,7 +14,7 @@ def _int_or_str(value: str):
 def difflm_args(p):
     """The diffusion-LM objective (MegaDLMs' custom_args/difflm.py)."""
     g = p.add_argument_group("difflm (diffusion language model)")
-    for add in (_difflm_mode_flags, _difflm_objective_flags):
+    for add in (_difflm_mode_flags, _difflm_objective_flags, _difflm_block_flags):
         add(g)
 
 
@@ -104,4 +104,40 @@ def _difflm_objective_flags(g):
         help="megadlms (default): MegaDLMs' difflm-noshift objective (model input and target text[1:L], "
         "eps 0, realised mask fraction, >= 1 masked token per row, a per-micro-batch crop); llada: "
         "LLaDA's (target text[1:S+1], eps 1e-3, sampled p, one crop per step).",
+    )
+
+
+def _difflm_block_flags(g):
+    """Block diffusion (BD3-LM): the [x_t ; x_0] pass under the block mask."""
+    add_flag(
+        g,
+        "--difflm-block-size",
+        type=int,
+        default=None,
+        help="Block diffusion (BD3-LM) with blocks of B tokens (B divides --seq-length): one pass over "
+        "[x_t ; x_0] under the block mask, t per block, the loss on x_t. B = --seq-length runs today's "
+        "full-sequence objective. Default: off.",
+    )
+    add_flag(
+        g,
+        "--difflm-noise-clip-low",
+        type=float,
+        default=None,
+        help="Block diffusion: t ~ U(low, high) (BD3-LM's sampling_eps_min). Default 0.",
+    )
+    add_flag(
+        g,
+        "--difflm-noise-clip-high",
+        type=float,
+        default=None,
+        help="Block diffusion: t ~ U(low, high) (BD3-LM's sampling_eps_max). Default 1.",
+    )
+    add_flag(
+        g,
+        "--difflm-ar-loss-weight",
+        type=float,
+        default=None,
+        help="Block diffusion with --model-running-mode difflm-shift (AR-to-block adaptation): add this "
+        "weight times the autoregressive loss of the clean x_0 stream (then token-causal) to x_t's "
+        "diffusion loss, in the same pass. Default: 0.",
     )

@@ -277,3 +277,64 @@ def _transfer(conf: torch.Tensor, k: Optional[torch.Tensor], threshold: Optional
         if n > 0:
             transfer[j, torch.topk(conf[j], n).indices] = True
     return transfer
+
+
+@torch.no_grad()
+def block_diffusion_generate(
+    model, prompt, s: dict, mask_id: int, generator, block_size: int, eos_id=None, stats=None
+):
+    """A block-diffusion export (config ``megadlms_model_config.difflm_block_size``): block by
+    block, blocks aligned to end at the prompt's end, the keys/values of each committed clean
+    block cached exactly (they never change; megadlms' ``generate_blocks`` with cache
+    "prefix"); stops after the block in which every row has produced ``eos_id``. Returns
+    [b, P + n * block_size]."""
+    b, P = prompt.shape
+    x = torch.cat(
+        [prompt, torch.full((b, s["gen_length"]), mask_id, dtype=torch.int64, device=prompt.device)], 1
+    )
+    past = None
+    nfe = 0
+
+    def run(lo, hi, commit):
+        nonlocal past, nfe
+        nfe += 1
+        pos = torch.arange(lo, hi, device=x.device).expand(b, hi - lo)
+        out = model(x[:, lo:hi], position_ids=pos, past_key_values=past, use_cache=commit)
+        if commit:
+            past = out.past_key_values
+        return out.logits
+
+    bounds = sorted({0, *range(P % block_size, P + 1, block_size)})
+    for lo, hi in zip(bounds, bounds[1:]):  # the prompt's clean blocks
+        run(lo, hi, True)
+    num_blocks = s["gen_length"] // block_size
+    steps, threshold = s["steps"] // num_blocks, s.get("threshold")
+    done = torch.zeros(b, dtype=torch.bool, device=x.device)
+    end = P
+    for block in range(num_blocks):
+        start, end = P + block * block_size, P + (block + 1) * block_size
+        num_transfer = _num_transfer(x[:, start:end] == mask_id, steps)
+        step = 0
+        while step < steps if threshold is None else bool((x[:, start:end] == mask_id).any()):
+            part = x[:, start:end]
+            logits = run(start, end, False)
+            x0 = draw(logits, s, mask_id, generator)
+            if s["remasking"] == "low_confidence":
+                conf = F.softmax(logits, dim=-1).gather(-1, x0[..., None]).squeeze(-1).to(torch.float64)
+            else:
+                conf = torch.rand(x0.shape, dtype=torch.float64, device=x.device, generator=generator)
+            mask_index = part == mask_id
+            x0 = torch.where(mask_index, x0, part)
+            conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
+            k = num_transfer[:, step] if threshold is None else None
+            x[:, start:end] = torch.where(_transfer(conf, k, threshold), x0, part)
+            step += 1
+        if block < num_blocks - 1:
+            run(start, end, True)  # the committed block's clean keys/values
+        if eos_id is not None:
+            done |= (x[:, start:end] == eos_id).any(dim=1)
+            if bool(done.all()):
+                break
+    if stats is not None:
+        stats["nfe"] = nfe
+    return x[:, :end]

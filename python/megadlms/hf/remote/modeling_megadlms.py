@@ -27,7 +27,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast, MaskedLMOutput
 from transformers.utils import logging
 
-from .generation_megadlms import IGNORED, diffusion_generate, resolve
+from .generation_megadlms import IGNORED, block_diffusion_generate, diffusion_generate, resolve
 
 logger = logging.get_logger(__name__)
 
@@ -385,6 +385,11 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
             )
         defaults = getattr(self.config, "generation_defaults", None) or {}
         args = {k: v for k, v in kwargs.items() if k in _GENERATE_NAMES}
+        block_size = (getattr(self.config, "megadlms_model_config", None) or {}).get("difflm_block_size")
+        if block_size is not None:  # a block-diffusion export: its block size, unless the caller gave it
+            _check_block_call(args, attention_mask, block_size)
+            args.setdefault("block_length", block_size)
+            defaults = {k: v for k, v in defaults.items() if k != "block_length"}
         s = resolve(args, defaults, input_ids.shape[1], self.config.max_position_embeddings)
         total = input_ids.shape[1] + s["gen_length"]
         if self.config.position_embedding_type != "rope" and total > self.config.max_position_embeddings:
@@ -397,9 +402,29 @@ class MegaDLMsModelLM(MegaDLMsPreTrainedModel):
         was_training = self.training
         self.eval()
         try:
+            if block_size is not None:
+                eos = kwargs.get("eos_token_id", self.config.eos_token_id)
+                return block_diffusion_generate(
+                    self, input_ids, s, mask_id, generator, block_size, eos, stats
+                )
             return diffusion_generate(self, input_ids, attention_mask, s, mask_id, generator, verbose, stats)
         finally:
             self.train(was_training)
+
+
+def _check_block_call(args: dict, attention_mask, block_size: int) -> None:
+    """A block-diffusion export generates with its own block size, unpadded, with its exact cache."""
+    given = args.get("block_length", args.get("inference_block_size"))
+    if given not in (None, block_size):
+        raise ValueError(
+            f"generate: this export is a block-diffusion model of block size {block_size}, got {given}"
+        )
+    if attention_mask is not None and not bool(attention_mask.bool().all()):
+        raise ValueError(
+            "generate: a block-diffusion export takes unpadded prompts (no attention_mask padding)"
+        )
+    if args.get("cfg", args.get("cfg_scale")) or args.get("cache") not in (None, "none", "prefix"):
+        raise ValueError("generate: a block-diffusion export runs its exact prefix cache, without cfg")
 
 
 def _unpack_inputs(
