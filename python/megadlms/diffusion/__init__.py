@@ -56,6 +56,7 @@ the padded vocabulary; the sampler and the answer likelihood see only the real t
 """
 
 from .config import MODEL_RUNNING_MODES, OBJECTIVES, P_MASK_MODES, DiffusionConfig
+from .denoise import add_gumbel_noise, get_num_transfer_tokens
 from .evaluation import validation_nelbo
 from .likelihood import answer_nll_draws, conditional_log_likelihood
 from .loss import (
@@ -86,7 +87,7 @@ from .objective import (
     validation_draws,
     validation_inputs,
 )
-from .sampler import add_gumbel_noise, generate, get_num_transfer_tokens
+from .sampler import generate
 from .shift import position_logits, predicts_next, to_logit_positions
 from .vocab import real_vocab_size, token_logits
 

@@ -23,7 +23,7 @@ from megadlms.common.enums import RunningMode
 from megadlms.ops.block_mask import BlockDiffusion
 from megadlms.ops.kv_cache import KVCache
 
-from .sampler import _commit, _logits, get_num_transfer_tokens
+from .denoise import commit, get_num_transfer_tokens, step_logits
 from .shift import predicts_next
 
 
@@ -57,7 +57,10 @@ class _BlockForwards:
         if self.kv is not None:
             self.kv.truncate(start)
             logits = self.model(x[:, start:end], kv_cache=self.kv, cache_offset=start)
-            return torch.cat([self.last, logits[:, :-1]], dim=1) if self.shifted else logits
+            if not self.shifted:
+                return logits
+            assert self.last is not None  # set by the prefix's forward before the first block
+            return torch.cat([self.last, logits[:, :-1]], dim=1)
         prefix = x[:, :end]
         both = torch.cat([prefix, prefix], dim=1)
         logits = self.model(both, block_diffusion=BlockDiffusion(self.block_size, self.shift))
@@ -126,12 +129,12 @@ def generate_blocks(
             else bool((x[:, start:end] == mask_token_id).any())
         ):
             part = x[:, start:end]
-            logits = _logits(
+            logits = step_logits(
                 model, part, None, mask_token_id, 0.0, vocab_size,
                 lambda _: forwards(x, start, end), RunningMode.DIFFLM_NOSHIFT,  # noqa: B023 (called at once)
             )  # fmt: skip
             k = num_transfer[:, step] if threshold is None else None
-            x[:, start:end] = _commit(
+            x[:, start:end] = commit(
                 logits, part, part == mask_token_id, block_size, k, mask_token_id, temperature, remasking,
                 generator, threshold,
             )  # fmt: skip

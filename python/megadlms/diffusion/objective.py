@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Dict, NamedTuple, Optional, TypedDict
+from typing import Any, Callable, Dict, NamedTuple, Optional, TypedDict
 
 import torch
 
@@ -75,7 +75,7 @@ class ObjectiveBatch:
     ) -> torch.Tensor:
         """``model``'s output on these inputs (``hidden_states``: a later pipeline chunk's input;
         the token ids still give it the batch shape)."""
-        kw = {} if self.document_ids is None else {"document_ids": self.document_ids}
+        kw: Dict[str, Any] = {} if self.document_ids is None else {"document_ids": self.document_ids}
         if hidden_states is not None:
             kw["hidden_states"] = hidden_states
         if self.block is not None:

@@ -27,128 +27,22 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from megadlms.common.enums import RunningMode
 from megadlms.ops.kv_cache import KVCache
 
-from .shift import position_logits, predicts_next
-from .vocab import real_vocab_size, token_logits
+from .block_sampler import generate_blocks
+from .denoise import (
+    check_arguments,
+    check_threshold,
+    commit,
+    get_num_transfer_tokens,
+    step_logits,
+)
+from .shift import predicts_next
+from .vocab import real_vocab_size
 
-REMASKING = ("low_confidence", "random")
 CACHE_MODES = ("none", "prefix", "dual")
-
-
-def get_num_transfer_tokens(block_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """Tokens to commit per step: masks of each row spread evenly, remainder first.
-
-    block_mask bool [b, L] -> int64 [b, steps], each row summing to its mask count.
-    """
-    num = block_mask.sum(dim=1, keepdim=True)
-    base, rem = num // steps, num % steps
-    step_ids = torch.arange(steps, device=block_mask.device)[None, :]
-    return base + (step_ids < rem).to(torch.int64)
-
-
-def add_gumbel_noise(
-    logits: torch.Tensor, temperature: float, generator: Optional[torch.Generator] = None
-) -> torch.Tensor:
-    """Scores whose argmax samples softmax(logits / temperature): exp(l) / (-log u)^T in
-    float64 (low-precision Gumbel-max hurts generation quality, arXiv:2409.02908)."""
-    if temperature == 0:
-        return logits
-    logits = logits.to(torch.float64)
-    u = torch.rand(logits.shape, dtype=torch.float64, device=logits.device, generator=generator)
-    # Gumbel-max in product form: log of this is l - T log(-log u) = l + T g with g ~ Gumbel, so the argmax
-    # samples softmax(l / T).
-    return logits.exp() / (-torch.log(u)) ** temperature
-
-
-def _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale) -> None:
-    """The argument rules of :func:`generate`, each a ValueError naming the argument."""
-    if prompt.dim() != 2:
-        raise ValueError(f"prompt must be int64 [batch, length], got shape {tuple(prompt.shape)}")
-    if gen_length <= 0 or block_length <= 0 or steps <= 0:
-        raise ValueError(
-            f"gen_length ({gen_length}), block_length ({block_length}) and steps ({steps}) must be positive"
-        )
-    if gen_length % block_length:
-        raise ValueError(f"gen_length ({gen_length}) must be a multiple of block_length ({block_length})")
-    if steps % (gen_length // block_length):
-        raise ValueError(
-            f"steps ({steps}) must be a multiple of the number of blocks "
-            f"gen_length/block_length = {gen_length // block_length}"
-        )
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking must be one of {REMASKING}, got {remasking!r}")
-    if temperature < 0 or cfg_scale < 0:
-        raise ValueError(f"temperature ({temperature}) and cfg_scale ({cfg_scale}) must be >= 0")
-
-
-def _check_threshold(threshold: Optional[float]) -> None:
-    if threshold is not None and not 0.0 < threshold <= 1.0:
-        raise ValueError(f"threshold must be in (0, 1] (a confidence), got {threshold}")
-
-
-def _logits(model, x, prompt_index, mask_token_id, cfg_scale, vocab_size, forward, mode) -> torch.Tensor:
-    """Token logits of ``x`` (a slice of the sequence, with its part of ``prompt_index``) through
-    ``forward(batch) -> logits``; with classifier-free guidance the pair [x; x with the prompt
-    masked] in one batch. ``mode``: the running mode, whose rule (``shift.position_logits``)
-    gives each position the logits that predict it."""
-    if cfg_scale > 0:
-        uncond = x.clone()
-        uncond[prompt_index] = mask_token_id
-        cond_logits, uncond_logits = forward(torch.cat([x, uncond])).chunk(2)
-        logits = uncond_logits + (cfg_scale + 1) * (cond_logits - uncond_logits)
-    else:
-        logits = forward(x)
-    logits = position_logits(logits, mode)
-    # The real tokens only (vocab-parallel slices gathered, Megatron's padding rows cut): no padding id can be
-    # drawn, and confidences are probabilities over the tokens, as the Hugging Face export computes them.
-    logits = token_logits(model, logits, vocab_size)
-    if not 0 <= mask_token_id < logits.shape[-1]:
-        raise ValueError(
-            f"mask_token_id {mask_token_id} is outside the model's vocabulary of {logits.shape[-1]}"
-        )
-    return logits
-
-
-def _commit(
-    logits, x, mask_index, end, num_transfer, mask_token_id, temperature, remasking, generator, threshold
-):
-    """One denoising step's commits on ``x`` [b, L] (a slice of the sequence) from its ``logits``:
-    the ``num_transfer`` [b] most confident masked positions before ``end`` (the current block's
-    end, in the slice); with ``threshold`` (Fast-dLLM's parallel decoding) every one whose
-    confidence reaches it, and always at least the most confident one."""
-    # [MASK] is excluded from the draw only; confidence is LLaDA's p(x0) from the
-    # unmodified logits (not renormalised over the non-[MASK] tokens).
-    draw_logits = logits.clone()
-    draw_logits[..., mask_token_id] = float("-inf")
-    x0 = add_gumbel_noise(draw_logits, temperature, generator).argmax(dim=-1)
-    if remasking == "low_confidence":
-        probs = F.softmax(logits, dim=-1)
-        conf = probs.gather(-1, x0[..., None]).squeeze(-1).to(torch.float64)
-    else:
-        conf = torch.rand(x0.shape, dtype=torch.float64, device=x.device, generator=generator)
-    conf[:, end:] = float("-inf")  # later blocks wait their turn
-    # Positions not masked (prompt, committed) keep their value in x0 and get -inf confidence, so
-    # even a topk that reaches them changes nothing.
-    x0 = torch.where(mask_index, x0, x)
-    conf = torch.where(mask_index, conf, torch.full_like(conf, float("-inf")))
-    transfer = torch.zeros_like(mask_index)
-    if threshold is not None:
-        # Fast-dLLM's rule: every masked position of the block at or above the threshold, and the
-        # row's most confident one even when none reaches it (a row with no mask left commits nothing).
-        has_mask = torch.isfinite(conf).any(dim=1)
-        transfer = (conf >= threshold) & torch.isfinite(conf)
-        transfer[has_mask, conf[has_mask].argmax(dim=1)] = True
-        return torch.where(transfer, x0, x)
-    k_per_row = num_transfer.tolist()
-    # topk row by row: rows may commit different k (their blocks held different numbers of masks).
-    for j, k in enumerate(k_per_row):
-        if k > 0:
-            transfer[j, torch.topk(conf[j], k).indices] = True
-    return torch.where(transfer, x0, x)
 
 
 def _cache_mode(cache: Optional[str]) -> Optional[str]:
@@ -277,8 +171,8 @@ def generate(
     if block_size is not None:
         return _generate_blocks(model, prompt, block_size, locals())  # locals(): this call's arguments
     block_length = 128 if block_length is None else block_length
-    _check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
-    _check_threshold(threshold)
+    check_arguments(prompt, gen_length, steps, block_length, temperature, remasking, cfg_scale)
+    check_threshold(threshold)
     mode = _cache_mode(cache)
     running_mode = RunningMode(running_mode)
     if mode is not None and predicts_next(running_mode):
@@ -289,7 +183,7 @@ def generate(
         )
     num_blocks = gen_length // block_length
     # The real vocabulary when the model (or the caller) knows it, else the output rows; a model that records
-    # neither is checked at its first logits (_logits).
+    # neither is checked at its first logits (step_logits).
     real = real_vocab_size(model, vocab_size) or getattr(getattr(model, "config", None), "vocab_size", None)
     if real is not None and not 0 <= mask_token_id < real:
         raise ValueError(f"mask_token_id {mask_token_id} is outside the model's vocabulary of {real}")
@@ -324,7 +218,7 @@ def generate(
             ):
                 lo, hi = forwards.span(step, start, end, total)
                 part = x[:, lo:hi]
-                logits = _logits(
+                logits = step_logits(
                     model, part, prompt_index[:, lo:hi], mask_token_id, cfg_scale, vocab_size,
                     lambda batch: forwards(batch, lo, step, start),  # noqa: B023 (called at once)
                     running_mode,
@@ -333,7 +227,7 @@ def generate(
                     part == mask_token_id if keep is None else (part == mask_token_id) & keep[:, lo:hi]
                 )
                 k = num_transfer[:, step] if threshold is None else None
-                committed = _commit(
+                committed = commit(
                     logits, part, mask_index, end - lo, k, mask_token_id, temperature, remasking, generator,
                     threshold,
                 )  # fmt: skip
@@ -353,8 +247,6 @@ def generate(
 
 def _generate_blocks(model, prompt: torch.Tensor, block_size: int, args: Dict[str, Any]) -> torch.Tensor:
     """:func:`generate`'s arguments for a block-diffusion model, checked and passed on."""
-    # here, not at the top: block_sampler builds on this module's helpers
-    from .block_sampler import generate_blocks
 
     if args["block_length"] not in (None, block_size):
         raise ValueError(
@@ -363,10 +255,10 @@ def _generate_blocks(model, prompt: torch.Tensor, block_size: int, args: Dict[st
         )
     if args["cfg_scale"] or args["attention_mask"] is not None:
         raise ValueError("block diffusion generation runs without cfg_scale and attention_mask (padding)")
-    _check_arguments(
+    check_arguments(
         prompt, args["gen_length"], args["steps"], block_size, args["temperature"], args["remasking"], 0.0
     )
-    _check_threshold(args["threshold"])
+    check_threshold(args["threshold"])
     generator = args["generator"]
     if generator is None:
         generator = torch.Generator(device=prompt.device).manual_seed(args["seed"] or 0)

@@ -35,7 +35,7 @@ import os
 import sys
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Type
 
 import torch.distributed as dist
 
@@ -111,7 +111,7 @@ class FailureChannel:
             self._thread = None
 
     @contextlib.contextmanager
-    def phase(self, name: str, only: type = Exception):
+    def phase(self, name: str, only: Type[BaseException] = Exception):
         """Run a phase whose failure the other ranks cannot learn otherwise: an exception in it
         (of class ``only``: the step publishes only its unpaired failures) is published before it
         propagates. KeyboardInterrupt and SystemExit are not: they stop one rank by design."""
