@@ -53,6 +53,14 @@ def test_flops_are_the_trainers_count():
     assert step_flops(config) == want
 
 
+def test_block_diffusion_plans_the_2s_pass():
+    # training/step.py's model_length: [x_t ; x_0] is twice the tokens in FLOPs and activations
+    plain = with_vocabulary(parse_config(SMALL, world_size=1))
+    block = with_vocabulary(parse_config([*SMALL, "--difflm-block-size", "16"], world_size=1))
+    assert step_flops(block) == num_floating_point_operations(block.model, 8, 128, causal=False)
+    assert layer_bytes(block) > 2 * layer_bytes(plain) * 0.99
+
+
 def test_table_and_json(capsys):
     assert main(["--world-size", "2", "--device", "H200", *SMALL, "--use-distributed-optimizer"]) == 0
     out = capsys.readouterr().out

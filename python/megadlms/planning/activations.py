@@ -29,6 +29,7 @@ import torch
 
 from megadlms.common.enums import RecomputeGranularity, RecomputeMethod
 from megadlms.config import RunConfig
+from megadlms.diffusion import model_length
 from megadlms.models import TransformerConfig
 from megadlms.models.transformer import RotaryEmbedding, TransformerBlock
 from megadlms.parallel import TensorParallelContext, model_parallel_manual_seed
@@ -149,10 +150,12 @@ def layer_bytes(config: RunConfig, granularity=None) -> float:
         m = dataclasses.replace(m, **_recompute_fields(granularity))
     coef = _coefficients(m, dtype)
     tp, cp = par.tensor_model_parallel_size, par.context_parallel_size
-    s, b = m.seq_length / cp, config.training.micro_batch_size
+    # block diffusion's [x_t ; x_0] pass: a sequence of twice the tokens (its boolean mask not counted)
+    full = model_length(config.diffusion, m.seq_length)
+    s, b = full / cp, config.training.micro_batch_size
     heads, groups = m.num_attention_heads / tp, (m.num_query_groups or m.num_attention_heads) / tp
     outside = tp if par.sequence_parallel else 1  # the sequence-split terms
-    terms = _monomials(s, b, m.hidden_size, _layer_widths(m) / tp, heads, m.kv_channels, groups, m.seq_length)
+    terms = _monomials(s, b, m.hidden_size, _layer_widths(m) / tp, heads, m.kv_channels, groups, full)
     terms[0] /= outside
     terms[4] /= outside
     return sum(c * t for c, t in zip(coef, terms))
@@ -191,7 +194,8 @@ def activation_bytes(config: RunConfig) -> Dict[str, float]:
     out = {"layers": units * layers * per_layer}
     if m.recompute_granularity == RecomputeGranularity.FULL:
         out["recompute peak"] = layer_bytes(config, "none") * (m.recompute_num_layers or 1)
-    tokens = m.seq_length / par.context_parallel_size * config.training.micro_batch_size
+    length = model_length(config.diffusion, m.seq_length)
+    tokens = length / par.context_parallel_size * config.training.micro_batch_size
     # the last stage's logits (16-bit) and the loss's fp32 copy, vocab-parallel over tp
     if par.pipeline_model_parallel_size == 1:
         itemsize = torch.empty((), dtype=param_dtype(config)).element_size()

@@ -31,6 +31,7 @@ from typing import Dict
 
 from megadlms.common.enums import AttnMaskType, RecomputeGranularity
 from megadlms.config import RunConfig
+from megadlms.diffusion import model_length
 from megadlms.models import num_floating_point_operations
 
 from .devices import Device
@@ -40,11 +41,12 @@ __all__ = ["StepTime", "step_flops", "step_time"]
 
 
 def step_flops(config: RunConfig) -> float:
-    """The FLOPs the trainer logs for one full-length step (training/train.py's call)."""
+    """The FLOPs the trainer logs for one full-length step (training/train.py's call: block
+    diffusion runs [x_t ; x_0], twice the tokens)."""
     causal = config.model.attention == AttnMaskType.CAUSAL
-    return num_floating_point_operations(
-        config.model, config.training.global_batch_size, config.model.seq_length, causal=causal
-    )
+    length = model_length(config.diffusion, config.model.seq_length)
+    gbs = config.training.global_batch_size
+    return num_floating_point_operations(config.model, gbs, length, causal=causal)
 
 
 @dataclass(frozen=True)
@@ -157,7 +159,7 @@ def step_time(config: RunConfig, state: StateBytes, dev: Device) -> StepTime:
     }
     exposed = {k: max(0.0, v - hidden_behind.get(k, 0.0)) for k, v in seconds.items()}
     step = compute + bubble + sum(exposed.values())
-    tokens = config.training.global_batch_size * config.model.seq_length
+    tokens = config.training.global_batch_size * model_length(config.diffusion, config.model.seq_length)
     return StepTime(
         flops=flops,
         compute_s=compute,

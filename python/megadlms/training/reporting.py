@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megadlms.common.enums import AttnMaskType, Objective
 from megadlms.config import RunConfig
+from megadlms.diffusion import model_length
 from megadlms.models import num_floating_point_operations
 from megadlms.models.moe import moe_layer_stats
 
@@ -150,9 +151,8 @@ class Reporter:
             # Megatron keeps the flops in the checkpoint; ours come from the progress file's line
             # for the resumed iteration, else from full-length steps.
             it = counters.iteration
-            full = num_floating_point_operations(
-                config.model, self.gbs, config.model.seq_length, causal=self._causal
-            )
+            length = model_length(config.diffusion, config.model.seq_length)  # block diffusion: 2S
+            full = num_floating_point_operations(config.model, self.gbs, length, causal=self._causal)
             at = self.progress.flops_at(it) if it else 0.0
             self.flops_so_far = self._job_start_flops = at if at is not None else it * full
             self.progress.append("Starting job")
