@@ -308,3 +308,37 @@ def test_dream_import_trains_shifted_at_tp2_as_at_dp2(saved):
         assert sorted(tp2) == [1, 2] and all(torch.isfinite(torch.tensor(list(tp2.values()))))
         for step in tp2:
             assert tp2[step] == pytest.approx(dp2[step], rel=1e-4), step
+
+
+def test_exports_refuse_a_format_that_misreads_the_mode(tmp_path):
+    # A shifted model exported where the code reads token i from position i, or a block-diffusion
+    # model where the code attends over the whole sequence, would generate wrong text silently.
+    from megadlms.checkpoint import RunRecords, save_checkpoint
+    from megadlms.data import TokenizerConfig
+    from megadlms.hf.export import export_hf
+    from tests.hf.helpers import ROPE_SWIGLU, tiny_config
+
+    def saved(name, mode, **extra):
+        cfg = tiny_config(**{**ROPE_SWIGLU, "qk_layernorm": False, **extra})
+        torch.manual_seed(0)
+        records = RunRecords(
+            args={"diffusion": {"model_running_mode": mode}},
+            model_config=cfg.to_dict(),
+            tokenizer=TokenizerConfig().to_dict(),
+        )
+        save_checkpoint(
+            str(tmp_path / name), 1, model=GPTModel(cfg), ckpt_format="torch_dist", records=records
+        )
+        return str(tmp_path / name)
+
+    shifted = saved("shift", "difflm-shift")
+    for fmt in ("megadlms", "llada"):
+        with pytest.raises(ValueError, match="is a difflm-shift model .* export it with --format dream"):
+            export_hf(shifted, str(tmp_path / f"hf-{fmt}"), fmt=fmt)
+    block = saved("block", "difflm-noshift", difflm_block_size=8)
+    for fmt in ("llada", "dream"):
+        with pytest.raises(ValueError, match="is a block-diffusion model"):
+            export_hf(block, str(tmp_path / f"hfb-{fmt}"), fmt=fmt)
+    shifted_block = saved("shift-block", "difflm-shift", difflm_block_size=8)
+    with pytest.raises(ValueError, match="is a block-diffusion model"):
+        export_hf(shifted_block, str(tmp_path / "hfsb"), fmt="dream")

@@ -50,11 +50,12 @@ from .tokenizer_files import write_tokenizer_files
 
 REMOTE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "remote")
 REMOTE_FILES = ("modeling_megadlms.py", "generation_megadlms.py")
+MEGADLMS_FORMAT = "megadlms"  # the default: our config and remote code (hf/remote/)
 LLADA_FORMAT = "llada"  # --format llada: LLaDA's tensor names and config (hf/llada.py)
 DREAM_FORMAT = "dream"  # --format dream: Dream's DreamModel config, Qwen2 names (hf/dream.py)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EMBEDDING_KEY = "model/embedding.word_embeddings.weight"
-FORMATS = ("megadlms", "llada", "dream")
+FORMATS = (MEGADLMS_FORMAT, LLADA_FORMAT, DREAM_FORMAT)
 SPECIAL_IDS = ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -202,6 +203,24 @@ def _check_shifted(common: dict, load: str) -> None:
         )
 
 
+def _check_mode_fits_format(fmt: str, cfg: TransformerConfig, common: dict, load: str) -> None:
+    """The exported code must read the model the way it was trained: only Dream's shifts the
+    logits, and only ours generates block by block (LLaDA's and Dream's run full-sequence
+    attention, which a block-diffusion model never saw)."""
+    shifted = running_mode(common) is RunningMode.DIFFLM_SHIFT
+    if shifted and fmt != DREAM_FORMAT:
+        raise ValueError(
+            f"{load} is a difflm-shift model (logits at i predict token i+1): export it with "
+            f"--format dream; the {fmt} format's code reads token i from position i"
+        )
+    if cfg.difflm_block_size is not None and (fmt != MEGADLMS_FORMAT or shifted):
+        raise ValueError(
+            f"{load} is a block-diffusion model (--difflm-block-size {cfg.difflm_block_size}): only the "
+            "default format (--format megadlms) of an unshifted model generates block by block; "
+            "a shifted block model is not exportable yet (use megadlms-generate)"
+        )
+
+
 def export_hf(
     load: str,
     output: str,
@@ -232,6 +251,7 @@ def export_hf(
             f"exporting a RoPE-scaled model (rope_scaling {cfg.rope_scaling}) is not implemented: "
             "the exported modeling files compute plain RoPE"
         )
+    _check_mode_fits_format(fmt, cfg, common, load)
     if fmt == LLADA_FORMAT:
         llada.check_exportable(cfg)
     if fmt == DREAM_FORMAT:
