@@ -265,3 +265,16 @@ def test_run_record_without_block_diffusion_is_unchanged():
     assert "difflm_block_size" not in plain["model"]
     block = parse_config(base + ["--difflm-block-size", "8"], world_size=1).to_dict()
     assert block["diffusion"]["block_size"] == 8 and block["model"]["difflm_block_size"] == 8
+
+
+def test_answer_likelihood_of_a_block_model_is_refused_by_name():
+    # Scoring would run full-sequence attention, which a block-diffusion model never saw.
+    import dataclasses
+
+    from megadlms.diffusion.likelihood import conditional_log_likelihood
+    from megadlms.models import GPTModel, TransformerConfig
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, vocab_size=32, seq_length=16)
+    model = GPTModel(dataclasses.replace(cfg, difflm_block_size=4))
+    with pytest.raises(ValueError, match="block-diffusion model .* not implemented"):
+        conditional_log_likelihood(model, [1, 2, 3], [4, 5, 6], mask_token_id=31)

@@ -106,6 +106,14 @@ def answer_nll_draws(
         raise ValueError(
             f"a {running_mode} model needs a prompt of at least one token (position 0 has no predictor)"
         )
+    block = getattr(getattr(model, "config", None), "difflm_block_size", None)
+    if block is not None and P + L > block:
+        # Its estimate would need the [x_t ; x_0] block pass; full attention is not what it learned.
+        raise ValueError(
+            f"answer likelihood of a block-diffusion model (difflm_block_size {block}) over {P + L} "
+            "tokens is not implemented: it would score with full-sequence attention, which the model "
+            "was not trained with; use generation-based tasks (megadlms-generate, lm-eval generate_until)"
+        )
     seq = torch.cat([prompt_t, answer_t])
     was_training = model.training
     model.eval()
