@@ -1,12 +1,15 @@
 """LLaDA-MoE's format against its own published code (tests/hf/lladamoe_ref, dllm's copy,
 vendored unchanged): a tiny random LLaDAMoEModelLM (a dense layer, then a sparse one with 4
 experts, top-2 and a shared expert; per-head q/k norms) saved with save_pretrained and imported
-onto megadlms' MoE layers gives its logits at ep 1 and ep 2; unmappable fields are refused by
-name."""
+onto megadlms' MoE layers gives its logits at ep 1 and ep 2; LLaDA-MoE -> megadlms ->
+``--format lladamoe`` loads back into LLaDA-MoE's class with every tensor and the logits bitwise;
+unmappable fields (import) and inexpressible models (export) are refused by name."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import sys
 
 import pytest
@@ -139,3 +142,63 @@ def test_lladamoe_refusals_are_named(saved, field, value):
     hf = {**read_hf_config(saved[0]), field: value}
     with pytest.raises(ValueError, match=field):
         transformer_config_from_hf(hf)
+
+
+def _load_back(path):
+    """LLaDA-MoE's class (the vendored code, imported by ``saved``) with an export's config and weights."""
+    from safetensors.torch import load_file
+
+    config = importlib.import_module("lladamoe_model.configuration_lladamoe")
+    modeling = importlib.import_module("lladamoe_model.modeling_lladamoe")
+    model = modeling.LLaDAMoEModelLM(config.LLaDAMoEConfig.from_pretrained(str(path)))
+    model.load_state_dict(load_file(os.path.join(str(path), "model.safetensors")), strict=True)
+    return model.eval()
+
+
+def test_round_trip_lladamoe_megadlms_lladamoe_is_exact(saved, tmp_path):
+    from safetensors.torch import load_file
+
+    from megadlms.hf.export import main
+    from megadlms.hf.import_cli import import_hf
+    from tests.hf.test_import import _byte_tokenizer_without_mask
+
+    path, ref_logits = saved
+    _byte_tokenizer_without_mask(path)
+    import_hf(path, str(tmp_path / "ck"), mask_token="256", seq_length=32)  # the tiny vocab has no mask
+    argv = ["--load", str(tmp_path / "ck"), "--output", str(tmp_path / "back"), "--format", "lladamoe"]
+    assert main(argv + ["--llada-code", os.path.join(REF_DIR, "lladamoe_model")]) == 0
+    theirs, again = (load_file(os.path.join(d, "model.safetensors")) for d in (path, str(tmp_path / "back")))
+    assert sorted(theirs) == sorted(again)
+    for k, t in theirs.items():
+        assert torch.equal(t, again[k]), k
+    with torch.no_grad():
+        assert torch.equal(_load_back(tmp_path / "back")(_ids()).logits, ref_logits)
+    config, original = json.load(open(tmp_path / "back" / "config.json")), read_hf_config(path)
+    assert {k: config[k] for k in TINY if k not in ("pad_token_id", "eos_token_id")} == {
+        k: original[k] for k in TINY if k not in ("pad_token_id", "eos_token_id")
+    }
+    assert (config["model_type"], config["mask_token_id"]) == ("lladamoe", 256)
+    assert config["auto_map"]["AutoModel"] == "modeling_lladamoe.LLaDAMoEModelLM"
+    assert {"modeling_lladamoe.py", "configuration_lladamoe.py"} <= set(os.listdir(tmp_path / "back"))
+
+
+def test_lladamoe_export_refusals_are_named(tmp_path):
+    from megadlms.hf.export import export_hf
+
+    from .helpers import ROPE_SWIGLU, save_tiny, tiny_config
+
+    moe = dict(ROPE_SWIGLU, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+    cases = [
+        ({}, "lladamoe", "moe_router_pre_softmax"),  # our default router renormalises over the top k
+        (dict(moe_router_pre_softmax=True, moe_expert_capacity_factor=1.0), "lladamoe", "capacity"),
+        (dict(moe_router_pre_softmax=True), "llada", "--format lladamoe"),
+        (dict(moe_router_pre_softmax=True), "megadlms", "--format lladamoe"),
+    ]
+    for i, (kw, fmt, message) in enumerate(cases):
+        save_tiny(tmp_path / f"ck{i}", tiny_config(**moe, **kw))
+        with pytest.raises(ValueError, match=message):
+            export_hf(str(tmp_path / f"ck{i}"), str(tmp_path / f"hf{i}"), fmt=fmt)
+        assert not os.path.exists(tmp_path / f"hf{i}")
+    save_tiny(tmp_path / "dense", tiny_config(**ROPE_SWIGLU))
+    with pytest.raises(ValueError, match="a dense model: --format llada"):
+        export_hf(str(tmp_path / "dense"), str(tmp_path / "hf"), fmt="lladamoe")

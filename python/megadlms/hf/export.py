@@ -44,7 +44,7 @@ from megadlms.common.enums import RunningMode
 from megadlms.generate import load_for_inference, running_mode
 from megadlms.models import TransformerConfig
 
-from . import dream, llada
+from . import dream, llada, lladamoe
 from .mapping import megadlms_to_hf
 from .tokenizer_files import write_tokenizer_files
 
@@ -53,9 +53,10 @@ REMOTE_FILES = ("modeling_megadlms.py", "generation_megadlms.py")
 MEGADLMS_FORMAT = "megadlms"  # the default: our config and remote code (hf/remote/)
 LLADA_FORMAT = "llada"  # --format llada: LLaDA's tensor names and config (hf/llada.py)
 DREAM_FORMAT = "dream"  # --format dream: Dream's DreamModel config, Qwen2 names (hf/dream.py)
+LLADAMOE_FORMAT = "lladamoe"  # --format lladamoe: LLaDA-MoE's config and names (hf/lladamoe.py)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EMBEDDING_KEY = "model/embedding.word_embeddings.weight"
-FORMATS = (MEGADLMS_FORMAT, LLADA_FORMAT, DREAM_FORMAT)
+FORMATS = (MEGADLMS_FORMAT, LLADA_FORMAT, DREAM_FORMAT, LLADAMOE_FORMAT)
 SPECIAL_IDS = ("mask_token_id", "bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -168,14 +169,20 @@ def slice_vocab(tensors: Dict[str, torch.Tensor], vocab: int) -> Dict[str, torch
     return out
 
 
-_CODE_FILES = {LLADA_FORMAT: llada.CODE_FILES, DREAM_FORMAT: dream.CODE_FILES}
+_CODE_FILES = {
+    LLADA_FORMAT: llada.CODE_FILES,
+    DREAM_FORMAT: dream.CODE_FILES,
+    LLADAMOE_FORMAT: lladamoe.CODE_FILES,
+}
 
 
 def _check_format(fmt: str, llada_code: Optional[str]) -> None:
     if fmt not in FORMATS:
         raise ValueError(f"--format must be one of {FORMATS}, got {fmt!r}")
     if llada_code and fmt not in _CODE_FILES:
-        raise ValueError("--llada-code is for --format llada / dream (the directory of their modeling files)")
+        raise ValueError(
+            "--llada-code is for --format llada / dream / lladamoe (the directory of their modeling files)"
+        )
     if llada_code:
         missing = [n for n in _CODE_FILES[fmt] if not os.path.isfile(os.path.join(llada_code, n))]
         if missing:
@@ -190,6 +197,9 @@ def _format_config(fmt: str, cfg: TransformerConfig, special, target: torch.dtyp
     if fmt == DREAM_FORMAT:
         config = dream.dream_config(cfg, special, target, dream.auto_map(local=bool(llada_code)))
         return config, [(llada_code, name) for name in dream.CODE_FILES] if llada_code else []
+    if fmt == LLADAMOE_FORMAT:
+        config = lladamoe.lladamoe_config(cfg, special, target, lladamoe.auto_map(local=bool(llada_code)))
+        return config, [(llada_code, name) for name in lladamoe.CODE_FILES] if llada_code else []
     return hf_config(cfg, special, target), [(REMOTE_DIR, name) for name in REMOTE_FILES]
 
 
@@ -213,12 +223,34 @@ def _check_mode_fits_format(fmt: str, cfg: TransformerConfig, common: dict, load
             f"{load} is a difflm-shift model (logits at i predict token i+1): export it with "
             f"--format dream; the {fmt} format's code reads token i from position i"
         )
+    if cfg.num_moe_experts and fmt != LLADAMOE_FORMAT:
+        raise ValueError(
+            f"{load} is a mixture-of-experts model: export it with --format lladamoe (LLaDA-MoE's "
+            f"format); the {fmt} format's code has dense MLPs only"
+        )
     if cfg.difflm_block_size is not None and (fmt != MEGADLMS_FORMAT or shifted):
         raise ValueError(
             f"{load} is a block-diffusion model (--difflm-block-size {cfg.difflm_block_size}): only the "
             "default format (--format megadlms) of an unshifted model generates block by block; "
             "a shifted block model is not exportable yet (use megadlms-generate)"
         )
+
+
+def _check_exportable(fmt: str, cfg: TransformerConfig, common: dict, load: str) -> None:
+    """Raise naming what format ``fmt`` cannot express of checkpoint ``load``'s model."""
+    if cfg.rope_scaling:
+        raise ValueError(
+            f"exporting a RoPE-scaled model (rope_scaling {cfg.rope_scaling}) is not implemented: "
+            "the exported modeling files compute plain RoPE"
+        )
+    _check_mode_fits_format(fmt, cfg, common, load)
+    if fmt == LLADA_FORMAT:
+        llada.check_exportable(cfg)
+    if fmt == DREAM_FORMAT:
+        dream.check_exportable(cfg)
+        _check_shifted(common, load)
+    if fmt == LLADAMOE_FORMAT:
+        lladamoe.check_exportable(cfg)
 
 
 def export_hf(
@@ -235,8 +267,8 @@ def export_hf(
 ) -> dict:
     """Export checkpoint ``load`` to Hugging Face directory ``output``; returns config.json
     (with ``megadlms_source``: the checkpoint, iteration and which weights were written).
-    ``fmt`` "llada": LLaDA's format (``hf.llada``), with LLaDA's modeling files copied from
-    ``llada_code`` when given."""
+    ``fmt`` "llada" / "dream" / "lladamoe": LLaDA's, Dream's or LLaDA-MoE's format (``hf.llada``,
+    ``hf.dream``, ``hf.lladamoe``), with their modeling files copied from ``llada_code`` when given."""
 
     _check_format(fmt, llada_code)
     target, use_main, source = _weights_source(load, dtype)
@@ -246,20 +278,11 @@ def export_hf(
     # export and megadlms.diffusion.generate choose from the same rows.
     vocab = model.config.unpadded_vocab_size
     cfg = TransformerConfig.from_dict({**model.config.to_dict(), "vocab_size": vocab})
-    if cfg.rope_scaling:  # before anything is written
-        raise ValueError(
-            f"exporting a RoPE-scaled model (rope_scaling {cfg.rope_scaling}) is not implemented: "
-            "the exported modeling files compute plain RoPE"
-        )
-    _check_mode_fits_format(fmt, cfg, common, load)
-    if fmt == LLADA_FORMAT:
-        llada.check_exportable(cfg)
-    if fmt == DREAM_FORMAT:
-        dream.check_exportable(cfg)
-        _check_shifted(common, load)
+    _check_exportable(fmt, cfg, common, load)  # before anything is written
     os.makedirs(output, exist_ok=True)
     sd = {k: v.detach().to(target) for k, v in model.state_dict().items()}
-    tensors = slice_vocab(megadlms_to_hf(sd, model.config), vocab)
+    sd, experts = lladamoe.join_experts(sd) if fmt == LLADAMOE_FORMAT else (sd, {})
+    tensors = {**slice_vocab(megadlms_to_hf(sd, model.config), vocab), **experts}
     if fmt == LLADA_FORMAT:
         tensors = llada.from_llama_names(tensors)
     if fmt == DREAM_FORMAT:
@@ -319,15 +342,16 @@ def build_parser() -> argparse.ArgumentParser:
         default="megadlms",
         help="megadlms (default: our modeling file); llada: LLaDA's LLaDAModelLM format, for tools "
         "written for LLaDA (Fast-dLLM, dInfer, lm-eval setups); dream: Dream's DreamModel format "
-        "(a difflm-shift model)",
+        "(a difflm-shift model); lladamoe: LLaDA-MoE's LLaDAMoEModelLM format (a MoE model)",
     )
     p.add_argument(
         "--llada-code",
         default=None,
-        help="--format llada / dream: directory holding their modeling files (LLaDA's "
+        help="--format llada / dream / lladamoe: directory holding their modeling files (LLaDA's "
         "configuration_llada.py and modeling_llada.py; Dream's configuration_dream.py, modeling_dream.py, "
-        "generation_utils.py), copied into the export (default: config.json's auto_map names them on "
-        f"the Hub, {llada.HUB_CODE} / {dream.HUB_CODE})",
+        "generation_utils.py; LLaDA-MoE's configuration_lladamoe.py, modeling_lladamoe.py), copied into "
+        "the export (default: config.json's auto_map names them on the Hub, "
+        f"{llada.HUB_CODE} / {dream.HUB_CODE} / {lladamoe.HUB_CODE})",
     )
     return p
 
@@ -349,9 +373,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"megadlms-export-hf: error: {exc}", file=sys.stderr)
         return 2
-    if args.format == DREAM_FORMAT:
+    if args.format in (DREAM_FORMAT, LLADAMOE_FORMAT):
+        name = "Dream" if args.format == DREAM_FORMAT else "LLaDA-MoE"
         print(
-            f"exported {args.load} -> {args.output} (Dream format, {config['num_hidden_layers']} layers, "
+            f"exported {args.load} -> {args.output} ({name} format, {config['num_hidden_layers']} layers, "
             f"vocab {config['vocab_size']}, mask_token_id {config.get('mask_token_id')})"
         )
         return 0

@@ -262,7 +262,7 @@ def check_exportable(cfg) -> None:
             cfg.kv_channels * cfg.num_attention_heads != cfg.hidden_size,
             f"kv_channels {cfg.kv_channels} (LLaDA's head width is hidden_size / heads)",
         ),
-        (cfg.num_moe_experts, "MoE layers (LLaDA-MoE's format is not exported)"),
+        (cfg.num_moe_experts, "MoE layers (export them with --format lladamoe)"),
     ]
     bad = [why for cond, why in problems if cond]
     if bad:
