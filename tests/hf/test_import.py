@@ -273,3 +273,34 @@ def test_mistral_window_shorter_than_the_sequence_is_refused(tmp_path):
     assert transformer_config_from_hf(hf, seq_length=16).seq_length == 16
     with pytest.raises(ValueError, match="sliding_window 16 < seq_length 32.*--seq-length 16"):
         transformer_config_from_hf(hf, seq_length=32)
+
+
+def test_load_refuses_other_rope_and_router_flags_by_name(tmp_path):
+    """The fields an import brings besides the shapes (RoPE base and scaling, q/k/v bias, the MoE
+    router): a --load with other flags is refused naming the flag; a record older than a field
+    skips it, and a record without rope_scaling is plain RoPE."""
+    from megadlms.checkpoint import check_model_config, load_model_state, resolve_checkpoint
+
+    from .helpers import ROPE_SWIGLU, save_tiny, tiny_config
+
+    yarn = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=32)
+    cfg = tiny_config(**ROPE_SWIGLU, rope_scaling=yarn, rotary_base=500000)
+    save_tiny(tmp_path / "ck", cfg)
+    path = resolve_checkpoint(str(tmp_path / "ck"))
+    plain = tiny_config(**ROPE_SWIGLU, rotary_base=500000)
+    with pytest.raises(ValueError, match=r"rope_scaling=.*yarn.* rope_scaling=None \(--rope-scaling\)"):
+        load_model_state(path, GPTModel(plain), model_config=plain.to_dict())
+    load_model_state(path, GPTModel(cfg), model_config=cfg.to_dict())  # same flags: loads
+    record = plain.to_dict()
+    for field, value, flag in (
+        ("rotary_base", 10000, "--rotary-base"),
+        ("add_qkv_bias", True, "--add-qkv-bias"),
+        ("moe_router_pre_softmax", True, "--moe-router-pre-softmax"),
+        ("moe_router_score_function", "sigmoid", "--moe-router-score-function"),
+    ):
+        with pytest.raises(ValueError, match=f"{field}=.*\\({flag}\\)"):
+            check_model_config(record, {**record, field: value}, "ck")
+        older = {k: v for k, v in record.items() if k != field}
+        check_model_config(older, {**record, field: value}, "ck")  # not recorded then: skipped
+    with pytest.raises(ValueError, match=r"rope_scaling=None .*\(--rope-scaling\)"):
+        check_model_config(record, cfg.to_dict(), "ck")  # no key = plain RoPE

@@ -26,7 +26,20 @@ MODEL_CONFIG_FLAGS = {
     "qk_layernorm": "--qk-layernorm",
     "untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
     "share_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+    # What an imported model (hf/) brings besides the shapes: same tensors, other numbers.
+    "add_qkv_bias": "--add-qkv-bias",
+    "rotary_base": "--rotary-base",
+    "rope_scaling": "--rope-scaling",
+    "num_moe_experts": "--num-experts",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_router_topk": "--moe-router-topk",
+    "moe_router_pre_softmax": "--moe-router-pre-softmax",
+    "moe_router_score_function": "--moe-router-score-function",
 }
+# Fields a record omits when they hold this value (TransformerConfig.to_dict): plain RoPE has no
+# rope_scaling key, and records older than the field were plain RoPE too.
+ABSENT_MEANS = {"rope_scaling": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +55,8 @@ class RunRecords:
 
 def check_model_config(saved: dict, current: dict, ckpt: str) -> None:
     """Raise naming the first architecture field that differs between checkpoint and run."""
+    if saved and current:  # an empty record (a checkpoint from elsewhere) has nothing to compare
+        saved, current = ({**ABSENT_MEANS, **d} for d in (saved, current))
     for field, flag in MODEL_CONFIG_FLAGS.items():
         # Fields missing on either side are skipped: older checkpoints recorded fewer of them.
         if field in saved and field in current and saved[field] != current[field]:
