@@ -104,8 +104,9 @@ def init_distributed(parallel) -> None:
 
 
 def hf_initializer(hf_dir: str, running_mode=None):
-    """--hf-init: a function copying the Hugging Face Llama/Qwen2 model in ``hf_dir`` into the
-    plain model the trainer built; an architecture mismatch is an error naming the flags.
+    """--hf-init: a function copying the Hugging Face model in ``hf_dir`` into the plain model
+    the trainer built (or, at pp > 1, into this rank's pipeline chunks: each takes its own
+    layers); an architecture mismatch is an error naming the flags.
 
     Made here, at the top: ``hf/`` sits above ``training/``, which only calls it."""
 

@@ -217,21 +217,6 @@ def test_export_then_import_round_trips(tmp_path):
         assert torch.equal(a[:rows], b[:rows]), k
 
 
-def test_hf_init_with_pipeline_parallelism_is_refused_by_name(tmp_path):
-    from megadlms.config import parse_config
-
-    _hf_model(tmp_path / "hf", "llama")
-    argv = (
-        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --micro-batch-size 1 "
-        f"--global-batch-size 2 --train-iters 1 --lr 1e-3 --mock-data --hf-init {tmp_path / 'hf'} "
-        "--pipeline-model-parallel-size 2"
-    ).split()
-    with pytest.raises(
-        ValueError, match="--hf-init needs --pipeline-model-parallel-size 1: convert .* megadlms-import-hf"
-    ):
-        parse_config(argv, world_size=2)
-
-
 def _tp2_logits(rank, world, paths):
     from megadlms.parallel import ParallelGroups, TensorParallelContext, gather_full
 

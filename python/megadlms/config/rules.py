@@ -296,11 +296,6 @@ def pipeline_problems(model, parallel: Optional[ParallelConfig], training, check
             )
         except ValueError as exc:
             out.append(str(exc))
-    if checkpoint is not None and checkpoint.hf_init:
-        out.append(
-            "hf_init needs pipeline_model_parallel_size 1: convert the model to a checkpoint with "
-            "megadlms-import-hf, then --load it with pipeline parallelism (checkpoints reshard)"
-        )
     if checkpoint is not None and checkpoint.ckpt_format == "torch":
         out.append(
             "ckpt_format torch (one file written by rank 0) needs pipeline_model_parallel_size 1: "

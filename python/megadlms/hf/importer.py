@@ -27,8 +27,9 @@ MegaDLMs' own exports (tools/weights_conversion/hf_configs: ``DiffLM`` / ``Causa
 and so do megadlms exports of any version (``megadlms_model_config``).
 
 Layouts: ``--hf-init`` fills a model built at any tensor / expert parallel size: each full
-tensor is cut to this rank's shard by its declared sharding (``parallel.sharding``). Pipeline
-parallelism is refused by name (config/rules.py: import first, then ``--load`` at any pp).
+tensor is cut to this rank's shard by its declared sharding (``parallel.sharding``); at
+pipeline-parallel size > 1 each stage's chunks take their own layers from the full state dict
+(global layer names), the last stage's tied output layer the embedding's rows.
 
 Vocabulary rows: the first min(ours, theirs) rows are copied (exports hold the unpadded
 vocabulary; the run re-pads it to its own --make-vocab-size-divisible-by and tp). Rows ours has beyond the
@@ -42,15 +43,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Iterable, List, Optional
+from typing import Dict, Iterable, List, Optional, Sequence, Union, cast
 
 import torch
 
 from megadlms.common.enums import AttnMaskType, RunningMode
 from megadlms.config.flags.model import rope_scaling_flag
-from megadlms.models import GPTModel, TransformerConfig
+from megadlms.models import GPTModel, PipelineChunk, TransformerConfig
 from megadlms.models.rope_scaling import rope_scaling_problems
-from megadlms.parallel.sharding import full_shape, local_from_full
+from megadlms.parallel.sharding import full_shape, local_from_full, sharding_of
 
 from . import dream, gemma, llada, lladamoe
 from .mapping import hf_to_megadlms
@@ -348,26 +349,44 @@ def check_compatible(hf_cfg: TransformerConfig, run_cfg: TransformerConfig, wher
 
 @torch.no_grad()
 def init_from_hf(
-    model: GPTModel,
+    model: Union[GPTModel, Sequence[GPTModel]],
     hf_dir: str,
     *,
     mean_init_ids: Iterable[int] = (),
     num_real_tokens: Optional[int] = None,
     running_mode: Optional[RunningMode] = None,
 ) -> dict:
-    """Copy the HF model in ``hf_dir`` into the plain GPTModel ``model`` (in place).
+    """Copy the HF model in ``hf_dir`` into the plain GPTModel ``model`` (in place), or into
+    this pipeline rank's chunks (a list): each takes its own layers from the full state dict
+    (chunks name their layers with global numbers), the last stage's tied output layer the
+    embedding's rows.
 
     ``mean_init_ids``: vocabulary rows (e.g. an added [MASK]) to set to the mean embedding
     like the rows beyond the HF vocabulary; ``num_real_tokens``: rows the mean is taken
     over (default all HF rows); ``running_mode``: the run's, checked against the model's
     (``dream.check_running_mode``). Returns {"hf_vocab_size", "mean_rows"}."""
+    # A list: this pipeline rank's chunks (the trainer's model before wrapping at pp > 1).
+    chunks = cast(List[GPTModel], list(model) if isinstance(model, (list, tuple)) else [model])
     where = f"--hf-init {hf_dir}"
     hf = read_hf_config(hf_dir)
     if running_mode is not None:
         dream.check_running_mode(hf, RunningMode(running_mode), where)
-    ours = model.config
+    ours = chunks[0].config
     theirs = transformer_config_from_hf(hf, where, seq_length=ours.seq_length)
     check_compatible(theirs, ours, where)
+    sd = _megadlms_tensors(hf_dir, hf, theirs, where)
+    hf_vocab = theirs.vocab_size
+    real = num_real_tokens or hf_vocab
+    mean_rows = sorted({*range(hf_vocab, ours.vocab_size), *mean_init_ids})
+    for chunk in chunks:
+        _copy_into(chunk, sd, mean_rows, real, where)
+    return {"hf_vocab_size": hf_vocab, "mean_rows": mean_rows}
+
+
+def _megadlms_tensors(
+    hf_dir: str, hf: dict, theirs: TransformerConfig, where: str
+) -> Dict[str, torch.Tensor]:
+    """The full HF model in ``hf_dir`` under GPTModel's names (the whole model, every layer)."""
     tensors = load_hf_tensors(hf_dir)
     if hf.get("model_type") == llada.MODEL_TYPE:
         tensors = _renamed(llada.to_llama_names, tensors, hf, where)
@@ -380,27 +399,61 @@ def init_from_hf(
         sd = {**hf_to_megadlms(tensors, theirs), **moe}
     except KeyError as exc:
         raise ValueError(f"{where}: {exc.args[0]}") from exc
-    # Every tensor of the model, each as its FULL logical shape: at tp / ep > 1 the model holds shards,
+    # Names no part of the model has (each part is checked strictly by the chunk that holds it).
+    stray = [k for k in sd if _part(k, theirs.num_layers) is None]
+    if stray:
+        raise ValueError(f"{where}: tensors do not match the model: unexpected {sorted(stray)[:5]}")
+    return sd
+
+
+def _part(name: str, num_layers: int) -> Optional[Union[str, int]]:
+    """Which part of the model holds tensor ``name``: its layer index, "pre" (embedding), "post"
+    (final norm, output layer), or None (no part: not a GPTModel tensor)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"] and len(parts) > 3 and parts[2].isdigit():
+        return int(parts[2]) if int(parts[2]) < num_layers else None
+    if parts[0] == "embedding":
+        return "pre"
+    if parts[0] == "output_layer" or parts[:2] == ["decoder", "final_layernorm"]:
+        return "post"
+    return None
+
+
+def _holds(pipe: PipelineChunk, part: Optional[Union[str, int]], num_layers: int) -> bool:
+    """Whether pipeline chunk ``pipe`` holds model part ``part`` (:func:`_part`)."""
+    if isinstance(part, int):
+        return part in pipe.layer_range(num_layers)
+    return pipe.pre_process if part == "pre" else pipe.post_process and part == "post"
+
+
+def _copy_into(
+    chunk: GPTModel, sd: Dict[str, torch.Tensor], mean_rows: List[int], real: int, where: str
+) -> None:
+    """Fill (pipeline chunk or whole model) ``chunk`` from full state dict ``sd``: its own
+    tensors, each cut to this rank's tp / ep shard by its declared sharding."""
+    # Every tensor of the chunk, each as its FULL logical shape: at tp / ep > 1 the model holds shards,
     # which are cut from the full tensors below (the declared sharding of each parameter).
-    params = dict(model.named_parameters(remove_duplicate=False))
-    target = {k: params.get(k, v) for k, v in model.state_dict().items()}
-    missing, unexpected = set(target) - set(sd), set(sd) - set(target)
+    params = dict(chunk.named_parameters(remove_duplicate=False))
+    target = {k: params.get(k, v) for k, v in chunk.state_dict().items()}
+    pipe, n = chunk.pipeline, chunk.config.num_layers
+    owned = {k: v for k, v in sd.items() if _holds(pipe, _part(k, n), n)}
+    tied = target.get("output_layer.weight")
+    if tied is not None and sharding_of(tied).tied_copy and "output_layer.weight" not in owned:
+        # The last stage's copy of a tied embedding: the same rows (and mean rows) as the first stage's.
+        owned["output_layer.weight"] = sd["embedding.word_embeddings.weight"]
+    missing, unexpected = set(target) - set(owned), set(owned) - set(target)
     if missing or unexpected:
         raise ValueError(
             f"{where}: tensors do not match the model: missing {sorted(missing)[:5]}, "
             f"unexpected {sorted(unexpected)[:5]}"
         )
-    hf_vocab = theirs.vocab_size
-    real = num_real_tokens or hf_vocab
-    mean_rows = sorted({*range(hf_vocab, ours.vocab_size), *mean_init_ids})
-    tp = model.tp
-    for name, src in sd.items():
+    tp = chunk.tp
+    for name, src in owned.items():
         dst = target[name]
         full = _full_tensor(
             name, src, full_shape(dst, tp.size, tp.ep_size), dst.dtype, mean_rows, real, where
         )
         dst.data.copy_(local_from_full(full, dst, tp.group, tp.expert_group))
-    return {"hf_vocab_size": hf_vocab, "mean_rows": mean_rows}
 
 
 def _renamed(rename, tensors: Dict[str, torch.Tensor], hf: dict, where: str) -> Dict[str, torch.Tensor]:
