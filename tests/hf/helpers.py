@@ -76,3 +76,22 @@ def rope_swiglu_export(tmp_path_factory, rope_swiglu_ckpt):
     out = tmp_path_factory.mktemp("rope_swiglu_export")
     export_hf(str(ck), str(out))
     return out, ours
+
+
+def pp2_logits(hf_dir: str, ids: torch.Tensor, **overrides) -> torch.Tensor:
+    """The logits of the HF model in ``hf_dir`` imported at pipeline-parallel size 2: its two
+    stages (layer 0 with the embedding, the rest with the head) each filled by ``init_from_hf``
+    on its own, as its rank does under --hf-init, then run one after the other."""
+    from megadlms.hf.importer import init_from_hf, read_hf_config, transformer_config_from_hf
+    from megadlms.models import PipelineChunk
+
+    cfg = transformer_config_from_hf(read_hf_config(hf_dir), seq_length=32, **overrides)
+    n = cfg.num_layers
+    stages = (PipelineChunk(True, False, range(0, 1)), PipelineChunk(False, True, range(1, n)))
+    first, last = (GPTModel(cfg, pipeline=stage).eval() for stage in stages)
+    for chunk in (first, last):
+        init_from_hf([chunk], hf_dir)
+    if not cfg.untie_embeddings_and_output_weights:  # the last stage's tied copy: the embedding's rows
+        assert torch.equal(last.output_layer.weight, first.embedding.word_embeddings.weight)
+    with torch.no_grad():
+        return last(hidden_states=first(ids))

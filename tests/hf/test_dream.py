@@ -136,6 +136,13 @@ def test_import_at_tp2_matches_dream_logits(saved):
         torch.testing.assert_close(got, ref_logits, rtol=0, atol=1e-5)
 
 
+def test_import_at_pp2_matches_dream_logits(saved):
+    from .helpers import pp2_logits
+
+    path, _, ref_logits = saved
+    torch.testing.assert_close(pp2_logits(path, _ids()), ref_logits, rtol=0, atol=1e-5)
+
+
 def test_round_trip_dream_megadlms_dream_is_exact(ref, saved, tmp_path):
     from safetensors.torch import load_file
 

@@ -20,7 +20,7 @@ from megadlms.hf.importer import init_from_hf, read_hf_config, transformer_confi
 from megadlms.models import GPTModel
 from tests.dist_utils import run_distributed
 
-from .helpers import ROPE_SWIGLU, save_tiny, tiny_config
+from .helpers import ROPE_SWIGLU, pp2_logits, save_tiny, tiny_config
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
@@ -198,6 +198,11 @@ def test_import_at_tp2_matches_llada_logits(saved):
     for case, (_, ref_logits) in saved.items():
         for rank in range(2):
             torch.testing.assert_close(results[rank][case], ref_logits, rtol=0, atol=1e-5)
+
+
+def test_import_at_pp2_matches_llada_logits(saved):
+    for path, ref_logits in saved.values():  # untied and tied, separate and fused projections
+        torch.testing.assert_close(pp2_logits(path, _ids()), ref_logits, rtol=0, atol=1e-5)
 
 
 def test_round_trip_llada_megadlms_llada_is_exact(ref, saved, tmp_path):

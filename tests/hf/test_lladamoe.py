@@ -127,6 +127,13 @@ def test_lladamoe_import_at_ep2_matches_its_logits(saved):
         torch.testing.assert_close(logits, ref_logits, rtol=0, atol=1e-5)
 
 
+def test_lladamoe_import_at_pp2_matches_its_logits(saved):
+    from .helpers import pp2_logits
+
+    path, ref_logits = saved  # stage 0: the dense layer; stage 1: the sparse one and the head
+    torch.testing.assert_close(pp2_logits(path, _ids()), ref_logits, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "field,value",
     [

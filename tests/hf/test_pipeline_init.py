@@ -1,7 +1,8 @@
 """--hf-init at pipeline-parallel size 2: each stage's chunk takes its own layers from the HF
 model's full state dict (global layer names), the last stage's tied output layer the
 embedding's rows. The two stages run one after the other give transformers' logits (Llama,
-untied, GQA; Qwen3, tied, q/k norms), and a run with --hf-init at pp 2 trains with the losses
+untied, GQA; Qwen3, tied, q/k norms; LLaDA, LLaDA-MoE and Dream in their own test files,
+``helpers.pp2_logits``), and a run with --hf-init at pp 2 trains with the losses
 of the same run at pp 1 (dp 2, the same global batch)."""
 
 from __future__ import annotations
@@ -9,45 +10,28 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megadlms.hf.importer import init_from_hf, model_flags, read_hf_config, transformer_config_from_hf
-from megadlms.models import GPTModel, PipelineChunk
+from megadlms.hf.importer import model_flags, read_hf_config, transformer_config_from_hf
 from tests.dist_utils import run_distributed
 
+from .helpers import pp2_logits
 from .test_import import _hf_model, _train_flags
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 pytestmark = pytest.mark.usefixtures("frozen_heap")  # in-process runs (tests/conftest.py)
 
-STAGES = (PipelineChunk(True, False, range(0, 1)), PipelineChunk(False, True, range(1, 2)))
 CASES = [("llama", {}), ("qwen3", dict(tie_word_embeddings=True, head_dim=16))]
-
-
-def _stages(path):
-    """The two pp-2 stages of the model in ``path``, each filled by --hf-init on its own (as its rank is)."""
-    cfg = transformer_config_from_hf(read_hf_config(path), seq_length=32, attention="causal")
-    chunks = [GPTModel(cfg, pipeline=stage).eval() for stage in STAGES]
-    for chunk in chunks:
-        init_from_hf([chunk], path)
-    return chunks
 
 
 @pytest.mark.parametrize("family,kw", CASES)
 def test_hf_init_at_pp2_gives_the_hf_logits(tmp_path, family, kw):
     hf = _hf_model(tmp_path, family, **kw)
     ids = torch.randint(0, 259, (2, 24), generator=torch.Generator().manual_seed(2))
-    first, last = _stages(str(tmp_path))
-    assert [
-        sorted({k.split(".")[2] for k in c.state_dict() if k.startswith("decoder.layers.")})
-        for c in (first, last)
-    ] == [["0"], ["1"]]
+    got = pp2_logits(str(tmp_path), ids, attention="causal")
     with torch.no_grad():
-        got = last(hidden_states=first(ids))
         ref = hf(ids).logits
     assert ref.abs().max() > 0.1
     torch.testing.assert_close(got[..., :259], ref, rtol=0, atol=1e-5)
-    if kw.get("tie_word_embeddings"):  # the last stage's copy of the tied embedding: the same rows
-        assert torch.equal(last.output_layer.weight, first.embedding.word_embeddings.weight)
 
 
 def _pp2_and_pp1(rank, world, path, root):
