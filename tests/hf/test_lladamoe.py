@@ -209,3 +209,32 @@ def test_lladamoe_export_refusals_are_named(tmp_path):
     save_tiny(tmp_path / "dense", tiny_config(**ROPE_SWIGLU))
     with pytest.raises(ValueError, match="a dense model: --format llada"):
         export_hf(str(tmp_path / "dense"), str(tmp_path / "hf"), fmt="lladamoe")
+
+
+def test_our_moe_model_exports_to_lladamoe_with_our_logits(saved, tmp_path):  # saved: their code imported
+    """A MoE model of ours (not imported: every layer sparse, moe_layer_freq 1, a shared expert,
+    untied, Megatron-padded vocabulary) as --format lladamoe: LLaDA-MoE's class gives our logits
+    over the real vocabulary."""
+    from megadlms.hf.export import export_hf
+
+    from .helpers import ROPE_SWIGLU, save_tiny, tiny_config
+
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16, moe_router_pre_softmax=True)
+    cfg = tiny_config(
+        **ROPE_SWIGLU,
+        **moe,
+        moe_shared_expert_intermediate_size=24,
+        untie_embeddings_and_output_weights=True,
+    )
+    ours = save_tiny(tmp_path / "ck", cfg)
+    config = export_hf(str(tmp_path / "ck"), str(tmp_path / "hf"), fmt="lladamoe")
+    assert (config["moe_layer_freq"], config["vocab_size"], config["tie_word_embeddings"]) == (
+        [1, 1],
+        259,
+        False,
+    )
+    ids = torch.randint(0, 259, (2, 20), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, want = _load_back(tmp_path / "hf")(ids).logits, ours(ids)[..., :259]
+    assert want.abs().max() > 0.1
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
