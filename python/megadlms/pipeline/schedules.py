@@ -4,8 +4,12 @@
 The order of forwards, backwards and the paired p2p calls is Megatron-core's
 (``pipeline_parallel/schedules.py``: ``forward_backward_pipelining_without_interleaving`` and
 ``..._with_interleaving``), rewritten around one small state object. A micro-batch's
-activations travel as tensors with their shape (``p2p.py``: shapes are exchanged, so each step
-may crop its sequence differently). Chunk ``c`` on pipeline rank ``r`` is model stage
+activations travel either with their shape (``p2p.py``'s headers: each step may crop its
+sequence differently, nothing needs to be known in advance) or, when the caller gives
+``tensor_shape(micro_index)`` (Megatron's fixed ``tensor_shape``, ``--variable-seq-lengths``
+off, here per micro-batch, so per-step crops stay possible), as bare payloads received into
+buffers of that shape: one message per tensor instead of two. A gradient has its activation's
+shape, so one callable sizes both directions. Chunk ``c`` on pipeline rank ``r`` is model stage
 ``c * pp + r``; the first model stage takes no input, the last one returns the loss.
 
 No pipeline (pp = 1) is the degenerate schedule, :func:`forward_backward_no_pipelining`
@@ -47,6 +51,7 @@ class ModelChunk(Protocol):
 
 
 NoSync = Callable[[int], ContextManager]  # chunk index -> context without gradient sync
+TensorShape = Callable[[int], Sequence[int]]  # micro-batch index -> shape of the activations it sends
 
 
 def micro_batch_problems(
@@ -105,9 +110,19 @@ class _Pipeline:
     keyed by (chunk, micro-batch); received tensors are queued per chunk in micro-batch order."""
 
     def __init__(
-        self, chunks, num_micro, forward_step, p2p, backward_loss, forward_only, timeline, no_sync
+        self,
+        chunks,
+        num_micro,
+        forward_step,
+        p2p,
+        backward_loss,
+        forward_only,
+        timeline,
+        no_sync,
+        tensor_shape,
     ) -> None:
         self.chunks, self.m, self.forward_step, self.p2p = chunks, num_micro, forward_step, p2p
+        self.tensor_shape: Optional[TensorShape] = tensor_shape
         self.no_sync: Optional[NoSync] = no_sync
         self.backward_loss, self.forward_only, self.timeline = backward_loss, forward_only, timeline
         self.pp, self.rank, self.vp = p2p.size, p2p.rank, len(chunks)
@@ -135,6 +150,30 @@ class _Pipeline:
 
     def last_stage(self, c: int) -> bool:
         return c == self.vp - 1 and self.rank == self.pp - 1
+
+    # -- shapes of what the next p2p call receives (None: headers carry them, or nothing is received)
+    def in_shape(self, c: int, want: bool = True) -> Optional[Tuple[int, ...]]:
+        """The shape of chunk c's next input (its micro-batches arrive in order)."""
+        return self._shape(self.received[c]) if want else None
+
+    def grad_shape(self, c: int, want: bool = True) -> Optional[Tuple[int, ...]]:
+        """The shape of chunk c's next output grad: its activation's."""
+        return self._shape(self.grads_received[c]) if want else None
+
+    def _shape(self, i: int) -> Optional[Tuple[int, ...]]:
+        if self.tensor_shape is None or i >= self.m:
+            return None
+        return tuple(self.tensor_shape(i))
+
+    def _check_sent(self, c: int, i: int, out: torch.Tensor) -> None:
+        # The receiver allocates from tensor_shape / dtype: a mismatch would be read as garbage or hang it.
+        want = self._shape(i)
+        if want is not None and (tuple(out.shape) != want or out.dtype != self.p2p.dtype):
+            raise ValueError(
+                f"pipeline chunk {c}, micro-batch {i}: sends {out.dtype} {tuple(out.shape)} but "
+                f"tensor_shape / pipeline_dtype declare {self.p2p.dtype} {want}; "
+                "fix them or pass tensor_shape=None"
+            )
 
     # -- queues fed by the p2p calls
     def add_input(self, c: int, x: Optional[torch.Tensor]) -> None:
@@ -181,6 +220,7 @@ class _Pipeline:
             )
         if not self.forward_only:
             self.outputs[c][i] = out
+        self._check_sent(c, i, out)
         return out
 
     def backward(self, k: int) -> Optional[torch.Tensor]:
@@ -214,7 +254,7 @@ def _one_f_one_b(s: _Pipeline) -> None:
 
     def recv_forward():
         if not first:
-            s.add_input(0, p2p.communicate(recv_prev=True)[0])
+            s.add_input(0, p2p.communicate(recv_prev=True, prev_shape=s.in_shape(0))[0])
 
     for k in range(warm):
         recv_forward()
@@ -233,13 +273,14 @@ def _one_f_one_b(s: _Pipeline) -> None:
             continue
         # send_forward_recv_backward: one batch, paired with the next stage's send_backward_recv_forward
         # below, so the two neighbours' sends and receives are posted together and cannot deadlock.
-        g = p2p.communicate(send_next=out, recv_next=not last)[1]
+        g = p2p.communicate(send_next=out, recv_next=not last, next_shape=s.grad_shape(0, not last))[1]
         if not last:
             s.add_grad(0, g)
         # Steady state: forward of micro-batch warm + i, then backward of the oldest in flight, i.
         grad_in = s.backward(i)
         # After the final steady forward no input is left to receive.
-        x = p2p.communicate(send_prev=grad_in, recv_prev=not first and not final)[0]
+        want = not first and not final
+        x = p2p.communicate(send_prev=grad_in, recv_prev=want, prev_shape=s.in_shape(0, want))[0]
         if not first and not final:
             s.add_input(0, x)
     if s.forward_only:
@@ -247,7 +288,7 @@ def _one_f_one_b(s: _Pipeline) -> None:
     # Cool-down: the warm-up's micro-batches (rest .. m - 1) still owe their backward, oldest first.
     for i in range(warm):
         if not last:
-            s.add_grad(0, p2p.communicate(recv_next=True)[1])
+            s.add_grad(0, p2p.communicate(recv_next=True, next_shape=s.grad_shape(0))[1])
         p2p.communicate(send_prev=s.backward(rest + i))
 
 
@@ -264,7 +305,7 @@ def _interleaved(s: _Pipeline) -> None:
     warm = total if all_warmup else min((pp - r - 1) * 2 + (vp - 1) * pp, total)
     rest = total - warm
     if not first:
-        s.add_input(0, p2p.communicate(recv_prev=True)[0])
+        s.add_input(0, p2p.communicate(recv_prev=True, prev_shape=s.in_shape(0))[0])
     for k in range(warm):
         out = s.forward(k)
         nxt = s.chunk_id(k + 1, True)
@@ -273,11 +314,17 @@ def _interleaved(s: _Pipeline) -> None:
         # The last warm-up step also posts the receive of the first grad (for the last chunk), to match the
         # next stage's first backward send.
         if k == warm - 1 and not all_warmup:
-            x, g = p2p.communicate(send_next=out, recv_prev=recv_prev, recv_next=not last)
+            x, g = p2p.communicate(
+                send_next=out,
+                recv_prev=recv_prev,
+                recv_next=not last,
+                prev_shape=s.in_shape(nxt, recv_prev),
+                next_shape=s.grad_shape(vp - 1, not last),
+            )
             if not last:
                 s.add_grad(vp - 1, g)
         else:
-            x = p2p.communicate(send_next=out, recv_prev=recv_prev)[0]
+            x = p2p.communicate(send_next=out, recv_prev=recv_prev, prev_shape=s.in_shape(nxt, recv_prev))[0]
         if recv_prev:
             s.add_input(nxt, x)
     for i in range(rest):
@@ -301,7 +348,14 @@ def _interleaved(s: _Pipeline) -> None:
             nb = s.chunk_id(bk + 1, False)
         # The final steady forward was the step's last: no input left to receive.
         recv_prev = recv_prev and i != rest - 1
-        x, g = p2p.communicate(send_next=out, send_prev=grad_in, recv_prev=recv_prev, recv_next=recv_next)
+        x, g = p2p.communicate(
+            send_next=out,
+            send_prev=grad_in,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            prev_shape=s.in_shape(nf, recv_prev),
+            next_shape=s.grad_shape(nb, recv_next),
+        )
         if recv_prev:
             s.add_input(nf, x)
         if recv_next:
@@ -310,13 +364,13 @@ def _interleaved(s: _Pipeline) -> None:
         return
     # With all forwards in warm-up the steady loop never received a grad: fetch the first one here.
     if all_warmup and not last:
-        s.add_grad(vp - 1, p2p.communicate(recv_next=True)[1])
+        s.add_grad(vp - 1, p2p.communicate(recv_next=True, next_shape=s.grad_shape(vp - 1))[1])
     for k in range(rest, total):
         grad_in = s.backward(k)
         nb = s.chunk_id(k + 1, False)
         # The last rank's last chunk starts from its own loss; after the final backward nothing comes.
         recv_next = not (last and nb == vp - 1) and k != total - 1
-        g = p2p.communicate(send_prev=grad_in, recv_next=recv_next)[1]
+        g = p2p.communicate(send_prev=grad_in, recv_next=recv_next, next_shape=s.grad_shape(nb, recv_next))[1]
         if recv_next:
             s.add_grad(nb, g)
 
@@ -332,6 +386,8 @@ def forward_backward_pipelining(
     timeline: Optional[list] = None,
     device=None,
     no_sync: Optional[NoSync] = None,
+    tensor_shape: Optional[TensorShape] = None,
+    pipeline_dtype: Optional[torch.dtype] = None,
 ) -> List[Any]:
     """Run one step's micro-batches through this rank's model chunks (forward and backward).
 
@@ -348,18 +404,32 @@ def forward_backward_pipelining(
     ``start``, ``end`` from ``time.perf_counter``; compute only, no p2p). ``device``: where
     received activations live (default: the first chunk's parameters'). ``no_sync``: see the
     module docstring (None: no gradient-sync control, e.g. plain modules).
+    ``tensor_shape(micro_index)``: the shape of the activation every stage sends for that
+    micro-batch (the same on every rank of the pipeline group; a gradient has the same shape):
+    receives are allocated from it and each p2p call is one batch of payloads, no shape
+    headers. ``pipeline_dtype``: their dtype (default: the first chunk's parameters'). None
+    (the default): shapes travel in headers, for sequence lengths no rank can compute.
 
     Returns the ``loss_for_logging`` of every micro-batch (in micro-batch order) on the last
     stage, [] on the others. Does not call ``finish_grad_sync()``.
     """
     if len(chunks) < 1:
         raise ValueError("forward_backward_pipelining needs at least one model chunk")
-    if device is None:
-        device = next(iter(chunks[0].parameters())).device
-    p2p = PipelineP2P(pp_group, device)
+    first_param = next(iter(chunks[0].parameters()))
+    device = first_param.device if device is None else device
+    dtype = None if tensor_shape is None else (pipeline_dtype or first_param.dtype)
+    p2p = PipelineP2P(pp_group, device, dtype)
     check_micro_batches(len(micro_batches), p2p.size, len(chunks), forward_only)
     state = _Pipeline(
-        list(chunks), len(micro_batches), forward_step, p2p, backward_loss, forward_only, timeline, no_sync
+        list(chunks),
+        len(micro_batches),
+        forward_step,
+        p2p,
+        backward_loss,
+        forward_only,
+        timeline,
+        no_sync,
+        tensor_shape,
     )
     (_interleaved if len(chunks) > 1 else _one_f_one_b)(state)
     if not state.last_stage(len(chunks) - 1):
@@ -378,10 +448,13 @@ def forward_backward_no_pipelining(
     timeline: Optional[list] = None,
     device=None,
     no_sync: Optional[NoSync] = None,
+    tensor_shape: Optional[TensorShape] = None,
+    pipeline_dtype: Optional[torch.dtype] = None,
 ) -> List[Any]:
     """The one-stage schedule (no pipeline), with :func:`forward_backward_pipelining`'s
     arguments: ``chunks`` is the one whole model, ``forward_step(0, i, None)`` returns
-    ``(loss_to_backprop, loss_for_logging)``; ``pp_group`` and ``device`` are not used.
+    ``(loss_to_backprop, loss_for_logging)``; ``pp_group``, ``device``, ``tensor_shape`` and
+    ``pipeline_dtype`` are not used (nothing is sent).
 
     Each micro-batch's forward and backward run back to back (no activations of several
     micro-batches alive at once); all but the last under ``no_sync(0)``, forward included,
