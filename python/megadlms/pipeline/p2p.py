@@ -77,13 +77,20 @@ class PipelineP2P:
         self.dtype = dtype
         self.next = self.ranks[(self.rank + 1) % self.size]
         self.prev = self.ranks[(self.rank - 1) % self.size]
+        # gloo runs each send / receive on its own anyway: posting them directly skips
+        # batch_isend_irecv's coalescing manager (~25 us a call on a 2-core EPYC, gloo, 64 KB)
+        self._post_directly = dist.get_backend(self.group) == dist.Backend.GLOO
 
     def _batch(self, ops: List[dist.P2POp]) -> None:
-        # every op posted before any wait (NCCL: one group; gloo: posted one by one)
+        # every op posted before any wait (NCCL: one group, which its paired calls need; gloo: one by one)
         if not ops:
             return
         with traced(PIPELINE_P2P):
-            for work in dist.batch_isend_irecv(ops):
+            if self._post_directly:
+                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+            else:
+                works = dist.batch_isend_irecv(ops)
+            for work in works:
                 work.wait()
 
     @property
