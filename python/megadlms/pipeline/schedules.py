@@ -151,14 +151,29 @@ class _Pipeline:
     def last_stage(self, c: int) -> bool:
         return c == self.vp - 1 and self.rank == self.pp - 1
 
-    # -- shapes of what the next p2p call receives (None: headers carry them, or nothing is received)
-    def in_shape(self, c: int, want: bool = True) -> Optional[Tuple[int, ...]]:
-        """The shape of chunk c's next input (its micro-batches arrive in order)."""
-        return self._shape(self.received[c]) if want else None
-
-    def grad_shape(self, c: int, want: bool = True) -> Optional[Tuple[int, ...]]:
-        """The shape of chunk c's next output grad: its activation's."""
-        return self._shape(self.grads_received[c]) if want else None
+    # -- the p2p calls: every receive is queued for its chunk, sized from tensor_shape when given
+    def exchange(
+        self,
+        send_next: Optional[torch.Tensor] = None,
+        send_prev: Optional[torch.Tensor] = None,
+        input_for: Optional[int] = None,
+        grad_for: Optional[int] = None,
+    ) -> None:
+        """One paired p2p call: sends, and receives chunk ``input_for``'s next input (from the
+        previous stage) / chunk ``grad_for``'s next output grad (from the next) when not None."""
+        x, g = self.p2p.communicate(
+            send_next=send_next,
+            send_prev=send_prev,
+            recv_prev=input_for is not None,
+            recv_next=grad_for is not None,
+            prev_shape=None if input_for is None else self._shape(self.received[input_for]),
+            # a gradient has its activation's shape
+            next_shape=None if grad_for is None else self._shape(self.grads_received[grad_for]),
+        )
+        if input_for is not None:
+            self.add_input(input_for, x)
+        if grad_for is not None:
+            self.add_grad(grad_for, g)
 
     def _shape(self, i: int) -> Optional[Tuple[int, ...]]:
         if self.tensor_shape is None or i >= self.m:
@@ -175,7 +190,6 @@ class _Pipeline:
                 "fix them or pass tensor_shape=None"
             )
 
-    # -- queues fed by the p2p calls
     def add_input(self, c: int, x: Optional[torch.Tensor]) -> None:
         if x is not None and not self.forward_only:
             # The received activation is a leaf of this stage's graph: requires_grad is what makes backward
@@ -245,57 +259,47 @@ class _Pipeline:
 
 def _one_f_one_b(s: _Pipeline) -> None:
     """Warm-up forwards, steady 1F1B, cool-down backwards (Megatron's non-interleaved order)."""
-    p2p, r, pp, m = s.p2p, s.rank, s.pp, s.m
+    r, pp, m = s.rank, s.pp, s.m
     first, last = r == 0, r == pp - 1
     # Forwards before this stage's first backward: the later stages' pipeline depth, so the last stage
     # starts 1F1B at once and stage 0 fills the whole pipeline.
     warm = m if s.forward_only else min(pp - r - 1, m)
     rest = m - warm
-
-    def recv_forward():
-        if not first:
-            s.add_input(0, p2p.communicate(recv_prev=True, prev_shape=s.in_shape(0))[0])
-
+    chunk0 = None if first else 0  # chunk 0's inputs come from the previous stage, except on the first
     for k in range(warm):
-        recv_forward()
-        out = s.forward(k)
-        p2p.communicate(send_next=out)
+        s.exchange(input_for=chunk0)
+        s.exchange(send_next=s.forward(k))
     # The steady phase's first input is received here; later ones arrive with each grad sent upstream.
     if rest:
-        recv_forward()
+        s.exchange(input_for=chunk0)
     for i in range(rest):
         final = i == rest - 1
         out = s.forward(warm + i)
         if s.forward_only:
-            p2p.communicate(send_next=out)
+            s.exchange(send_next=out)
             if not final:
-                recv_forward()
+                s.exchange(input_for=chunk0)
             continue
         # send_forward_recv_backward: one batch, paired with the next stage's send_backward_recv_forward
         # below, so the two neighbours' sends and receives are posted together and cannot deadlock.
-        g = p2p.communicate(send_next=out, recv_next=not last, next_shape=s.grad_shape(0, not last))[1]
-        if not last:
-            s.add_grad(0, g)
+        s.exchange(send_next=out, grad_for=None if last else 0)
         # Steady state: forward of micro-batch warm + i, then backward of the oldest in flight, i.
         grad_in = s.backward(i)
         # After the final steady forward no input is left to receive.
-        want = not first and not final
-        x = p2p.communicate(send_prev=grad_in, recv_prev=want, prev_shape=s.in_shape(0, want))[0]
-        if not first and not final:
-            s.add_input(0, x)
+        s.exchange(send_prev=grad_in, input_for=None if final else chunk0)
     if s.forward_only:
         return
     # Cool-down: the warm-up's micro-batches (rest .. m - 1) still owe their backward, oldest first.
     for i in range(warm):
         if not last:
-            s.add_grad(0, p2p.communicate(recv_next=True, next_shape=s.grad_shape(0))[1])
-        p2p.communicate(send_prev=s.backward(rest + i))
+            s.exchange(grad_for=0)
+        s.exchange(send_prev=s.backward(rest + i))
 
 
 def _interleaved(s: _Pipeline) -> None:
     """Megatron's interleaved order: per rank, micro-batches in groups of pp go through chunk 0,
     then chunk 1, ...; each step's sends and receives are one paired p2p call."""
-    p2p, r, pp, vp, m = s.p2p, s.rank, s.pp, s.vp, s.m
+    r, pp, vp, m = s.rank, s.pp, s.vp, s.m
     first, last = r == 0, r == pp - 1
     total = m * vp
     # m == pp: the warm-up below would already cover every forward, so run them all, then all backwards.
@@ -305,7 +309,7 @@ def _interleaved(s: _Pipeline) -> None:
     warm = total if all_warmup else min((pp - r - 1) * 2 + (vp - 1) * pp, total)
     rest = total - warm
     if not first:
-        s.add_input(0, p2p.communicate(recv_prev=True, prev_shape=s.in_shape(0))[0])
+        s.exchange(input_for=0)
     for k in range(warm):
         out = s.forward(k)
         nxt = s.chunk_id(k + 1, True)
@@ -313,20 +317,10 @@ def _interleaved(s: _Pipeline) -> None:
         recv_prev = not (first and nxt == 0) and k != total - 1
         # The last warm-up step also posts the receive of the first grad (for the last chunk), to match the
         # next stage's first backward send.
-        if k == warm - 1 and not all_warmup:
-            x, g = p2p.communicate(
-                send_next=out,
-                recv_prev=recv_prev,
-                recv_next=not last,
-                prev_shape=s.in_shape(nxt, recv_prev),
-                next_shape=s.grad_shape(vp - 1, not last),
-            )
-            if not last:
-                s.add_grad(vp - 1, g)
-        else:
-            x = p2p.communicate(send_next=out, recv_prev=recv_prev, prev_shape=s.in_shape(nxt, recv_prev))[0]
-        if recv_prev:
-            s.add_input(nxt, x)
+        first_grad = k == warm - 1 and not all_warmup and not last
+        s.exchange(
+            send_next=out, input_for=nxt if recv_prev else None, grad_for=vp - 1 if first_grad else None
+        )
     for i in range(rest):
         # Forward runs warm virtual steps ahead of backward.
         fk, bk = warm + i, i
@@ -348,31 +342,18 @@ def _interleaved(s: _Pipeline) -> None:
             nb = s.chunk_id(bk + 1, False)
         # The final steady forward was the step's last: no input left to receive.
         recv_prev = recv_prev and i != rest - 1
-        x, g = p2p.communicate(
-            send_next=out,
-            send_prev=grad_in,
-            recv_prev=recv_prev,
-            recv_next=recv_next,
-            prev_shape=s.in_shape(nf, recv_prev),
-            next_shape=s.grad_shape(nb, recv_next),
-        )
-        if recv_prev:
-            s.add_input(nf, x)
-        if recv_next:
-            s.add_grad(nb, g)
+        s.exchange(out, grad_in, nf if recv_prev else None, nb if recv_next else None)
     if s.forward_only:
         return
     # With all forwards in warm-up the steady loop never received a grad: fetch the first one here.
     if all_warmup and not last:
-        s.add_grad(vp - 1, p2p.communicate(recv_next=True, next_shape=s.grad_shape(vp - 1))[1])
+        s.exchange(grad_for=vp - 1)
     for k in range(rest, total):
         grad_in = s.backward(k)
         nb = s.chunk_id(k + 1, False)
         # The last rank's last chunk starts from its own loss; after the final backward nothing comes.
         recv_next = not (last and nb == vp - 1) and k != total - 1
-        g = p2p.communicate(send_prev=grad_in, recv_next=recv_next, next_shape=s.grad_shape(nb, recv_next))[1]
-        if recv_next:
-            s.add_grad(nb, g)
+        s.exchange(send_prev=grad_in, grad_for=nb if recv_next else None)
 
 
 def forward_backward_pipelining(
