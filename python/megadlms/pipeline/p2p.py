@@ -2,8 +2,14 @@
 
 One call, :meth:`PipelineP2P.communicate`, does what a schedule step needs at once (send to the
 next stage, send to the previous, receive from either), as Megatron's ``_communicate``: all of
-a step's operations are posted together with ``batch_isend_irecv`` and waited on together, so
-the paired calls of two neighbours can never wait on each other.
+a step's operations are posted together before any wait, so the paired calls of two neighbours
+can never wait on each other. Under NCCL they are one ``batch_isend_irecv`` group, waited on
+together. Under gloo they are posted one by one (gloo runs each on its own anyway) and only the
+receives are waited on: a call's sends are waited on when the next call starts (or at
+:meth:`PipelineP2P.flush`, which the schedule calls at its end), so the compute after a send
+overlaps its transfer, as torch's ``Schedule1F1B`` does. This cannot deadlock where waiting at
+once would not: the peer's paired call, which receives them, never depended on our later calls.
+A sent tensor is referenced until its wait; the schedules never modify one in place.
 
 Two ways to size a receive buffer (the choice is made once, for both neighbours alike):
 
@@ -80,18 +86,32 @@ class PipelineP2P:
         # gloo runs each send / receive on its own anyway: posting them directly skips
         # batch_isend_irecv's coalescing manager (~25 us a call on a 2-core EPYC, gloo, 64 KB)
         self._post_directly = dist.get_backend(self.group) == dist.Backend.GLOO
+        # gloo sends in flight, with their tensors (referenced until waited on)
+        self._sends: List[Tuple[dist.Work, torch.Tensor]] = []
 
     def _batch(self, ops: List[dist.P2POp]) -> None:
-        # every op posted before any wait (NCCL: one group, which its paired calls need; gloo: one by one)
+        # every op posted before any wait (NCCL: one group, which its paired calls need; gloo: one by one,
+        # the previous call's sends waited on first, this call's left in flight: module docstring)
         if not ops:
             return
         with traced(PIPELINE_P2P):
-            if self._post_directly:
-                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
-            else:
-                works = dist.batch_isend_irecv(ops)
-            for work in works:
-                work.wait()
+            if not self._post_directly:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                return
+            self.flush()
+            for op in ops:
+                work = op.op(op.tensor, op.peer, op.group, op.tag)
+                if op.op is dist.isend:
+                    self._sends.append((work, op.tensor))
+                else:
+                    work.wait()
+
+    def flush(self) -> None:
+        """Waits for the sends still in flight (gloo); the schedule's last p2p act."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
 
     @property
     def known_shapes(self) -> bool:

@@ -413,6 +413,7 @@ def forward_backward_pipelining(
         tensor_shape,
     )
     (_interleaved if len(chunks) > 1 else _one_f_one_b)(state)
+    p2p.flush()
     if not state.last_stage(len(chunks) - 1):
         return []
     return [state.losses[i] for i in range(len(micro_batches))]
