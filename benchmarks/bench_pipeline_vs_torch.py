@@ -157,6 +157,36 @@ def _torch_schedule(chunk, m: int, pp_group, clock: _Clock):
     return schedule, norm_box
 
 
+def _rounds(args, m: int, groups, chunks, clock: _Clock) -> dict:
+    """Every configuration once per round (order rotating), after the warm-up rounds: per
+    configuration a list of (step, compute, p2p) seconds on this rank."""
+    ours_chunk, torch_chunk = chunks
+    g = torch.Generator().manual_seed(1)
+    batch = torch.randint(0, args.pp_vocab, (m * args.pp_micro_batch, args.pp_seq), generator=g)
+    schedule, norm_box = _torch_schedule(torch_chunk, m, groups.pp, clock)
+    norm_box[0] = float(batch.numel())
+    runs: dict = {c: [] for c in CONFIGS}
+    for r in range(args.pp_warmup + args.pp_rounds):
+        for k in range(len(CONFIGS)):
+            name = CONFIGS[(r + k) % len(CONFIGS)]
+            dist.barrier(group=groups.pp.group)
+            clock.reset()
+            t0 = time.perf_counter()
+            if name == "torch":
+                if groups.pp.rank == 0:
+                    schedule.step(batch)
+                else:
+                    schedule.step(target=batch)
+            else:
+                _ours(ours_chunk, batch, args, groups.pp, clock, known=name == "ours")
+            step = time.perf_counter() - t0
+            spent = clock.reset()
+            (torch_chunk if name == "torch" else ours_chunk).zero_grad(set_to_none=True)
+            if r >= args.pp_warmup:
+                runs[name].append((step, spent["compute"], spent["p2p"]))
+    return runs
+
+
 def _worker(rank, world, args):
     import torch.distributed.pipelining.schedules as torch_schedules
 
@@ -167,38 +197,18 @@ def _worker(rank, world, args):
     groups = ParallelGroups.build(pp=world)
     cfg = _config(args)
     clock = _Clock()
-    # p2p time of both implementations: our batches, torch's posting and waiting (module globals)
-    PipelineP2P._batch = clock.wrap(PipelineP2P._batch, "p2p")  # type: ignore[method-assign]
-    torch_schedules._batch_p2p = clock.wrap(torch_schedules._batch_p2p, "p2p")
-    torch_schedules._wait_batch_p2p = clock.wrap(torch_schedules._wait_batch_p2p, "p2p")
-    ours_chunk, torch_chunk = _chunk(cfg, groups.pp.rank), _chunk(cfg, groups.pp.rank)
-    results = {}
-    for m in args.pp_micro_batches:
-        g = torch.Generator().manual_seed(1)
-        batch = torch.randint(0, args.pp_vocab, (m * args.pp_micro_batch, args.pp_seq), generator=g)
-        schedule, norm_box = _torch_schedule(torch_chunk, m, groups.pp, clock)
-        norm_box[0] = float(batch.numel())
-        runs = {c: [] for c in CONFIGS}
-        for r in range(args.pp_warmup + args.pp_rounds):
-            for k in range(len(CONFIGS)):
-                name = CONFIGS[(r + k) % len(CONFIGS)]
-                dist.barrier(group=groups.pp.group)
-                clock.reset()
-                t0 = time.perf_counter()
-                if name == "torch":
-                    if groups.pp.rank == 0:
-                        schedule.step(batch)
-                    else:
-                        schedule.step(target=batch)
-                else:
-                    _ours(ours_chunk, batch, args, groups.pp, clock, known=name == "ours")
-                step = time.perf_counter() - t0
-                spent = clock.reset()
-                (torch_chunk if name == "torch" else ours_chunk).zero_grad(set_to_none=True)
-                if r >= args.pp_warmup:
-                    runs[name].append((step, spent["compute"], spent["p2p"]))
-        results[m] = runs
-    return results
+    chunks = (_chunk(cfg, groups.pp.rank), _chunk(cfg, groups.pp.rank))  # ours, torch's
+    # p2p time of both implementations: our batches, torch's posting and waiting (module globals);
+    # put back afterwards, as the pool's processes run later jobs
+    saved = (PipelineP2P._batch, torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p)
+    PipelineP2P._batch = clock.wrap(saved[0], "p2p")  # type: ignore[method-assign]
+    torch_schedules._batch_p2p = clock.wrap(saved[1], "p2p")
+    torch_schedules._wait_batch_p2p = clock.wrap(saved[2], "p2p")
+    try:
+        return {m: _rounds(args, m, groups, chunks, clock) for m in args.pp_micro_batches}
+    finally:
+        PipelineP2P._batch = saved[0]  # type: ignore[method-assign]
+        torch_schedules._batch_p2p, torch_schedules._wait_batch_p2p = saved[1], saved[2]
 
 
 def _bubble(x) -> float:

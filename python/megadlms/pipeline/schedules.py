@@ -385,11 +385,9 @@ def forward_backward_pipelining(
     ``start``, ``end`` from ``time.perf_counter``; compute only, no p2p). ``device``: where
     received activations live (default: the first chunk's parameters'). ``no_sync``: see the
     module docstring (None: no gradient-sync control, e.g. plain modules).
-    ``tensor_shape(micro_index)``: the shape of the activation every stage sends for that
-    micro-batch (the same on every rank of the pipeline group; a gradient has the same shape):
-    receives are allocated from it and each p2p call is one batch of payloads, no shape
-    headers. ``pipeline_dtype``: their dtype (default: the first chunk's parameters'). None
-    (the default): shapes travel in headers, for sequence lengths no rank can compute.
+    ``tensor_shape(micro_index)``: the shape every stage sends for that micro-batch (the same on
+    every rank; a gradient has it too): receives are allocated from it, no shape headers; dtype
+    ``pipeline_dtype`` (default: the first chunk's parameters'). None: shapes travel in headers.
 
     Returns the ``loss_for_logging`` of every micro-batch (in micro-batch order) on the last
     stage, [] on the others. Does not call ``finish_grad_sync()``.
