@@ -163,3 +163,15 @@ def test_megadlms_script_at_pp2_parses():
     cfg = parse_config(argv, world_size=8)
     assert cfg.parallel.pipeline_model_parallel_size == 2 and cfg.parallel.data_parallel_size == 2
     assert cfg.training.num_micro_batches == 4  # 16 / (2 x 2) >= pp
+
+
+def test_variable_seq_lengths_is_accepted_with_a_note():
+    """Megatron's --variable-seq-lengths: lengths vary per micro-batch here without it (every
+    stage computes each micro-batch's activation shape), so it parses and is noted once."""
+    pp2 = BASE + ["--pipeline-model-parallel-size", "2", "--global-batch-size", "2"]
+    assert not any("--variable-seq-lengths" in n for n in parse_config(pp2, world_size=2).logging.notes)
+    notes = parse_config(pp2 + ["--variable-seq-lengths"], world_size=2).logging.notes
+    assert [n for n in notes if n.startswith("--variable-seq-lengths: ")] == [
+        "--variable-seq-lengths: every pipeline stage computes each micro-batch's activation shape from "
+        "its crop: lengths vary per micro-batch without a shape exchange (the same numbers either way)"
+    ]

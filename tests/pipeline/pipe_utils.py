@@ -19,6 +19,7 @@ from megadlms.pipeline import (
     model_chunks,
     stage_layers,
 )
+from megadlms.pipeline.p2p import PipelineP2P
 
 V, H, S = 42, 32, 12
 MASK = V - 1
@@ -121,6 +122,30 @@ def _count_no_sync(ddp) -> None:
     ddp.no_sync = counted
 
 
+def _tensor_shape(mine, loss: str, hidden: int, tpc):
+    """Each micro-batch's activation shape [b, L, H] from its own model input (what every stage
+    computes from the batch; L / tp, rounded up, under sequence parallelism: the model pads)."""
+
+    def shape(i):
+        b, L = prepare(mine[i], loss)[0].shape
+        return (b, -(-L // tpc.size) if tpc.sequence_parallel else L, hidden)
+
+    return shape
+
+
+def _count_p2p_batches():
+    """Counts this process's p2p batches (a one-element list) by replacing ``PipelineP2P._batch``
+    with a counting wrapper; returns (count, the method), the caller puts the method back."""
+    count, batch = [0], PipelineP2P._batch
+
+    def counted(self, ops):
+        count[0] += bool(ops)
+        return batch(self, ops)
+
+    PipelineP2P._batch = counted  # type: ignore[method-assign]
+    return count, batch
+
+
 def pipeline_step(rank, world, spec: dict):
     """One step on this rank: spec keys pp, vp, tp, dp, m (micro-batches per dp rank), b, loss,
     cfg (TransformerConfig kwargs), ddp (wrap each chunk), split (stage_layers kwargs),
@@ -165,15 +190,22 @@ def pipeline_step(rank, world, spec: dict):
         return ls, ls.detach().double()
 
     timeline = []
-    losses = forward_backward_pipelining(
-        runners,
-        mine,
-        forward_step,
-        pp_group=groups.pp,
-        forward_only=spec.get("forward_only", False),
-        timeline=timeline,
-        no_sync=(lambda c: runners[c].no_sync()) if spec.get("ddp") else None,
-    )
+    batches, own_batch = _count_p2p_batches()
+    try:
+        losses = forward_backward_pipelining(
+            runners,
+            mine,
+            forward_step,
+            pp_group=groups.pp,
+            forward_only=spec.get("forward_only", False),
+            timeline=timeline,
+            no_sync=(lambda c: runners[c].no_sync()) if spec.get("ddp") else None,
+            tensor_shape=_tensor_shape(mine, loss, cfg.hidden_size, tpc)
+            if spec.get("known_shapes")
+            else None,
+        )
+    finally:
+        PipelineP2P._batch = own_batch  # type: ignore[method-assign]  # the pool's process runs later tests
     out = {
         "losses": losses,
         "timeline": timeline,
@@ -181,6 +213,7 @@ def pipeline_step(rank, world, spec: dict):
         "dp_rank": groups.dp.rank,
         "pp_rank": groups.pp.rank,
         "no_sync_calls": [getattr(r, "no_sync_calls", None) for r in runners],
+        "p2p_batches": batches[0],
     }
     if spec.get("forward_only"):
         out["grads"] = {n: p.grad for mm in models for n, p in mm.named_parameters()}

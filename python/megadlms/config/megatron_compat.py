@@ -48,6 +48,13 @@ WITHOUT_EFFECT: Tuple[Tuple[str, str, object, str], ...] = (
     ),
     ("moe_grouped_gemm", "--moe-grouped-gemm", False, "the experts always run as one grouped GEMM"),
     (
+        "variable_seq_lengths",
+        "--variable-seq-lengths",
+        False,
+        "every pipeline stage computes each micro-batch's activation shape from its crop: lengths vary "
+        "per micro-batch without a shape exchange (the same numbers either way)",
+    ),
+    (
         "cp_comm_type",
         "--cp-comm-type",
         ["allgather"],

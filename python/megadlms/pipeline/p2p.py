@@ -2,13 +2,25 @@
 
 One call, :meth:`PipelineP2P.communicate`, does what a schedule step needs at once (send to the
 next stage, send to the previous, receive from either), as Megatron's ``_communicate``: all of
-a step's operations are posted together with ``batch_isend_irecv`` and waited on together, so
-the paired calls of two neighbours can never wait on each other.
+a step's operations are posted together before any wait, so the paired calls of two neighbours
+can never wait on each other. Under NCCL they are one ``batch_isend_irecv`` group, waited on
+together. Under gloo they are posted one by one (gloo runs each on its own anyway) and only the
+receives are waited on: a call's sends are waited on when the next call starts (or at
+:meth:`PipelineP2P.flush`, which the schedule calls at its end), so the compute after a send
+overlaps its transfer, as torch's ``Schedule1F1B`` does. This cannot deadlock where waiting at
+once would not: the peer's paired call, which receives them, never depended on our later calls.
+A sent tensor is referenced until its wait; the schedules never modify one in place.
 
-Shapes vary per step (the trainer crops the sequence per step, sequence parallelism pads it):
-every tensor is preceded by a small header (dtype code, ndim, dims; int64 [8]) exchanged in a
-first batch, then the tensors themselves in a second (Megatron's ``variable_seq_lengths``
-shape exchange). The receiver therefore needs to know nothing about the micro-batch.
+Two ways to size a receive buffer (the choice is made once, for both neighbours alike):
+
+* known shapes (``dtype`` given): the caller passes the shape of each receive
+  (``prev_shape`` / ``next_shape``; a schedule computes it per micro-batch from the caller's
+  ``tensor_shape(micro_index)``), the buffer is allocated from it and a call is ONE batch of
+  payloads: Megatron's path with ``--variable-seq-lengths`` off;
+* variable shapes (``dtype`` None): every tensor is preceded by a small header (dtype code,
+  ndim, dims; int64 [8]) exchanged in a first batch, then the tensors themselves in a second
+  (Megatron's ``variable_seq_lengths`` shape exchange): twice the messages and a host sync per
+  receive, but the receiver needs to know nothing about the micro-batch.
 
 Tags keep the two directions apart: a message travelling down the pipeline (to the next
 stage) has tag 0, one travelling up (to the previous) tag 1, so with pp = 2 (next == prev) an
@@ -55,9 +67,11 @@ class PipelineP2P:
 
     ``pp_group``: the pipeline axis (``ParallelGroups.pp``: ``.ranks``, ``.rank``, ``.group``)
     or a process group. Peers are addressed by global rank. ``device``: where headers and
-    received tensors live (the model's device; CPU for gloo)."""
+    received tensors live (the model's device; CPU for gloo). ``dtype``: the dtype of every
+    received tensor when the caller gives each receive's shape (no header exchange); None:
+    shapes and dtypes travel in headers (see the module docstring)."""
 
-    def __init__(self, pp_group, device) -> None:
+    def __init__(self, pp_group, device, dtype: Optional[torch.dtype] = None) -> None:
         if isinstance(pp_group, dist.ProcessGroup):
             self.group = pp_group
             self.ranks = tuple(dist.get_process_group_ranks(pp_group))
@@ -66,16 +80,43 @@ class PipelineP2P:
             self.group, self.ranks, self.rank = pp_group.group, tuple(pp_group.ranks), pp_group.rank
         self.size = len(self.ranks)
         self.device = torch.device(device)
+        self.dtype = dtype
         self.next = self.ranks[(self.rank + 1) % self.size]
         self.prev = self.ranks[(self.rank - 1) % self.size]
+        # gloo runs each send / receive on its own anyway: posting them directly skips
+        # batch_isend_irecv's coalescing manager (~25 us a call on a 2-core EPYC, gloo, 64 KB)
+        self._post_directly = dist.get_backend(self.group) == dist.Backend.GLOO
+        # gloo sends in flight, with their tensors (referenced until waited on)
+        self._sends: List[Tuple[dist.Work, torch.Tensor]] = []
 
     def _batch(self, ops: List[dist.P2POp]) -> None:
-        # every op posted before any wait (NCCL: one group; gloo: posted one by one)
+        # every op posted before any wait (NCCL: one group, which its paired calls need; gloo: one by one,
+        # the previous call's sends waited on first, this call's left in flight: module docstring)
         if not ops:
             return
         with traced(PIPELINE_P2P):
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            if not self._post_directly:
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
+                return
+            self.flush()
+            for op in ops:
+                work = op.op(op.tensor, op.peer, op.group, op.tag)
+                if op.op is dist.isend:
+                    self._sends.append((work, op.tensor))
+                else:
+                    work.wait()
+
+    def flush(self) -> None:
+        """Waits for the sends still in flight (gloo); the schedule's last p2p act."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+
+    @property
+    def known_shapes(self) -> bool:
+        """Whether receives are sized by the caller (one batch per call, no headers)."""
+        return self.dtype is not None
 
     def communicate(
         self,
@@ -83,37 +124,56 @@ class PipelineP2P:
         send_prev: Optional[torch.Tensor] = None,
         recv_prev: bool = False,
         recv_next: bool = False,
+        *,
+        prev_shape: Optional[Sequence[int]] = None,
+        next_shape: Optional[Sequence[int]] = None,
     ) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
         """Send ``send_next`` down / ``send_prev`` up and receive from the previous / next stage
         (when asked); returns ``(from_prev, from_next)``. Every neighbour must make the paired
-        call (its ``recv_prev`` for our ``send_next``, ...)."""
+        call (its ``recv_prev`` for our ``send_next``, ...). With known shapes each receive
+        needs its shape (``prev_shape`` for ``recv_prev``, ``next_shape`` for ``recv_next``)."""
         sends: Sequence[Tuple[torch.Tensor, int, int]] = [
             (t, peer, tag)
             for t, peer, tag in ((send_next, self.next, _DOWN), (send_prev, self.prev, _UP))
             if t is not None
         ]
         recvs = [
-            (peer, tag)
+            (peer, tag, shape)
             # What the previous stage sends us travels DOWN (its send_next), so receives from prev use _DOWN.
-            for want, peer, tag in ((recv_prev, self.prev, _DOWN), (recv_next, self.next, _UP))
+            for want, peer, tag, shape in (
+                (recv_prev, self.prev, _DOWN, prev_shape),
+                (recv_next, self.next, _UP, next_shape),
+            )
             if want
         ]
-        headers = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in recvs]
-        ops = [
-            dist.P2POp(dist.isend, _header(t, self.device), peer, self.group, tag) for t, peer, tag in sends
-        ]
-        ops += [dist.P2POp(dist.irecv, h, peer, self.group, tag) for h, (peer, tag) in zip(headers, recvs)]
-        self._batch(ops)
-        # Only now are the shapes known: the payloads need a second batch, posted in the same order.
-        received = [_from_header(h, self.device) for h in headers]
+        if self.dtype is not None:
+            received = [self._known(shape) for _, _, shape in recvs]
+        else:
+            received = self._exchange_headers(sends, recvs)
         # Only values travel: the sent activation stays in this stage's graph for its own backward.
         ops = [
             dist.P2POp(dist.isend, t.detach().contiguous(), peer, self.group, tag) for t, peer, tag in sends
         ]
         ops += [
-            dist.P2POp(dist.irecv, buf, peer, self.group, tag) for buf, (peer, tag) in zip(received, recvs)
+            dist.P2POp(dist.irecv, buf, peer, self.group, tag) for buf, (peer, tag, _) in zip(received, recvs)
         ]
         self._batch(ops)
         # received follows recvs, which lists prev before next.
         out = iter(received)
         return (next(out) if recv_prev else None), (next(out) if recv_next else None)
+
+    def _known(self, shape: Optional[Sequence[int]]) -> torch.Tensor:
+        if shape is None:
+            raise ValueError("pipeline p2p with known shapes (dtype given): every receive needs its shape")
+        return torch.empty(tuple(shape), dtype=self.dtype, device=self.device)
+
+    def _exchange_headers(self, sends, recvs) -> List[torch.Tensor]:
+        """The variable-shape path's first batch: one header per tensor; returns the receive buffers."""
+        headers = [torch.empty(_HEADER, dtype=torch.int64, device=self.device) for _ in recvs]
+        ops = [
+            dist.P2POp(dist.isend, _header(t, self.device), peer, self.group, tag) for t, peer, tag in sends
+        ]
+        ops += [dist.P2POp(dist.irecv, h, peer, self.group, tag) for h, (peer, tag, _) in zip(headers, recvs)]
+        self._batch(ops)
+        # Only now are the shapes known: the payloads need a second batch, posted in the same order.
+        return [_from_header(h, self.device) for h in headers]

@@ -4,8 +4,12 @@
 The order of forwards, backwards and the paired p2p calls is Megatron-core's
 (``pipeline_parallel/schedules.py``: ``forward_backward_pipelining_without_interleaving`` and
 ``..._with_interleaving``), rewritten around one small state object. A micro-batch's
-activations travel as tensors with their shape (``p2p.py``: shapes are exchanged, so each step
-may crop its sequence differently). Chunk ``c`` on pipeline rank ``r`` is model stage
+activations travel either with their shape (``p2p.py``'s headers: each step may crop its
+sequence differently, nothing needs to be known in advance) or, when the caller gives
+``tensor_shape(micro_index)`` (Megatron's fixed ``tensor_shape``, ``--variable-seq-lengths``
+off, here per micro-batch, so per-step crops stay possible), as bare payloads received into
+buffers of that shape: one message per tensor instead of two. A gradient has its activation's
+shape, so one callable sizes both directions. Chunk ``c`` on pipeline rank ``r`` is model stage
 ``c * pp + r``; the first model stage takes no input, the last one returns the loss.
 
 No pipeline (pp = 1) is the degenerate schedule, :func:`forward_backward_no_pipelining`
@@ -47,6 +51,7 @@ class ModelChunk(Protocol):
 
 
 NoSync = Callable[[int], ContextManager]  # chunk index -> context without gradient sync
+TensorShape = Callable[[int], Sequence[int]]  # micro-batch index -> shape of the activations it sends
 
 
 def micro_batch_problems(
@@ -105,9 +110,19 @@ class _Pipeline:
     keyed by (chunk, micro-batch); received tensors are queued per chunk in micro-batch order."""
 
     def __init__(
-        self, chunks, num_micro, forward_step, p2p, backward_loss, forward_only, timeline, no_sync
+        self,
+        chunks,
+        num_micro,
+        forward_step,
+        p2p,
+        backward_loss,
+        forward_only,
+        timeline,
+        no_sync,
+        tensor_shape,
     ) -> None:
         self.chunks, self.m, self.forward_step, self.p2p = chunks, num_micro, forward_step, p2p
+        self.tensor_shape: Optional[TensorShape] = tensor_shape
         self.no_sync: Optional[NoSync] = no_sync
         self.backward_loss, self.forward_only, self.timeline = backward_loss, forward_only, timeline
         self.pp, self.rank, self.vp = p2p.size, p2p.rank, len(chunks)
@@ -136,7 +151,45 @@ class _Pipeline:
     def last_stage(self, c: int) -> bool:
         return c == self.vp - 1 and self.rank == self.pp - 1
 
-    # -- queues fed by the p2p calls
+    # -- the p2p calls: every receive is queued for its chunk, sized from tensor_shape when given
+    def exchange(
+        self,
+        send_next: Optional[torch.Tensor] = None,
+        send_prev: Optional[torch.Tensor] = None,
+        input_for: Optional[int] = None,
+        grad_for: Optional[int] = None,
+    ) -> None:
+        """One paired p2p call: sends, and receives chunk ``input_for``'s next input (from the
+        previous stage) / chunk ``grad_for``'s next output grad (from the next) when not None."""
+        x, g = self.p2p.communicate(
+            send_next=send_next,
+            send_prev=send_prev,
+            recv_prev=input_for is not None,
+            recv_next=grad_for is not None,
+            prev_shape=None if input_for is None else self._shape(self.received[input_for]),
+            # a gradient has its activation's shape
+            next_shape=None if grad_for is None else self._shape(self.grads_received[grad_for]),
+        )
+        if input_for is not None:
+            self.add_input(input_for, x)
+        if grad_for is not None:
+            self.add_grad(grad_for, g)
+
+    def _shape(self, i: int) -> Optional[Tuple[int, ...]]:
+        if self.tensor_shape is None or i >= self.m:
+            return None
+        return tuple(self.tensor_shape(i))
+
+    def _check_sent(self, c: int, i: int, out: torch.Tensor) -> None:
+        # The receiver allocates from tensor_shape / dtype: a mismatch would be read as garbage or hang it.
+        want = self._shape(i)
+        if want is not None and (tuple(out.shape) != want or out.dtype != self.p2p.dtype):
+            raise ValueError(
+                f"pipeline chunk {c}, micro-batch {i}: sends {out.dtype} {tuple(out.shape)} but "
+                f"tensor_shape / pipeline_dtype declare {self.p2p.dtype} {want}; "
+                "fix them or pass tensor_shape=None"
+            )
+
     def add_input(self, c: int, x: Optional[torch.Tensor]) -> None:
         if x is not None and not self.forward_only:
             # The received activation is a leaf of this stage's graph: requires_grad is what makes backward
@@ -181,6 +234,7 @@ class _Pipeline:
             )
         if not self.forward_only:
             self.outputs[c][i] = out
+        self._check_sent(c, i, out)
         return out
 
     def backward(self, k: int) -> Optional[torch.Tensor]:
@@ -205,56 +259,47 @@ class _Pipeline:
 
 def _one_f_one_b(s: _Pipeline) -> None:
     """Warm-up forwards, steady 1F1B, cool-down backwards (Megatron's non-interleaved order)."""
-    p2p, r, pp, m = s.p2p, s.rank, s.pp, s.m
+    r, pp, m = s.rank, s.pp, s.m
     first, last = r == 0, r == pp - 1
     # Forwards before this stage's first backward: the later stages' pipeline depth, so the last stage
     # starts 1F1B at once and stage 0 fills the whole pipeline.
     warm = m if s.forward_only else min(pp - r - 1, m)
     rest = m - warm
-
-    def recv_forward():
-        if not first:
-            s.add_input(0, p2p.communicate(recv_prev=True)[0])
-
+    chunk0 = None if first else 0  # chunk 0's inputs come from the previous stage, except on the first
     for k in range(warm):
-        recv_forward()
-        out = s.forward(k)
-        p2p.communicate(send_next=out)
+        s.exchange(input_for=chunk0)
+        s.exchange(send_next=s.forward(k))
     # The steady phase's first input is received here; later ones arrive with each grad sent upstream.
     if rest:
-        recv_forward()
+        s.exchange(input_for=chunk0)
     for i in range(rest):
         final = i == rest - 1
         out = s.forward(warm + i)
         if s.forward_only:
-            p2p.communicate(send_next=out)
+            s.exchange(send_next=out)
             if not final:
-                recv_forward()
+                s.exchange(input_for=chunk0)
             continue
         # send_forward_recv_backward: one batch, paired with the next stage's send_backward_recv_forward
         # below, so the two neighbours' sends and receives are posted together and cannot deadlock.
-        g = p2p.communicate(send_next=out, recv_next=not last)[1]
-        if not last:
-            s.add_grad(0, g)
+        s.exchange(send_next=out, grad_for=None if last else 0)
         # Steady state: forward of micro-batch warm + i, then backward of the oldest in flight, i.
         grad_in = s.backward(i)
         # After the final steady forward no input is left to receive.
-        x = p2p.communicate(send_prev=grad_in, recv_prev=not first and not final)[0]
-        if not first and not final:
-            s.add_input(0, x)
+        s.exchange(send_prev=grad_in, input_for=None if final else chunk0)
     if s.forward_only:
         return
     # Cool-down: the warm-up's micro-batches (rest .. m - 1) still owe their backward, oldest first.
     for i in range(warm):
         if not last:
-            s.add_grad(0, p2p.communicate(recv_next=True)[1])
-        p2p.communicate(send_prev=s.backward(rest + i))
+            s.exchange(grad_for=0)
+        s.exchange(send_prev=s.backward(rest + i))
 
 
 def _interleaved(s: _Pipeline) -> None:
     """Megatron's interleaved order: per rank, micro-batches in groups of pp go through chunk 0,
     then chunk 1, ...; each step's sends and receives are one paired p2p call."""
-    p2p, r, pp, vp, m = s.p2p, s.rank, s.pp, s.vp, s.m
+    r, pp, vp, m = s.rank, s.pp, s.vp, s.m
     first, last = r == 0, r == pp - 1
     total = m * vp
     # m == pp: the warm-up below would already cover every forward, so run them all, then all backwards.
@@ -264,7 +309,7 @@ def _interleaved(s: _Pipeline) -> None:
     warm = total if all_warmup else min((pp - r - 1) * 2 + (vp - 1) * pp, total)
     rest = total - warm
     if not first:
-        s.add_input(0, p2p.communicate(recv_prev=True)[0])
+        s.exchange(input_for=0)
     for k in range(warm):
         out = s.forward(k)
         nxt = s.chunk_id(k + 1, True)
@@ -272,14 +317,10 @@ def _interleaved(s: _Pipeline) -> None:
         recv_prev = not (first and nxt == 0) and k != total - 1
         # The last warm-up step also posts the receive of the first grad (for the last chunk), to match the
         # next stage's first backward send.
-        if k == warm - 1 and not all_warmup:
-            x, g = p2p.communicate(send_next=out, recv_prev=recv_prev, recv_next=not last)
-            if not last:
-                s.add_grad(vp - 1, g)
-        else:
-            x = p2p.communicate(send_next=out, recv_prev=recv_prev)[0]
-        if recv_prev:
-            s.add_input(nxt, x)
+        first_grad = k == warm - 1 and not all_warmup and not last
+        s.exchange(
+            send_next=out, input_for=nxt if recv_prev else None, grad_for=vp - 1 if first_grad else None
+        )
     for i in range(rest):
         # Forward runs warm virtual steps ahead of backward.
         fk, bk = warm + i, i
@@ -301,24 +342,18 @@ def _interleaved(s: _Pipeline) -> None:
             nb = s.chunk_id(bk + 1, False)
         # The final steady forward was the step's last: no input left to receive.
         recv_prev = recv_prev and i != rest - 1
-        x, g = p2p.communicate(send_next=out, send_prev=grad_in, recv_prev=recv_prev, recv_next=recv_next)
-        if recv_prev:
-            s.add_input(nf, x)
-        if recv_next:
-            s.add_grad(nb, g)
+        s.exchange(out, grad_in, nf if recv_prev else None, nb if recv_next else None)
     if s.forward_only:
         return
     # With all forwards in warm-up the steady loop never received a grad: fetch the first one here.
     if all_warmup and not last:
-        s.add_grad(vp - 1, p2p.communicate(recv_next=True)[1])
+        s.exchange(grad_for=vp - 1)
     for k in range(rest, total):
         grad_in = s.backward(k)
         nb = s.chunk_id(k + 1, False)
         # The last rank's last chunk starts from its own loss; after the final backward nothing comes.
         recv_next = not (last and nb == vp - 1) and k != total - 1
-        g = p2p.communicate(send_prev=grad_in, recv_next=recv_next)[1]
-        if recv_next:
-            s.add_grad(nb, g)
+        s.exchange(send_prev=grad_in, grad_for=nb if recv_next else None)
 
 
 def forward_backward_pipelining(
@@ -332,6 +367,8 @@ def forward_backward_pipelining(
     timeline: Optional[list] = None,
     device=None,
     no_sync: Optional[NoSync] = None,
+    tensor_shape: Optional[TensorShape] = None,
+    pipeline_dtype: Optional[torch.dtype] = None,
 ) -> List[Any]:
     """Run one step's micro-batches through this rank's model chunks (forward and backward).
 
@@ -348,20 +385,33 @@ def forward_backward_pipelining(
     ``start``, ``end`` from ``time.perf_counter``; compute only, no p2p). ``device``: where
     received activations live (default: the first chunk's parameters'). ``no_sync``: see the
     module docstring (None: no gradient-sync control, e.g. plain modules).
+    ``tensor_shape(micro_index)``: the shape every stage sends for that micro-batch (the same on
+    every rank; a gradient has it too): receives are allocated from it, no shape headers; dtype
+    ``pipeline_dtype`` (default: the first chunk's parameters'). None: shapes travel in headers.
 
     Returns the ``loss_for_logging`` of every micro-batch (in micro-batch order) on the last
     stage, [] on the others. Does not call ``finish_grad_sync()``.
     """
     if len(chunks) < 1:
         raise ValueError("forward_backward_pipelining needs at least one model chunk")
-    if device is None:
-        device = next(iter(chunks[0].parameters())).device
-    p2p = PipelineP2P(pp_group, device)
+    first_param = next(iter(chunks[0].parameters()))
+    device = first_param.device if device is None else device
+    dtype = None if tensor_shape is None else (pipeline_dtype or first_param.dtype)
+    p2p = PipelineP2P(pp_group, device, dtype)
     check_micro_batches(len(micro_batches), p2p.size, len(chunks), forward_only)
     state = _Pipeline(
-        list(chunks), len(micro_batches), forward_step, p2p, backward_loss, forward_only, timeline, no_sync
+        list(chunks),
+        len(micro_batches),
+        forward_step,
+        p2p,
+        backward_loss,
+        forward_only,
+        timeline,
+        no_sync,
+        tensor_shape,
     )
     (_interleaved if len(chunks) > 1 else _one_f_one_b)(state)
+    p2p.flush()
     if not state.last_stage(len(chunks) - 1):
         return []
     return [state.losses[i] for i in range(len(micro_batches))]
@@ -378,10 +428,13 @@ def forward_backward_no_pipelining(
     timeline: Optional[list] = None,
     device=None,
     no_sync: Optional[NoSync] = None,
+    tensor_shape: Optional[TensorShape] = None,
+    pipeline_dtype: Optional[torch.dtype] = None,
 ) -> List[Any]:
     """The one-stage schedule (no pipeline), with :func:`forward_backward_pipelining`'s
     arguments: ``chunks`` is the one whole model, ``forward_step(0, i, None)`` returns
-    ``(loss_to_backprop, loss_for_logging)``; ``pp_group`` and ``device`` are not used.
+    ``(loss_to_backprop, loss_for_logging)``; ``pp_group``, ``device``, ``tensor_shape`` and
+    ``pipeline_dtype`` are not used (nothing is sent).
 
     Each micro-batch's forward and backward run back to back (no activations of several
     micro-batches alive at once); all but the last under ``no_sync(0)``, forward included,

@@ -15,12 +15,17 @@ and computes the same model inputs from them: the masked-diffusion noise is a fu
 stage needs for rotary / document masks and the last stage's targets, mask and p_mask all
 agree without being sent. Only the last stage computes a loss; the caller's loss owner
 (tensor-parallel rank 0 of the last stage) contributes it to the step's reductions.
+
+For the same reason every stage knows the shape of each micro-batch's activations (its crop,
+sequence-parallel padding and context-parallel slice are computed from the batch): the
+schedule gets ``tensor_shape(micro_index)`` and the p2p receives need no shape exchange (one
+message per tensor; Megatron's ``--variable-seq-lengths`` off, yet lengths vary per step).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, NamedTuple
+from typing import Callable, Dict, List, NamedTuple, Tuple
 
 import torch
 
@@ -79,6 +84,11 @@ def build_chunks(
         out.append(model.to(device))
     return out
 
+
+# What chunks send each other: fp32 whatever the precision (Float16Module returns its output as float,
+# and FSDP2, whose bf16 would differ, runs without pipeline parallelism); the schedule refuses, by name,
+# a chunk that sends another dtype.
+PIPELINE_DTYPE = torch.float32
 
 # Padding of the targets under context parallelism: never masked, never a loss token.
 _CP_PADS = {"tokens": 0, "labels": 0, "clean": 0, "masked": False, "p_mask": 1.0, "loss_mask": 0.0}
@@ -147,21 +157,40 @@ class PipelineRunner:
         self._cp_causal = plain.attention == AttnMaskType.CAUSAL  # Megatron's 2C-chunk load balancing
         # under sequence parallelism each cp part is split again over tp
         self._cp_multiple = plain.tp.size if plain.tp.sequence_parallel else 1
+        self._hidden = plain.config.hidden_size
+        self._sp_split = plain.tp.size if plain.tp.sequence_parallel else 1
 
     def _prepare(self, inputs: ObjectiveBatch) -> ObjectiveBatch:
         if self.cp is None or self.cp.size == 1:
             return inputs
         return _cp_shard(inputs, self.cp, self._cp_causal, self._cp_multiple)
 
+    def _hidden_shape(self, inputs: ObjectiveBatch) -> Tuple[int, ...]:
+        """The [B, S, H] hidden states a chunk sends for ``inputs`` (GPTModel.forward: under
+        sequence parallelism the sequence is padded to a multiple of tp and split over it)."""
+        B, S = inputs.tokens.shape
+        return (B, -(-S // self._sp_split), self._hidden)
+
     def _step_fn(self, prepare: Callable[[int], ObjectiveBatch], on_loss: Callable):
+        """(forward_step, tensor_shape) of one schedule run over ``prepare``'s micro-batches."""
         cache: Dict[int, ObjectiveBatch] = {}
+        shapes: Dict[int, Tuple[int, ...]] = {}
         last_chunk = len(self.chunks) - 1
 
-        def forward_step(chunk_index: int, micro_index: int, hidden):
+        def prepared(micro_index: int) -> ObjectiveBatch:
             if micro_index not in cache:  # every chunk of this rank sees the same micro-batch
                 cache[micro_index] = prepare(micro_index)
-            # the last chunk's forward of a micro-batch is its last use on this rank
-            inputs = cache.pop(micro_index) if chunk_index == last_chunk else cache[micro_index]
+                shapes[micro_index] = self._hidden_shape(cache[micro_index])
+            return cache[micro_index]
+
+        def tensor_shape(micro_index: int) -> Tuple[int, ...]:
+            # A receive may come before this rank's first forward of the micro-batch: prepare it then.
+            return shapes[micro_index] if micro_index in shapes else self._hidden_shape(prepared(micro_index))
+
+        def forward_step(chunk_index: int, micro_index: int, hidden):
+            inputs = prepared(micro_index)
+            if chunk_index == last_chunk:  # the last chunk's forward of a micro-batch is its last use here
+                cache.pop(micro_index)
             chunk = self.chunks[chunk_index]
             out = inputs.forward(chunk, hidden)
             if not self._last[chunk_index]:
@@ -169,14 +198,14 @@ class PipelineRunner:
             loss_sum, _ = inputs.score(out, token_cross_entropy_of(unwrap_model(chunk)))
             return on_loss(loss_sum)
 
-        return forward_step
+        return forward_step, tensor_shape
 
     def forward_backward(self, micro_batches: List[dict], cfg, crops, scales, device) -> torch.Tensor:
         """This rank's loss sum of the step (0 off the last stage); gradients accumulated in
         every chunk's buffers, each chunk's collectives launched on its last micro-batch.
         ``scales``: the step's ``distributed.StepScales`` (the 1/N on each micro-batch's
         loss, the loss scale on what its backward starts from)."""
-        step = self._step_fn(
+        step, shape = self._step_fn(
             lambda i: self._prepare(training_inputs(micro_batches[i], cfg, crops[i])),
             # (what backward starts from, what is reported): the 1/N-scaled loss, and the raw sum detached.
             lambda loss_sum: (loss_sum * scales.loss, loss_sum.detach().to(torch.float64)),
@@ -188,6 +217,8 @@ class PipelineRunner:
             pp_group=self.groups.pp,
             backward_loss=scales.backward_loss,
             no_sync=lambda c: self.chunks[c].no_sync(),
+            tensor_shape=shape,
+            pipeline_dtype=PIPELINE_DTYPE,
         )
         total = torch.zeros((), dtype=torch.float64, device=device)
         for loss in losses:
@@ -202,7 +233,7 @@ class PipelineRunner:
         cfg = dataclasses.replace(cfg, seed=seed) if seed != cfg.seed else cfg
         # One pipeline micro-batch per (batch, draw): the K draws flow through the stages like more batches.
         micro = [(b, d) for b in batches for d in range(k)]
-        step = self._step_fn(
+        step, shape = self._step_fn(
             lambda i: self._prepare(validation_inputs(micro[i][0], cfg, micro[i][1], k)),
             # / k: the mean over draws, validation_nelbo's 1/K.
             lambda loss_sum: (loss_sum, loss_sum.detach().to(torch.float64) / k),
@@ -212,7 +243,13 @@ class PipelineRunner:
             c.eval()
         try:
             losses = forward_backward_pipelining(
-                self.chunks, micro, step, pp_group=self.groups.pp, forward_only=True
+                self.chunks,
+                micro,
+                step,
+                pp_group=self.groups.pp,
+                forward_only=True,
+                tensor_shape=shape,
+                pipeline_dtype=PIPELINE_DTYPE,
             )
         finally:
             for c, mode in zip(self.chunks, was_training):

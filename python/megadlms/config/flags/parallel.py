@@ -219,6 +219,13 @@ def pipeline_args(p):
         default=None,
         help="Uneven split: decoder layers on the last pipeline stage (the rest split evenly).",
     )
+    add_flag(
+        g,
+        "--variable-seq-lengths",
+        action="store_true",
+        help="Accepted for Megatron scripts (no effect): every pipeline stage computes each "
+        "micro-batch's activation shape from its crop, so lengths may vary without a shape exchange.",
+    )
 
 
 CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
