@@ -10,6 +10,7 @@ import torch
 
 from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megadlms.distributed.param_and_grad_buffer import build_bucket_layout
+from tests.dist_utils import run_distributed
 
 
 def test_layout_distributed_optimizer_padding():
@@ -165,11 +166,12 @@ def test_scale_gradients_zero_grad_buffer_and_bf16_grad_publication():
     )
 
 
-def _deferred_vs_eager_steps(defer: bool):
-    """Three steps of 2 micro-batches (no_sync) on a net whose second layer is skipped in
-    step 1's first micro-batch and in all of step 2; gradients include signed zeros."""
+def _deferred_vs_eager_steps(defer: bool, rank: int = 0):
+    """Three steps of 2 micro-batches (no_sync) on a net whose second layer is skipped in the
+    first micro-batch of steps 0 and 2 and in all of step 1; gradients include signed zeros."""
     torch.manual_seed(0)
     net = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    torch.manual_seed(1 + rank)  # each rank its own data
     ddp = DistributedDataParallel(net, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1))
     out = []
     for step in range(3):
@@ -179,7 +181,7 @@ def _deferred_vs_eager_steps(defer: bool):
         for micro in range(2):
             x = torch.randn(3, 4)
             x[:, 0] = -0.0  # a column of -0.0 gives -0.0 weight gradients
-            use_second = not (step == 1 or (step == 0 and micro == 0))
+            use_second = not (step == 1 or (step != 1 and micro == 0))
             ctx = ddp.no_sync() if micro == 0 else contextlib.nullcontext()
             with ctx:
                 y = net[0](x)
@@ -199,3 +201,23 @@ def test_deferred_zeroing_is_bitwise_the_eager_zeroing():
         for d, e in zip(d_step, e_step):
             assert torch.equal(d, e) and torch.equal(torch.signbit(d), torch.signbit(e))
     assert torch.count_nonzero(deferred[1][2]) == 0  # the skipped layer reads zeros, not step 0's grads
+
+
+def _two_rank_deferred(rank, ws):
+    deferred, ddp = _deferred_vs_eager_steps(True, rank)
+    eager, _ = _deferred_vs_eager_steps(False, rank)
+    return deferred, eager, [b.defer_ok for b in ddp.buckets], [b.prescaled for b in ddp.buckets]
+
+
+def test_deferred_zeroing_with_the_scale_in_the_first_write_two_ranks():
+    """dp=2: a bucket first written in the synced backward takes the 1/dp in that pass (no
+    scaling pass before its all-reduce); values equal the eager zeroing's bitwise (torch.equal:
+    a -0.0 gradient may stay -0.0 there, the one documented difference)."""
+    for deferred, eager, defer_ok, prescaled in run_distributed(_two_rank_deferred, 2):
+        assert all(defer_ok)
+        # buckets hold one param each, net[1]'s first (reverse order): first written in step 2's
+        # synced backward, so prescaled; net[0]'s were written in the no_sync micro-batch
+        assert prescaled == [True, True, False, False]
+        for d_step, e_step in zip(deferred, eager):
+            assert all(torch.equal(d, e) for d, e in zip(d_step, e_step))
+        assert torch.count_nonzero(deferred[1][2]) == 0

@@ -248,7 +248,7 @@ class DistributedDataParallel(torch.nn.Module):
                     "steps); keep fusion on or off for a weight from its first step, or pass "
                     "--no-gradient-accumulation-fusion"
                 )
-            bucket.write_first(param)
+            bucket.write_first(param, last_micro_batch=self._sync_enabled)
         if fused:
             bucket.fused_seen = True
             # Fused weight gradient (linear_impl.py): already in main_grad; param.grad holds
@@ -303,7 +303,7 @@ class DistributedDataParallel(torch.nn.Module):
                 offsets.append(off)
         if grads:
             # View buckets are scaled as a whole at launch, so fold those grads unscaled.
-            scale = 1.0 if bucket.grad_view else bucket.reduce_group.fold_scale
+            scale = 1.0 if bucket.grad_view and not bucket.prescaled else bucket.reduce_group.fold_scale
             ext.accumulate_into(bucket.grad_data, grads, offsets=offsets, scale=scale)
         for p in bucket.params:
             # Dropping the separate grads now is the memory saving of folding; a view bucket
@@ -328,7 +328,7 @@ class DistributedDataParallel(torch.nn.Module):
         group = bucket.reduce_group
         # A view bucket's grads came straight from autograd (no fold to scale them), so the
         # factor is applied here, once, over the whole bucket after its last micro-batch.
-        if bucket.grad_view and group.fold_scale != 1.0:
+        if bucket.grad_view and group.fold_scale != 1.0 and not bucket.prescaled:
             ext.scale_(bucket.grad_table, group.fold_scale)  # 1/dp before a SUM collective
         if self.ddp_config.use_distributed_optimizer:
             lo, hi = self._shard_range(bucket)
