@@ -122,13 +122,11 @@ def flatten_ratios(args) -> dict:
 
 
 def _pipeline_module():
-    """bench_pipeline_vs_torch.py as a module, or None when this checkout has none."""
+    """bench_pipeline_vs_torch.py as a module, or None when this checkout has none. Imported by
+    name (benchmarks/ is on sys.path), so that its rank worker pickles for the process pool."""
     if not os.path.exists(PIPELINE_BENCH):
         return None
-    spec = importlib.util.spec_from_file_location("bench_pipeline_vs_torch", PIPELINE_BENCH)
-    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+    return importlib.import_module("bench_pipeline_vs_torch")
 
 
 def _row(name: str, ratios, target: str) -> str:
