@@ -38,6 +38,18 @@ RangeFn pick() {
   return process_range_generic;
 }
 RangeFn kRange = pick();
+
+// fp32 -> fp32 with destinations back to back (a flatten into one buffer): the AVX2 kernel
+// streams those whole 32-byte chunks at a time, small segments included (kernels_impl.h).
+bool tiles_f32_range(const Segment* segs, int64_t nseg) {
+  for (int64_t i = 0; i < nseg; ++i) {
+    if (segs[i].src_dtype != kF32 || segs[i].dst_dtype != kF32) return false;
+    if (i > 0 && static_cast<float*>(segs[i - 1].dst) + (segs[i].start - segs[i - 1].start) !=
+                     static_cast<float*>(segs[i].dst))
+      return false;
+  }
+  return true;
+}
 }  // namespace
 
 const char* isa() {
@@ -61,9 +73,12 @@ CpuResult run(OpKind op, const Segment* segs, int64_t nseg, int64_t total, float
   const int64_t nblocks = (total + kBlock - 1) / kBlock;
   // Outputs beyond the last-level cache go out with non-temporal stores (a third less
   // memory traffic); smaller ones stay cached for whoever reads them next. Not for
-  // many small tensors: every segment boundary leaves two partial lines, which
-  // non-temporal stores handle badly (measured slower on 20k x 2k-element lists).
-  if (op == kCopy && total >= kStreamingElems && total / nseg >= kStreamingMinAvg)
+  // many small tensors, except fp32 ones flattened back to back (the kernel then streams
+  // across segment boundaries): streaming each small segment on its own leaves two partial
+  // lines per boundary, which non-temporal stores handle badly (measured slower on 20k x
+  // 2k-element lists).
+  if (op == kCopy && total >= kStreamingElems &&
+      (total / nseg >= kStreamingMinAvg || tiles_f32_range(segs, nseg)))
     op = kCopyStreaming;
   if (nblocks == 1 || omp_get_max_threads() == 1 || omp_in_parallel())
     return kRange(op, segs, nseg, total, 0, total, scale);

@@ -12,6 +12,7 @@
 // otherwise contract the scalar tails into FMAs in the AVX2 build.
 #pragma GCC optimize("fp-contract=off")
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
@@ -248,11 +249,58 @@ inline void apply(OpKind op, const Segment& sg, int64_t off, int64_t n, float sc
   kApply[pair_code(sg.src_dtype, sg.dst_dtype)](op, sg, off, n, scale, res);
 }
 
+#if MEGADLM_CPU_SIMD
+// Streaming copy of fp32 segments whose destinations tile one contiguous range (a flatten of
+// many small tensors): every aligned 32-byte chunk of the destination is one non-temporal
+// store, and a chunk that straddles a segment boundary is assembled first, so small sources
+// get the write bandwidth of one large streaming copy. (Streaming each segment on its own
+// leaves two partial lines per boundary: measured slower; prefetching the next source or
+// walking sources in address order: no gain, docs/extension.md.) False, nothing written,
+// when the block's segments are not such a range.
+inline bool stream_tiled_f32(const Segment* segs, int64_t nseg, int64_t total, int64_t begin,
+                             int64_t end) {
+  const int64_t first = find_segment(segs, nseg, begin);
+  for (int64_t i = first; i < nseg && segs[i].start < end; ++i) {
+    if (segs[i].src_dtype != kF32 || segs[i].dst_dtype != kF32) return false;
+    if (i > first && static_cast<float*>(segs[i - 1].dst) + (segs[i].start - segs[i - 1].start) !=
+                         static_cast<float*>(segs[i].dst))
+      return false;
+  }
+  float* out = static_cast<float*>(segs[first].dst) - segs[first].start;  // out[g]: element g
+  int64_t i = first, g = begin;
+  auto src_at = [&](int64_t k) {  // k only grows: the segment index only moves forward
+    while (k >= segment_end(segs, nseg, i, total)) ++i;
+    return static_cast<const float*>(segs[i].src)[k - segs[i].start];
+  };
+  for (; g < end && (reinterpret_cast<uintptr_t>(out + g) & 31); ++g) out[g] = src_at(g);
+  alignas(32) float chunk[8];
+  while (g + 8 <= end) {
+    while (g >= segment_end(segs, nseg, i, total)) ++i;
+    const int64_t stop = std::min(end, segment_end(segs, nseg, i, total));
+    if (g + 8 <= stop) {
+      const float* base = static_cast<const float*>(segs[i].src) - segs[i].start;
+      for (; g + 8 <= stop; g += 8) _mm256_stream_ps(out + g, _mm256_loadu_ps(base + g));
+      continue;
+    }
+    for (int k = 0; k < 8; ++k) chunk[k] = src_at(g + k);
+    _mm256_stream_ps(out + g, _mm256_load_ps(chunk));
+    g += 8;
+  }
+  for (; g < end; ++g) out[g] = src_at(g);
+  _mm_sfence();
+  return true;
+}
+#endif
+
 // Process global elements [begin, end) of the table.
 inline CpuResult process_range(OpKind op, const Segment* segs, int64_t nseg, int64_t total,
                                int64_t begin, int64_t end, float scale) {
   CpuResult res;
   if (begin >= end) return res;
+#if MEGADLM_CPU_SIMD
+  if (op == kCopyStreaming && scale == 1.0f && stream_tiled_f32(segs, nseg, total, begin, end))
+    return res;
+#endif
   for (int64_t i = find_segment(segs, nseg, begin); i < nseg && segs[i].start < end; ++i) {
     int64_t s0 = segs[i].start, s1 = segment_end(segs, nseg, i, total);
     int64_t lo = begin > s0 ? begin : s0, hi = end < s1 ? end : s1;

@@ -3,11 +3,14 @@ offsets are worked out by hand in the comments."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megadlms.distributed.param_and_grad_buffer import build_bucket_layout
+from tests.dist_utils import run_distributed
 
 
 def test_layout_distributed_optimizer_padding():
@@ -134,7 +137,15 @@ def test_scale_gradients_zero_grad_buffer_and_bf16_grad_publication():
     ddp.scale_gradients(0.5)
     torch.testing.assert_close(net.weight.grad, 0.5 * expected)  # p.grad is the buffer view
     ddp.zero_grad_buffer()
-    # same dtype: param.grad stays the (zeroed) buffer view, so autograd accumulates in place
+    # same dtype, after a complete backward: the zeroing is deferred (param.grad None, so autograd
+    # hands over its fresh gradient and the hook writes it over the buffer's old values)
+    assert net.weight.grad is None and ddp.buckets[0].stale
+    ddp(x).sum().backward()
+    ddp.finish_grad_sync()
+    torch.testing.assert_close(net.weight.main_grad, expected)
+    ddp.buckets[0].defer_ok = False  # the eager zeroing, as before the first complete backward
+    ddp.zero_grad_buffer()
+    # param.grad is then the (zeroed) buffer view, so autograd accumulates in place
     assert net.weight.grad.data_ptr() == net.weight.main_grad.data_ptr()
     assert torch.count_nonzero(net.weight.main_grad) == 0
     net.weight.grad = None  # e.g. torch.optim's zero_grad()
@@ -153,3 +164,60 @@ def test_scale_gradients_zero_grad_buffer_and_bf16_grad_publication():
     torch.testing.assert_close(
         half.weight.main_grad, torch.ones(4, 2).t() @ x.bfloat16().float(), rtol=1e-2, atol=1e-2
     )
+
+
+def _deferred_vs_eager_steps(defer: bool, rank: int = 0):
+    """Three steps of 2 micro-batches (no_sync) on a net whose second layer is skipped in the
+    first micro-batch of steps 0 and 2 and in all of step 1; gradients include signed zeros."""
+    torch.manual_seed(0)
+    net = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+    torch.manual_seed(1 + rank)  # each rank its own data
+    ddp = DistributedDataParallel(net, DistributedDataParallelConfig(overlap_grad_reduce=True, bucket_size=1))
+    out = []
+    for step in range(3):
+        for b in ddp.buckets:
+            b.defer_ok = b.defer_ok and defer
+        ddp.zero_grad_buffer()
+        for micro in range(2):
+            x = torch.randn(3, 4)
+            x[:, 0] = -0.0  # a column of -0.0 gives -0.0 weight gradients
+            use_second = not (step == 1 or (step != 1 and micro == 0))
+            ctx = ddp.no_sync() if micro == 0 else contextlib.nullcontext()
+            with ctx:
+                y = net[0](x)
+                y = net[1](y) if use_second else y
+                (-y).relu().sum().backward()
+        ddp.finish_grad_sync()
+        out.append([p.main_grad.clone() for p in net.parameters()])
+        assert all(p.grad.data_ptr() == p.main_grad.data_ptr() for p in net.parameters())
+    return out, ddp
+
+
+def test_deferred_zeroing_is_bitwise_the_eager_zeroing():
+    deferred, ddp = _deferred_vs_eager_steps(True)
+    eager, _ = _deferred_vs_eager_steps(False)
+    assert all(b.defer_ok for b in ddp.buckets)  # the deferred path did run
+    for d_step, e_step in zip(deferred, eager):
+        for d, e in zip(d_step, e_step):
+            assert torch.equal(d, e) and torch.equal(torch.signbit(d), torch.signbit(e))
+    assert torch.count_nonzero(deferred[1][2]) == 0  # the skipped layer reads zeros, not step 0's grads
+
+
+def _two_rank_deferred(rank, ws):
+    deferred, ddp = _deferred_vs_eager_steps(True, rank)
+    eager, _ = _deferred_vs_eager_steps(False, rank)
+    return deferred, eager, [b.defer_ok for b in ddp.buckets], [b.prescaled for b in ddp.buckets]
+
+
+def test_deferred_zeroing_with_the_scale_in_the_first_write_two_ranks():
+    """dp=2: a bucket first written in the synced backward takes the 1/dp in that pass (no
+    scaling pass before its all-reduce); values equal the eager zeroing's bitwise (torch.equal:
+    a -0.0 gradient may stay -0.0 there, the one documented difference)."""
+    for deferred, eager, defer_ok, prescaled in run_distributed(_two_rank_deferred, 2):
+        assert all(defer_ok)
+        # buckets hold one param each, net[1]'s first (reverse order): first written in step 2's
+        # synced backward, so prescaled; net[0]'s were written in the no_sync micro-batch
+        assert prescaled == [True, True, False, False]
+        for d_step, e_step in zip(deferred, eager):
+            assert all(torch.equal(d, e) for d, e in zip(d_step, e_step))
+        assert torch.count_nonzero(deferred[1][2]) == 0

@@ -268,6 +268,35 @@ def test_large_copy_uses_streaming_path_correctly(dtype):
     assert torch.equal(flat, expect_flatten(ts, offs, flat.numel(), dtype, 0.5))
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_large_flatten_of_small_tensors_streams_across_boundaries(threads):
+    """>= 16M fp32 elements in ~8k small tensors flattened back to back: the CPU kernel streams
+    whole 32-byte chunks of the output, assembling those that straddle tensors (odd sizes, a
+    misaligned output start, 2 threads splitting mid-tensor); a gap or another dtype is the
+    per-tensor path. Bitwise against torch.cat."""
+    g = torch.Generator().manual_seed(11)
+    sizes = torch.randint(1, 4097, (8200,), generator=g).tolist()
+    ts = [torch.randn(n, generator=g) for n in sizes]
+    n = sum(sizes)
+    assert n >= 1 << 24
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with route("compiled"):
+            out = torch.full((n + 1,), float("nan"))
+            megadlm_ext.flatten(ts, out[1:])  # out[1:] starts 4 bytes past a 32-byte boundary
+            assert torch.equal(out[1:], torch.cat(ts))
+            half = len(ts) // 2
+            starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
+            starts[half:] += 1  # one zero element between the halves
+            gapped = megadlm_ext.flatten(ts, offsets=starts.tolist())
+            assert torch.equal(gapped, torch.cat(ts[:half] + [torch.zeros(1)] + ts[half:]))
+            mixed = ts[:-1] + [ts[-1].to(torch.bfloat16)]
+            assert torch.equal(megadlm_ext.flatten(mixed), torch.cat(mixed[:-1] + [mixed[-1].float()]))
+    finally:
+        torch.set_num_threads(prev)
+
+
 def test_generic_kernels_all_ops(cpu_isa):
     """Every op through the selected CPU kernel build, mixed dtypes, against torch."""
     g = torch.Generator().manual_seed(11)

@@ -239,7 +239,18 @@ class DistributedDataParallel(torch.nn.Module):
                 "collective was launched: run one backward per step outside no_sync(), and call "
                 "zero_grad_buffer() (or optimizer.zero_grad()) before the next step"
             )
-        if getattr(param, "grad_added_to_main_grad", False):
+        fused = getattr(param, "grad_added_to_main_grad", False)
+        if bucket.stale and param not in bucket.written:
+            if fused:  # added onto last step's values: the zeroing it needed was deferred
+                raise RuntimeError(
+                    f"parameter {self.param_names[param]}: gradient-accumulation fusion added into a "
+                    "main_grad whose zeroing was deferred (its bucket had no fused gradient in earlier "
+                    "steps); keep fusion on or off for a weight from its first step, or pass "
+                    "--no-gradient-accumulation-fusion"
+                )
+            bucket.write_first(param, last_micro_batch=self._sync_enabled)
+        if fused:
+            bucket.fused_seen = True
             # Fused weight gradient (linear_impl.py): already in main_grad; param.grad holds
             # only the placeholder that made this hook run: drop it unfolded. With
             # zero_out_wgrad the placeholder is a zero summed with an ordinary gradient
@@ -252,6 +263,9 @@ class DistributedDataParallel(torch.nn.Module):
         # Folding is per bucket, launching is not: the launch goes through the ordered queue so
         # that every rank issues the collectives in the same order (else NCCL deadlocks).
         if len(bucket.ready) == len(bucket.params):
+            # Every gradient of the bucket arrived and none was fused: later steps may defer
+            # its zeroing (param_and_grad_buffer.Bucket.zero_or_defer).
+            bucket.defer_ok = not bucket.fused_seen
             self._fold(bucket)
             if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
                 self._launch_ready_in_order()
@@ -279,6 +293,7 @@ class DistributedDataParallel(torch.nn.Module):
     def _fold(self, bucket: Bucket) -> None:
         """One fused call: bucket.grad_data[offset_i:] += scale * param_i.grad for every grad
         that is not already the buffer view; then free them (or re-point them at the view)."""
+        bucket.settle()  # a deferred zeroing: params without a gradient read as zeros
         grads, offsets = [], []
         for p, off in zip(bucket.params, bucket.offsets):
             g = self._foreign_grad(p)
@@ -288,7 +303,7 @@ class DistributedDataParallel(torch.nn.Module):
                 offsets.append(off)
         if grads:
             # View buckets are scaled as a whole at launch, so fold those grads unscaled.
-            scale = 1.0 if bucket.grad_view else bucket.reduce_group.fold_scale
+            scale = 1.0 if bucket.grad_view and not bucket.prescaled else bucket.reduce_group.fold_scale
             ext.accumulate_into(bucket.grad_data, grads, offsets=offsets, scale=scale)
         for p in bucket.params:
             # Dropping the separate grads now is the memory saving of folding; a view bucket
@@ -313,7 +328,7 @@ class DistributedDataParallel(torch.nn.Module):
         group = bucket.reduce_group
         # A view bucket's grads came straight from autograd (no fold to scale them), so the
         # factor is applied here, once, over the whole bucket after its last micro-batch.
-        if bucket.grad_view and group.fold_scale != 1.0:
+        if bucket.grad_view and group.fold_scale != 1.0 and not bucket.prescaled:
             ext.scale_(bucket.grad_table, group.fold_scale)  # 1/dp before a SUM collective
         if self.ddp_config.use_distributed_optimizer:
             lo, hi = self._shard_range(bucket)
@@ -447,11 +462,12 @@ class DistributedDataParallel(torch.nn.Module):
         self._next_launch = {False: 0, True: 0}
         self._nan_flags = []
         self._gather.clear_reads()
-        for buf in self.buffers_:
-            buf.grad_data.zero_()
-        # param.grad may be None (torch.optim's zero_grad, or finish_grad_sync with the
-        # distributed optimizer): re-point it at the zeroed view.
-        self._attach_grad_views()
+        # Per bucket (they tile each buffer): zeroed now, or, where the last complete backward
+        # produced every gradient through autograd, by the first gradient of each parameter
+        # (a copy instead of zero-fill + add: Bucket.zero_or_defer). param.grad is the zeroed
+        # view, or None where the zeroing is deferred (autograd then hands over its gradient).
+        for bucket in self.buckets:
+            bucket.zero_or_defer()
 
     def broadcast_params(self) -> None:
         """Copy data-parallel rank 0's parameters to every rank (call once after init/load);

@@ -105,6 +105,59 @@ class Bucket:
     # megadlm_ext.TensorTable of [grad_data], set by the wrapper: the whole-bucket ops (scale,
     # NaN check) without parsing a list each step
     grad_table: Any = None
+    # Deferred zeroing (view buckets; Bucket.defer_zero): the buffer still holds the last step's
+    # values, and each parameter's first gradient of the step is written over them, not added.
+    stale: bool = False
+    written: set = field(default_factory=set)  # params already written this step (stale bucket)
+    # Learnt from a complete backward: every gradient came through autograd (none was added into
+    # main_grad by gradient-accumulation fusion), so the zeroing may be deferred. A fused write
+    # adds to main_grad before any hook can intervene, hence needs the zeroed buffer forever.
+    defer_ok: bool = False
+    fused_seen: bool = False
+    # The fold scale went into this step's first writes (a stale bucket written first in the
+    # synced backward, so no later micro-batch adds to it): no scaling pass before the collective.
+    prescaled: bool = False
+
+    def zero_or_defer(self) -> None:
+        """Start a step: zero ``grad_data`` now, or (``defer_ok``) leave it and let the first
+        gradient of each parameter overwrite its range (``write_first``); ``param.grad`` is then
+        None so that autograd hands over its fresh gradient instead of adding it in place."""
+        self.written.clear()
+        self.prescaled = False
+        self.stale = self.defer_ok and self.grad_view
+        if not self.stale:
+            self.grad_data.zero_()
+        for p in self.params:
+            p.grad = None if self.stale or not self.grad_view else p.main_grad  # type: ignore[attr-defined]
+
+    def write_first(self, p: torch.nn.Parameter, *, last_micro_batch: bool) -> None:
+        """Stale bucket: ``main_grad = 0 + grad`` (one pass that reads the gradient once; the
+        zero-fill plus in-place add it replaces read it and the buffer). Adding 0.0 keeps the
+        old result bitwise, signed zeros included (-0.0 + 0.0 = +0.0).
+
+        ``last_micro_batch`` (the synced backward) on the bucket's first write of the step:
+        the bucket's fold scale goes into this pass (``main_grad = grad * scale``, the same
+        rounding as scaling ``0 + grad`` afterwards; only a -0.0 gradient stays -0.0 instead
+        of +0.0), so the collective needs no scaling pass over the bucket (``prescaled``)."""
+        if not self.written:
+            self.prescaled = last_micro_batch and self.reduce_group.fold_scale != 1.0
+        if self.prescaled:
+            torch.mul(p.grad, self.reduce_group.fold_scale, out=p.main_grad)  # type: ignore[attr-defined, arg-type]
+        else:
+            torch.add(p.grad, 0.0, out=p.main_grad)  # type: ignore[attr-defined, arg-type]
+        p.grad = p.main_grad  # type: ignore[attr-defined]
+        self.written.add(p)
+
+    def settle(self) -> None:
+        """Before the bucket's contents are read (fold, collective): the ranges of parameters
+        that got no gradient this step hold zeros, as after an eager zeroing."""
+        if self.stale:
+            for p in self.params:
+                if p not in self.written:
+                    p.main_grad.zero_()  # type: ignore[attr-defined]
+                    p.grad = p.main_grad  # type: ignore[attr-defined]
+            self.stale = False
+            self.written.clear()
 
     def shard_range(self, dp_rank: int, dp_size: int) -> Tuple[int, int]:
         """[start, end) of this rank's shard, in bucket elements."""
