@@ -17,7 +17,6 @@ import concurrent.futures
 import threading
 from typing import Any, Dict, Optional
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
 from .commit import finalize_checkpoint, save_error
 from .paths import checkpoint_dir
+from .views import ShardView, ViewSavePlanner
 
 
 class PendingSave:
@@ -46,12 +46,19 @@ class PendingSave:
 
 
 def start_async_save(
-    tensors: Dict[str, torch.Tensor], tmp: str, root: str, iteration: int, common: dict, group
+    tensors: Dict[str, Any], tmp: str, root: str, iteration: int, common: dict, group
 ) -> PendingSave:
-    """Stage ``tensors`` and write them to ``tmp`` in the background (collective over ``group``)."""
-    # DCP stages (copies to CPU) before returning, so training may mutate the tensors right after.
+    """Stage ``tensors`` (plain tensors, DTensors and format 4's :class:`ShardView` s) and write
+    them to ``tmp`` in the background (collective over ``group``)."""
+    # Views are staged here, piece by piece (only this rank's bytes); DCP stages (copies to CPU)
+    # the rest before returning, so training may mutate the tensors right after.
+    staged = {k: v.staged() if isinstance(v, ShardView) else v for k, v in tensors.items()}
     written: Any = dcp.async_save(
-        tensors, storage_writer=FileSystemWriter(tmp), process_group=group, no_dist=not dist.is_initialized()
+        staged,
+        storage_writer=FileSystemWriter(tmp),
+        planner=ViewSavePlanner(),
+        process_group=group,
+        no_dist=not dist.is_initialized(),
     )
     written = getattr(written, "upload_completion", written)  # AsyncSaveResponse with async stagers
     rank = dist.get_rank() if dist.is_initialized() else 0

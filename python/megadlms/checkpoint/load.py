@@ -5,7 +5,6 @@ read.py's :func:`~megadlms.checkpoint.read.load_model_state`."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from typing import Dict
 
@@ -21,7 +20,7 @@ from .paths import read_common
 from .pipeline import own_skeleton, shared_copies
 from .read import load_model_state, read_tensors, tensor_shapes
 from .rng import same_layout, set_rng_state
-from .tensor_parallel import named_params, read_resharded, sharded_full_shape
+from .tensor_parallel import entry_view, full_shape_of, named_params
 
 _STATE_PREFIX = "optimizer/state/"
 
@@ -38,35 +37,38 @@ class TrainState:
 
 
 def _optimizer_reads(ckpt: str, skel, shapes, params, layout: ParallelLayout) -> Dict[str, tuple]:
-    """``key -> (destination, parameter whose sharding it has or None)`` for every optimizer
-    tensor of this rank; shapes checked against the parameters' full shapes."""
+    """``key -> (destination, what DCP reads into)`` for every optimizer tensor of this rank:
+    destinations of the stored dtype shaped like their parameters' local tensors, read through
+    views of this rank's pieces; shapes checked against the parameters' full shapes."""
     reads: Dict[str, tuple] = {}
     for path, key in tensor_paths(skel):
         shape, dtype = shapes[key]
         # Skeleton paths are ("state", fqn, name): only those entries belong to a parameter.
         p = params.get(path[1]) if len(path) >= 3 and path[0] == "state" else None
-        full = sharded_full_shape(p, layout.tp_group, layout.ep_group) if p is not None else None
         # 0-d entries (Adam's step) are per-parameter scalars, never sharded: no shape to compare.
-        if p is not None and len(shape) > 0 and shape != full:
+        if p is None or len(shape) == 0:
+            dst = torch.empty(shape, dtype=dtype)
+            reads[key] = (dst, dst)
+            continue
+        # FSDP2 at tp = 1 reads straight into a DTensor sharded like p (else p's local shape).
+        full_dtensor = is_dtensor(p) and tuple(p.shape) == shape
+        dst = torch.empty_like(p, dtype=dtype) if full_dtensor else torch.empty(p.shape, dtype=dtype)
+        view = entry_view(key, dst, p, layout.tp_group, layout.ep_group)
+        if full_shape_of(view) != shape:
             raise RuntimeError(
                 f"checkpoint {ckpt}: optimizer state {key[len(_STATE_PREFIX) :]} has shape {shape} "
-                f"but parameter {path[1]}'s full shape is {full}; the model flags differ "
+                f"but parameter {path[1]}'s full shape is {full_shape_of(view)}; the model flags differ "
                 "from the checkpoint's"
             )
-        if is_dtensor(p) and tuple(p.shape) == shape:
-            reads[key] = (torch.empty_like(p, dtype=dtype), None)  # DCP reads into FSDP2's sharding
-        elif p is not None and len(shape) > 0:
-            reads[key] = (torch.empty(p.shape, dtype=dtype), p)  # p's local shape
-        else:
-            reads[key] = (torch.empty(shape, dtype=dtype), None)
+        reads[key] = (dst, view)
     return reads
 
 
 def load_optimizer_state(ckpt: str, optimizer, model, *, layout: ParallelLayout = SINGLE) -> None:
     """Load the optimizer state of ``ckpt`` into ``optimizer`` (built for ``model``).
-    Tensors of FSDP2 parameters are read straight into DTensors sharded like them; state of
-    a TP-sharded parameter is cut to this rank's shard, of an expert parameter to this rank's
-    experts (``layout``). Only this rank's parameters' state is read (any pipeline layout; a
+    Tensors of FSDP2 parameters are read straight into DTensors sharded like them; of a
+    TP-sharded parameter only this rank's shard is read, of an expert parameter only this
+    rank's experts (``layout``; views.py). Only this rank's parameters' state is read (any pipeline layout; a
     tied-embedding copy takes the embedding's)."""
     common = read_common(ckpt)
     skel = common.get("optimizer")
@@ -80,8 +82,7 @@ def load_optimizer_state(ckpt: str, optimizer, model, *, layout: ParallelLayout 
     # Only this rank's parameters: another pipeline stage's state is not read at all.
     skel = own_skeleton(skel, set(params), shared_copies(params))
     reads = _optimizer_reads(ckpt, skel, shapes, params, layout)
-    read = functools.partial(read_tensors, ckpt, common)
-    read_resharded(reads, layout.tp_group, read, ep_group=layout.ep_group)
+    read_tensors(ckpt, common, {k: view for k, (_, view) in reads.items()})
     optimizer.load_state_dict(join_state(skel, {k: dst for k, (dst, _) in reads.items()}))
 
 

@@ -13,13 +13,11 @@ state dicts has exactly the keys of the pp=1 model and a checkpoint needs no ren
 * load: each stage reads only its own keys; the tied copy is filled from
   ``embedding.word_embeddings.weight`` (weights, ``fp32_param`` and optimizer state), so a
   (pp=2) checkpoint loads at pp=1 and the other way round, at any tp and dp.
-
-Gathered TP shards are kept by one rank of the STAGE that holds them (:func:`stage_owner`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Set
+from typing import Any, Dict, List, Set
 
 import torch
 import torch.distributed as dist
@@ -40,17 +38,6 @@ def shared_copies(params: Dict[str, torch.nn.Parameter]) -> Dict[str, str]:
     # At pp > 1 the last stage holds its own copy (equal: the gradients are summed), not an alias:
     # it is marked on the parameter, since the names alone cannot tell.
     return {n: EMBEDDING for n, p in params.items() if sharding_of(p).tied_copy}
-
-
-def stage_owner(rank: int, world: int, pp: int, spread: bool) -> Callable[[int], bool]:
-    """Who keeps the i-th gathered full tensor of this rank's stage: one rank of the stage
-    (ranks of a stage are ``world / pp`` consecutive global ranks: Megatron's order), spread
-    round-robin (``spread``, DCP) or the stage's first rank."""
-    size = world // pp
-    # A stage's ranks are consecutive, so the position inside the stage is rank mod its size.
-    local = rank % size
-    # Owners only within the stage: another stage never gathered these tensors.
-    return (lambda i: i % size == local) if spread else (lambda i: local == 0)
 
 
 def drop_shared_optimizer_state(state: dict, copies: Dict[str, str]) -> dict:

@@ -2,7 +2,8 @@
 
 * :func:`open_checkpoint`: a --save root or an ``iter_*`` directory -> (directory, common.json);
 * :func:`tensor_shapes`: every stored tensor's key, full shape and dtype (no tensor read);
-* :func:`read_tensors`: fill a dict of tensors (plain or DTensors) from the stored ones;
+* :func:`read_tensors`: fill a dict of tensors (plain, DTensors, or format 4's
+  :class:`~megadlms.checkpoint.views.ShardView` s of local pieces) from the stored ones;
 * :func:`load_model_state`: the weights into a model, any sharding (see load.py for the rest).
 
 Safety on load: tensor files are read with ``weights_only=True``; DCP's ``.metadata``
@@ -12,10 +13,9 @@ the rest is JSON. Nothing else is unpickled.
 
 from __future__ import annotations
 
-import functools
 import os
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -31,7 +31,8 @@ from .layout import SINGLE, ParallelLayout
 from .paths import COMMON_FILE, LATEST_FILE, TORCH_FILE, read_common, resolve_checkpoint
 from .pipeline import check_stage_keys, shared_copies
 from .records import check_model_config
-from .tensor_parallel import named_params, read_resharded, sharded_full_shape
+from .tensor_parallel import entry_view, full_shape_of, named_params
+from .views import NO_CUT, ShardView, ViewLoadPlanner, local_view
 
 MODEL_PREFIX = "model/"
 
@@ -65,42 +66,46 @@ def tensor_shapes(ckpt: str, common: dict) -> Dict[str, Tuple[tuple, torch.dtype
     return {k: (tuple(v.shape), v.dtype) for k, v in _torch_file(ckpt).items()}
 
 
-def read_tensors(ckpt: str, common: dict, template: Dict[str, torch.Tensor]) -> None:
-    """Fill ``template`` (plain tensors or DTensors, keyed like :func:`tensor_shapes`) in place
-    from the checkpoint (one DCP read: collective; every rank calls with the same keys)."""
+def read_tensors(ckpt: str, common: dict, template: Dict[str, Union[torch.Tensor, ShardView]]) -> None:
+    """Fill ``template`` (plain tensors, DTensors or :class:`ShardView` s, keyed like
+    :func:`tensor_shapes`) in place from the checkpoint, whatever chunks it was stored in (one
+    DCP read: collective; every rank calls with the same keys). Only the bytes of the
+    requested pieces are read from a torch_dist checkpoint."""
     if not template:
         return
     if common["ckpt_format"] == CkptFormat.TORCH_DIST:
         with warnings.catch_warnings():
             # Single-process loads (megadlms-generate) are intended: silence DCP's notice.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(template, storage_reader=SafeFileSystemReader(ckpt), no_dist=not dist.is_initialized())
+            dcp.load(
+                template,
+                storage_reader=SafeFileSystemReader(ckpt),
+                planner=ViewLoadPlanner(),
+                no_dist=not dist.is_initialized(),
+            )
         return
     full = _torch_file(ckpt)
     for key, dst in template.items():
         if key not in full:
             raise RuntimeError(f"{ckpt}: tensor {key!r} missing from {TORCH_FILE}")
         src = full[key]
-        if is_dtensor(dst):  # (so DTensor exists: torch >= 2.4)
-            from torch.distributed.tensor import distribute_tensor
+        # A DTensor takes its own piece, cut as FSDP2 cuts (the same description DCP uses).
+        view = local_view(dst, NO_CUT) if is_dtensor(dst) else dst
+        if tuple(src.shape) != tuple(view.size()):
+            raise RuntimeError(f"{ckpt}: {key!r} has shape {tuple(src.shape)}, expected {tuple(view.size())}")
+        if isinstance(view, ShardView):
+            view.fill_from_full(src)
+        else:
+            view.copy_(src)
 
-            # This rank's shard of the full tensor, cut exactly as FSDP2 cuts it.
-            src = distribute_tensor(src.to(dst.dtype), dst.device_mesh, dst.placements).to_local()
-            dst = dst.to_local()
-        if tuple(src.shape) != tuple(dst.shape):
-            raise RuntimeError(f"{ckpt}: {key!r} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
-        dst.copy_(src)
 
-
-def _check_shapes(ckpt, template, stored, params, shapes, layout: ParallelLayout) -> None:
+def _check_shapes(ckpt, views, stored, shapes) -> None:
     """Every model tensor's full shape matches the stored one (the model flags match)."""
-    for k, v in template.items():
-        p = params.get(k[len(MODEL_PREFIX) :])
-        shape = sharded_full_shape(p, layout.tp_group, layout.ep_group) if p is not None else tuple(v.shape)
-        if shapes[stored[k]][0] != shape:
+    for k, v in views.items():
+        if shapes[stored[k]][0] != full_shape_of(v):
             raise RuntimeError(
                 f"checkpoint {ckpt}: parameter {k[len(MODEL_PREFIX) :]} has shape {shapes[stored[k]][0]} "
-                f"but the model's is {shape}; the model flags differ from the checkpoint's"
+                f"but the model's is {full_shape_of(v)}; the model flags differ from the checkpoint's"
             )
 
 
@@ -117,10 +122,10 @@ def load_model_state(
 
     ``prefer_fp32_params``: an fp32 model parameter is read from the optimizer's
     ``fp32_param`` (the exact main copy of a bf16/fp16 run) when the checkpoint has one.
-    ``layout``: this run's model-parallel groups; each TP-sharded parameter gets its shard
+    ``layout``: this run's model-parallel groups; each TP-sharded parameter reads its pieces
     of the stored full tensor whatever tp the checkpoint was saved at, each expert parameter
-    its experts whatever the saved ep; a pipeline stage reads its own keys, and a
-    tied-embedding copy is read from the embedding (pipeline.py)."""
+    its experts whatever the saved ep (no full tensor is built); a pipeline stage reads its
+    own keys, and a tied-embedding copy is read from the embedding (pipeline.py)."""
     common = read_common(ckpt)
     if model_config is not None:
         check_model_config(common.get("model_config", {}), model_config, ckpt)
@@ -136,14 +141,16 @@ def load_model_state(
     saved_model = {k for k in shapes if k.startswith(MODEL_PREFIX)}
     # Compared against what all stages need together: one stage alone holds only part of the keys.
     check_stage_keys(set(stored.values()), saved_model, layout.pp_group, ckpt)
-    _check_shapes(ckpt, template, stored, params, shapes, layout)
-    reads: Dict[str, Tuple[torch.Tensor, Optional[torch.Tensor]]] = {}
+    # Views over the parameters' own storage: DCP reads this rank's pieces straight into them.
+    tp_group, ep_group = layout.tp_group, layout.ep_group
+    views = {k: entry_view(k, v, params.get(k[6:]), tp_group, ep_group) for k, v in template.items()}
+    _check_shapes(ckpt, views, stored, shapes)
+    reads: Dict[str, Union[torch.Tensor, ShardView]] = {}
     for k, v in template.items():
         main = f"optimizer/state/{stored[k][6:]}/fp32_param"
         # A bf16/fp16 run's exact fp32 main copy beats its rounded weight for an fp32 model.
         use_main = prefer_fp32_params and v.dtype == torch.float32 and main in shapes
-        reads[main if use_main else stored[k]] = (v, params.get(k[6:]))
-    read = functools.partial(read_tensors, ckpt, common)
-    read_resharded(reads, layout.tp_group, read, ep_group=layout.ep_group)
+        reads[main if use_main else stored[k]] = views[k]
+    read_tensors(ckpt, common, reads)
     module.load_state_dict({k[6:]: v for k, v in template.items()}, strict=True)
     return common

@@ -12,12 +12,13 @@ Layout (Megatron's names)::
     SAVE/iter_0000020/rng/rank_{r}.pt          per-rank RNG states
 
 Tensors are stored under flat keys ``model/<fqn>`` and ``optimizer/state/<fqn>/<name>``
-(``/`` never occurs in a parameter name) with each parameter's FULL logical shape:
-plain tensors for DDP (identical on every rank; DCP writes each once), DTensors for
-FSDP2, full tensors gathered by the distributed optimizer (docs/checkpoints.md). DCP
-maps saved chunks onto whatever sharding the loading run has, so a
-checkpoint from {DDP, DDP + distributed optimizer, FSDP2} at dp=N loads into any of
-them at dp=M.
+(``/`` never occurs in a parameter name) with each parameter's FULL logical shape, but
+(format 4) every rank hands DCP only the pieces it holds (views.py): TP / EP shards as
+views of their boxes in the full tensor, FSDP2's DTensors, replicated tensors whole (DCP
+writes each replica once). Nothing is gathered for torch_dist. DCP maps saved chunks onto
+whatever sharding the loading run has, so a checkpoint from any wrapper and tp / pp / ep /
+dp layout loads into any other (docs/checkpoints.md). The legacy torch format gathers full
+tensors to rank 0 (tensor_parallel.py's :func:`gather_for_save`).
 
 Crash safety: everything is written into ``iter_XXXXXXX.tmp`` and made current by
 commit.py. With ``async_group`` the tensors are written in the background
@@ -52,14 +53,15 @@ from .pipeline import (
     drop_shared_optimizer_state,
     merged_optimizer_state,
     shared_copies,
-    stage_owner,
 )
 from .records import RunRecords
 from .rng import rng_state
-from .tensor_parallel import check_optimizer_keys, gather_for_save, named_params
+from .tensor_parallel import check_optimizer_keys, entry_view, gather_for_save, named_params, param_of
+from .views import ShardView, ViewSavePlanner
 
-FORMAT_VERSION = 3
-"""3: common.json records every file's size and CRC-32 (``files``, checked on load); 2 added the
+FORMAT_VERSION = 4
+"""4: sharded entries written as local chunks (DCP resharding); same keys and global shapes as 3.
+3: common.json records every file's size and CRC-32 (``files``, checked on load); 2 added the
 tokenizer record (``tokenizer``); 1 had only the flags (``args``)."""
 
 
@@ -88,12 +90,13 @@ def _prepare(root: str, iteration: int, rank: int) -> str:
 
 
 def _collect(
-    model, optimizer, layout: ParallelLayout, owner
-) -> Tuple[Dict[str, torch.Tensor], Optional[dict]]:
-    """Flat tensors to write and the optimizer's JSON skeleton; TP (and EP) shards gathered to
-    full tensors, each kept only where ``owner(i)`` (tensor_parallel.py). Under pipeline
-    parallelism this stage's tensors, without the tied-embedding copy, and the skeleton of
-    every stage (pipeline.py)."""
+    model, optimizer, layout: ParallelLayout, ckpt_format: str
+) -> Tuple[Dict[str, Union[torch.Tensor, ShardView]], Optional[dict]]:
+    """Flat entries to write and the optimizer's JSON skeleton. torch_dist: every sharded
+    tensor as a view of its pieces of the full tensor (tensor_parallel.py's
+    :func:`entry_view`); torch: TP (and EP) shards gathered to full tensors kept on rank 0.
+    Under pipeline parallelism this stage's tensors, without the tied-embedding copy, and the
+    skeleton of every stage (pipeline.py)."""
     module = unwrap_model(model)
     # (``model`` may be a state_dict holder, e.g. convert.py's: parameters only matter at tp > 1)
     all_params = named_params(module) if isinstance(module, torch.nn.Module) else {}
@@ -103,7 +106,7 @@ def _collect(
         if isinstance(v, torch.Tensor) and k not in copies:  # skip extra_state objects
             tensors[f"model/{k}"] = v
     opt_skel = None
-    # No parameters, no gathers: at tp = ep = 1 every tensor is already full.
+    # No parameters, no cuts: at tp = ep = 1 every tensor is already full.
     params = all_params if layout.tp > 1 or layout.ep > 1 else {}
     if optimizer is not None:
         state = drop_shared_optimizer_state(optimizer.state_dict(), copies)
@@ -112,9 +115,14 @@ def _collect(
         opt_skel = split_state(merged_optimizer_state(state, layout.pp_group), "optimizer", tensors)
         # Other stages' placeholders only had to reach the skeleton; their stage writes the tensors.
         drop_elsewhere(tensors)
-    # Last: the gathers are collectives in sorted key order, so every key must be final here.
-    gather_for_save(tensors, params, layout.tp_group, owner, ep_group=layout.ep_group)
-    return tensors, opt_skel
+    if ckpt_format == CkptFormat.TORCH:
+        # Last: the gathers are collectives in sorted key order, so every key must be final here.
+        gather_for_save(tensors, params, layout.tp_group, layout.rank == 0, ep_group=layout.ep_group)
+        return dict(tensors), opt_skel
+    views = {
+        k: entry_view(k, v, param_of(k, params), layout.tp_group, layout.ep_group) for k, v in tensors.items()
+    }
+    return views, opt_skel
 
 
 def _write(tensors, tmp: str, ckpt_format: str, rank: int, rng: Optional[dict], background: bool) -> None:
@@ -125,7 +133,12 @@ def _write(tensors, tmp: str, ckpt_format: str, rank: int, rng: Optional[dict], 
         return
     if ckpt_format == CkptFormat.TORCH_DIST:
         # DCP's planner dedups keys replicated across ranks and rank 0 writes the global .metadata.
-        dcp.save(tensors, storage_writer=FileSystemWriter(tmp), no_dist=not dist.is_initialized())
+        dcp.save(
+            tensors,
+            storage_writer=FileSystemWriter(tmp),
+            planner=ViewSavePlanner(),
+            no_dist=not dist.is_initialized(),
+        )
         return
     full = {k: _full(v) for k, v in tensors.items()}  # collective for DTensors
     if rank == 0:
@@ -181,15 +194,13 @@ def save_checkpoint(
     (docs/checkpoints.md), or a torch.optim optimizer. ``extra``: a JSON-able dict (the
     training loop's counters); ``records``: what the run was (:class:`RunRecords`).
     ``layout``: this run's model-parallel groups (:class:`ParallelLayout`); TP / EP shards
-    are stored as full logical tensors, every pipeline stage writes its own tensors under
+    are stored as their pieces of the full logical tensors, every pipeline stage writes its own tensors under
     their global names, the tracker's RNG streams join this rank's RNG file.
     """
     _check_format(ckpt_format, async_group is not None, layout)
     records, rank = records or RunRecords(), layout.rank
     tmp = _prepare(root, iteration, rank)
-    # Who keeps each gathered full tensor: rank 0 writes the torch file; DCP spreads them.
-    owner = stage_owner(rank, layout.world, layout.pp, spread=ckpt_format != CkptFormat.TORCH)
-    tensors, opt_skel = _collect(model, optimizer, layout, owner)
+    tensors, opt_skel = _collect(model, optimizer, layout, ckpt_format)
     common = {
         "format_version": FORMAT_VERSION,
         "ckpt_format": str(ckpt_format),  # a plain string in the file, never the enum
