@@ -163,6 +163,7 @@ def _load_at_4(rank, world, root, saved, after):
 def _distcp_bytes(ckpt: str) -> int:
     return sum(os.path.getsize(f) for f in glob.glob(os.path.join(ckpt, "*.distcp")))
 
+
 FRAME_BYTES = (1400, 1664)
 """torch.save's framing of one stored chunk (1.5-1.6 KB, with alignment): format 4 stores a
 sharded tensor as several chunks (one per saving rank's piece), each framed: only that may grow."""

@@ -206,6 +206,7 @@ def _worker(rank, world, root):
 def _distcp_bytes(ckpt: str) -> int:
     return sum(os.path.getsize(f) for f in glob.glob(os.path.join(ckpt, "*.distcp")))
 
+
 FRAME_BYTES = (1400, 1664)
 """torch.save's framing of one stored chunk (1.5-1.6 KB, with alignment): format 4 stores a
 sharded tensor as several chunks (one per saving rank's piece), each framed: only that may grow."""
@@ -285,7 +286,11 @@ def test_tp_checkpoint_reshards_everywhere(tmp_path):
     single = ck.save_checkpoint(f"{root}/single", 2, model=module, optimizer=opt)
     full_bytes = sum(t.numel() * t.element_size() for t in out["saved"]["ddp"].values())
     multi, one = _distcp_bytes(f"{root}/ddp_torch_dist/iter_0000002"), _distcp_bytes(single)
-    assert full_bytes <= one and _same_payload(f"{root}/ddp_torch_dist/iter_0000002", single, 0.02), (multi, one, full_bytes)
+    assert full_bytes <= one and _same_payload(f"{root}/ddp_torch_dist/iter_0000002", single, 0.02), (
+        multi,
+        one,
+        full_bytes,
+    )
     for key, item in md.state_dict_metadata.items():  # no chunk stored twice
         if hasattr(item, "chunks"):
             assert sum(torch.Size(c.sizes).numel() for c in item.chunks) == torch.Size(item.size).numel(), key

@@ -77,3 +77,25 @@ def test_convert_and_resume(tmp_path, src_fmt, dst_fmt):
 def test_convert_needs_load_and_save():
     with pytest.raises(ValueError, match="--ckpt-convert-format needs --load"):
         run(MODEL + ["--train-iters", "1", "--ckpt-convert-format", "torch"])
+
+
+def test_convert_v3_torch_dist_writes_v4(tmp_path):
+    """The v3 -> v4 converter: --ckpt-convert-format torch_dist of a format-3 torch_dist checkpoint."""
+    import json
+
+    save = str(tmp_path / "ck")
+    run(MODEL + ["--train-iters", "2", "--save", save, "--save-interval", "2"])
+    src = os.path.join(save, "iter_0000002")
+    with open(os.path.join(src, ck.COMMON_FILE)) as f:
+        common = json.load(f)
+    common["format_version"] = 3  # what main wrote: the same keys, shapes and (tp = 1) one chunk each
+    with open(os.path.join(src, ck.COMMON_FILE), "w") as f:
+        json.dump(common, f)
+    conv = str(tmp_path / "conv")
+    out = run(MODEL + ["--train-iters", "2", "--load", save, "--ckpt-convert-format", "torch_dist",
+                       "--ckpt-convert-save", conv])  # fmt: skip
+    assert out == os.path.join(conv, "torch_dist", "iter_0000002")
+    src_common, before = _tensors(src)
+    dst_common, after = _tensors(out)
+    assert src_common["format_version"] == 3 and dst_common["format_version"] == ck.FORMAT_VERSION == 4
+    assert set(before) == set(after) and all(torch.equal(before[k], after[k]) for k in before)

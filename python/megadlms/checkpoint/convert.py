@@ -7,8 +7,11 @@ As in Megatron the result goes to ``DIR/<format>/`` (a --save root with its own
 optimizer state unless --no-load-optim or --no-save-optim), with common.json's records
 (iteration, consumed samples, model config, tokenizer, scheduler, args); RNG states are
 not (as MegaDLMs' conversion passes --no-save-rng), so a resume from the converted
-checkpoint restores everything but dropout's RNG. This is the first step of MegaDLMs'
-ckpt_conversion.sh; its second step (megatron_to_hf) is ``megadlms-export-hf``, which
+checkpoint restores everything but dropout's RNG. The same format is allowed: converting an
+older torch_dist checkpoint (format 3, one full chunk per key) to torch_dist writes the current
+format (4: save.py's ``FORMAT_VERSION``), so this is also the v3 -> v4 converter (v3 stays
+loadable as it is: DCP maps any stored chunking onto the views of a load). This is the first
+step of MegaDLMs' ckpt_conversion.sh; its second step (megatron_to_hf) is ``megadlms-export-hf``, which
 reads either format directly.
 """
 
