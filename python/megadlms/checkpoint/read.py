@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Dict, Optional, Tuple, Union
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -66,7 +66,7 @@ def tensor_shapes(ckpt: str, common: dict) -> Dict[str, Tuple[tuple, torch.dtype
     return {k: (tuple(v.shape), v.dtype) for k, v in _torch_file(ckpt).items()}
 
 
-def read_tensors(ckpt: str, common: dict, template: Dict[str, Union[torch.Tensor, ShardView]]) -> None:
+def read_tensors(ckpt: str, common: dict, template: Mapping[str, Union[torch.Tensor, ShardView]]) -> None:
     """Fill ``template`` (plain tensors, DTensors or :class:`ShardView` s, keyed like
     :func:`tensor_shapes`) in place from the checkpoint, whatever chunks it was stored in (one
     DCP read: collective; every rank calls with the same keys). Only the bytes of the

@@ -31,7 +31,7 @@ views from its full tensors.
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
@@ -62,6 +62,7 @@ class ShardView:
         self.shape = torch.Size(shape)
         self.dtype = dtype
         self.pieces: List[Piece] = [(t, tuple(off)) for t, off in pieces if t.numel() > 0]
+        self._staged = False  # True: the pieces are this view's own CPU copies (staged())
         if self.shape.numel() == 0 and pieces:
             # An empty tensor still needs one (empty) chunk, or its key would vanish from the files.
             self.pieces = [(pieces[0][0], (0,) * len(self.shape))]
@@ -121,7 +122,7 @@ class ShardView:
 
     def __deepcopy__(self, memo) -> ShardView:
         # DCP's async stagers deep-copy leaves they do not know: copy the pieces, not their storages.
-        return self if getattr(self, "_staged", False) else self.staged()
+        return self if self._staged else self.staged()
 
 
 # ---------------------------------------------------------------------------- planners
@@ -218,7 +219,7 @@ def place(box: torch.Tensor, offsets: Sequence[int], cut: Cut) -> List[Piece]:
 
 
 # ---------------------------------------------------------------------------- builders
-def dtensor_box(t: torch.Tensor) -> Piece:
+def dtensor_box(t: Any) -> Piece:
     """A DTensor's local tensor and its offsets in the DTensor's global tensor (FSDP2's cut,
     uneven and padded shards included)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
