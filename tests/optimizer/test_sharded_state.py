@@ -198,10 +198,37 @@ def _local_case(kind, rank, ws) -> dict:
     return {"local": same, "load": _same_state(ref_opt, opt_b, ref_model, model_b)}
 
 
+def _instances_case(rank, ws) -> dict:
+    """Two distributed-optimizer instances of one rank each: replicas with equal ranges."""
+    from megadlms.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megadlms.optimizer import OptimizerConfig, get_optimizer
+    from megadlms.parallel import ParallelGroups
+
+    groups = ParallelGroups.build(num_distributed_optimizer_instances=2)
+    torch.manual_seed(0)
+    cfg = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, num_distributed_optimizer_instances=2, bucket_size=1000
+    )
+    model = DistributedDataParallel(_MLP(), cfg, parallel=groups)
+    opt = get_optimizer(
+        OptimizerConfig(lr=LR, weight_decay=WD, clip_grad=0.0, use_distributed_optimizer=True), model
+    )
+    _train(model, opt, rank, ws, range(2))
+    full = opt.state_dict()["state"]
+    sd = opt.sharded_state_dict()["state"]
+    ranges = {(f, k): (p.start, p.stop) for f, st in sd.items() for k, p in st.items()}
+    everyone = [None] * ws
+    dist.all_gather_object(everyone, ranges)
+    whole = all(r == (0, full[f][k].numel()) for (f, k), r in ranges.items())
+    same = all(torch.equal(p.tensor, full[f][k].reshape(-1)) for f, st in sd.items() for k, p in st.items())
+    return {"replicas": all(r == ranges for r in everyone) and whole and same}
+
+
 def _world(rank, ws):
     out = {case: _dist_case(case, rank, ws) for case in CASES}
     if ws == 2:
         out.update({kind: _local_case(kind, rank, ws) for kind in ("replica", "fsdp2")})
+        out["instances"] = _instances_case(rank, ws)
     return out
 
 
@@ -218,3 +245,4 @@ def test_sharded_state_dict_pieces_and_load(ws):
         assert out["bf16_moments"]["load_fp32_pieces"], rank
         for kind in ("replica", "fsdp2") if ws == 2 else ():
             assert out[kind]["local"] and out[kind]["load"], (rank, kind, out[kind])
+        assert ws != 2 or out["instances"]["replicas"], rank
