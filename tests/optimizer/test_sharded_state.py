@@ -2,8 +2,9 @@
 
 Distributed optimizer (several buckets, so parameters straddle shard boundaries; dp 3 pads the
 buckets) with fp32 params, bf16 params (fp32 main params saved as ``fp32_param``) and the
-precision-aware AdamW with bf16 moments: (1) every rank's FlatPieces put together are the full
-tensors of ``state_dict()``, bitwise and in its dtypes, each element held by exactly one rank;
+precision-aware AdamW with bf16 moments or with fp16 main params (``fp32_param`` decoded from
+the state): (1) every rank's FlatPieces put together are the full tensors of ``state_dict()``,
+bitwise and in its dtypes, each element held by exactly one rank;
 (2) ``load_sharded_state_dict`` of pieces cut from a full state restores what
 ``load_state_dict(full)`` restores, bitwise (the state, the main and the model params, and
 again after a further step). Replicated (DDP) and FSDP2 layouts at dp 2: the leaves are the local
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from tests.dist_utils import run_distributed
 
 DIN, HID, LR, WD = 16, 96, 1e-2, 0.1
-CASES = ("fp32", "bf16", "bf16_moments")
+CASES = ("fp32", "bf16", "bf16_moments", "fp16_main")
 
 
 class _MLP(torch.nn.Module):
@@ -52,6 +53,8 @@ def _build(case, kind="dist", weights=None):
     lowered = {}
     if case == "bf16_moments":
         lowered = dict(use_precision_aware_optimizer=True, exp_avg_dtype="bf16", exp_avg_sq_dtype="bf16")
+    if case == "fp16_main":  # the main params live in the state (fp16, scaled): fp32_param decoded
+        lowered = dict(use_precision_aware_optimizer=True, main_params_dtype="fp16")
     cfg = OptimizerConfig(
         lr=LR, weight_decay=WD, clip_grad=0.0, bf16=bf16 and kind != "fsdp2", use_distributed_optimizer=kind == "dist",
         **lowered,
