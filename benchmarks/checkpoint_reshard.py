@@ -245,6 +245,7 @@ def _worker(rank: int, world: int, a) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    start_load = os.getloadavg()
     res: dict = {}
     groups: dict = {}
     for save_at in a.layouts.split(","):
@@ -256,7 +257,8 @@ def _worker(rank: int, world: int, a) -> None:
             "model": a.model,
             "repeats": a.repeats,
             "megadlms": os.path.dirname(megadlms.__file__),
-            "loadavg": os.getloadavg(),
+            "loadavg": os.getloadavg(),  # at the end; and at the start:
+            "loadavg_start": start_load,
             "results": {k: v if isinstance(v, int) else _summary(v) for k, v in res.items()},
         }
         _print_table(out)
@@ -280,7 +282,8 @@ def _print_table(out: dict) -> None:
     res = out["results"]
     print(
         f"model {out['model']} ({MODELS[out['model']]}), median of {out['repeats']}, 4 gloo ranks, "
-        f"every load bitwise; megadlms from {out['megadlms']}; load average {out['loadavg']}"
+        f"every load bitwise; megadlms from {out['megadlms']}; load average {out.get('loadavg_start')} "
+        f"at the start, {out['loadavg']} at the end"
     )
     print("| operation | s (slowest rank) | peak extra MB/rank | bytes written |")
     print("|---|---|---|---|")
