@@ -16,7 +16,7 @@ from megadlms.common.enums import OptimizerLayout
 
 from .clip_grads import clip_grads_with_norm_, get_grad_norm_fp32
 from .config import OptimizerConfig
-from .distrib_optimizer import ShardedBufferLayout
+from .distrib_optimizer import FlatPiece, ShardedBufferLayout
 from .grad_scaler import ConstantGradScaler, DynamicGradScaler
 from .grid import GridReductions
 from .layouts import DTensorLayout, ReplicaLayout, no_weight_decay
@@ -90,6 +90,7 @@ def get_optimizer(config: OptimizerConfig, model) -> MixedPrecisionOptimizer:
 __all__ = [
     "ConstantGradScaler",
     "DynamicGradScaler",
+    "FlatPiece",
     "GradientSource",
     "GridReductions",
     "LocalGradients",

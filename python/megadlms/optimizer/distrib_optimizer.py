@@ -31,7 +31,10 @@ Checkpoints: ``state_dict()`` gathers every bucket's state (one bucket at a time
 each parameter's state has its full logical shape on every rank — a transient cost of
 one bucket of fp32 per state key plus the full-shape copies (12 bytes/param with
 fp32_param). ``load_state_dict`` slices this rank's pieces out of full tensors, so any dp
-size (and DDP/FSDP2 checkpoints) can be loaded.
+size (and DDP/FSDP2 checkpoints) can be loaded. ``sharded_state_dict()`` instead hands out
+this rank's pieces as they are (:class:`FlatPiece`: one contiguous range of the param's
+flattened local tensor, empty for a param this rank holds nothing of), with no collective;
+``load_sharded_state_dict`` takes pieces of the same ranges back (``piece_of``).
 
 Instances (``num_distributed_optimizer_instances`` N): the shards are taken within the
 wrapper's ``shard_comm`` (dp/N consecutive dp ranks), so each instance holds one full copy of
@@ -54,7 +57,8 @@ One rank: the shard is the whole bucket and every collective is a local copy.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -62,6 +66,21 @@ import megadlm_ext as ext
 
 from .grid import GridReductions
 from .layouts import Entry, full_plain
+
+
+@dataclass(frozen=True, eq=False)
+class FlatPiece:
+    """This rank's part of one state tensor of the distributed optimizer: elements
+    ``[start, stop)`` of the parameter's LOCAL tensor (its TP shard) flattened row-major.
+
+    ``tensor`` is 1-D with ``stop - start`` elements (empty, with ``start == stop == 0``, when this
+    rank holds none of the parameter); ``shape`` is the parameter's local shape. The tensor may
+    be the optimizer's live state (no copy): write it out before the next step."""
+
+    tensor: torch.Tensor
+    start: int
+    stop: int
+    shape: Tuple[int, ...]
 
 
 class ShardedBufferLayout:
@@ -199,9 +218,38 @@ class ShardedBufferLayout:
                 out[self._names[p]] = flat[off : off + p.numel()].view(p.shape).clone()
         return out
 
+    def export_local(self, values: Dict[int, torch.Tensor], dtype=torch.float32) -> Dict[str, FlatPiece]:
+        """This rank's piece of every parameter (no collective): a :class:`FlatPiece` of
+        ``dtype`` per name, an empty one for the parameters this rank holds nothing of, so
+        every rank returns the same names."""
+        mine = {self.entries[i].fqn: i for i in range(len(self.entries))}
+        out = {}
+        for bucket in self.buckets:
+            for p in bucket.params:
+                fqn = self._names[p]
+                i = mine.get(fqn)
+                if i is None:
+                    empty = torch.zeros(0, dtype=dtype, device=bucket.grad_data.device)
+                    out[fqn] = FlatPiece(empty, 0, 0, tuple(p.shape))
+                    continue
+                _, _, start, n = self.pieces[i]
+                out[fqn] = FlatPiece(values[i].reshape(-1).to(dtype), start, start + n, tuple(p.shape))
+        return out
+
     def local_piece(self, i: int, full) -> torch.Tensor:
         _, _, start, n = self.pieces[i]
         return full_plain(full).reshape(-1)[start : start + n]
+
+    def piece_of(self, i: int, value: FlatPiece) -> torch.Tensor:
+        """Entry ``i``'s values from a :class:`FlatPiece` of its own range (a clear error otherwise)."""
+        _, _, start, n = self.pieces[i]
+        if (value.start, value.stop) != (start, start + n) or value.tensor.numel() != n:
+            raise ValueError(
+                f"{self.entries[i].fqn}: load_sharded_state_dict got elements [{value.start}, "
+                f"{value.stop}) ({value.tensor.numel()} values), but this rank holds [{start}, "
+                f"{start + n}): fill the pieces of this optimizer's own sharded_state_dict()"
+            )
+        return value.tensor.reshape(-1)
 
     def reload_main_from_model(self, i: int) -> None:
         _, _, start, n = self.pieces[i]

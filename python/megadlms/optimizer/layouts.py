@@ -128,6 +128,10 @@ class ReplicaLayout:
         e = self.entries[i]
         return full_plain(full).reshape(e.main.shape)
 
+    # Every rank holds whole (TP-local) tensors: its sharded state is its full state.
+    export_local = export
+    piece_of = local_piece
+
     def reload_main_from_model(self, i: int) -> None:
         e = self.entries[i]
         if e.main is not e.param:
@@ -227,6 +231,10 @@ class DTensorLayout:
             return distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
         except TypeError:
             return distribute_tensor(full, p.device_mesh, p.placements)
+
+    # The DTensors are the sharded state: DCP writes and reads only their local shards.
+    export_local = export
+    piece_of = local_piece
 
     def reload_main_from_model(self, i: int) -> None:
         return None

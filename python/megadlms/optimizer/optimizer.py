@@ -181,17 +181,31 @@ class MixedPrecisionOptimizer:
         """``{"state": {fqn: {"exp_avg", "exp_avg_sq"[, "fp32_param"]}}, "step", "param_groups",
         "grad_scaler"}`` with full logical shapes (DTensors under FSDP2). Collective for the
         distributed optimizer: every rank must call it."""
+        return self._state_tree(self.layout.export)
+
+    def sharded_state_dict(self) -> dict:
+        """The nesting of :meth:`state_dict` with every tensor LOCAL, and no collective: the
+        tensor of the parameter's local (TP-shard) shape for the replicated layout, the DTensor
+        under FSDP2, a :class:`~megadlms.optimizer.FlatPiece` (this rank's contiguous range of
+        the flattened local tensor; empty where it holds none) for the distributed optimizer.
+        Values and dtypes are those :meth:`state_dict` exports for the same elements; leaves may
+        be the live state (no copy)."""
+        return self._state_tree(self.layout.export_local)
+
+    def _state_tree(self, export) -> dict:
+        """The checkpoint nesting with each state key's values put together by ``export``
+        (``layout.export``: full tensors; ``layout.export_local``: this rank's pieces)."""
         keys = ("exp_avg", "exp_avg_sq") if self.config.optimizer == "adam" else ("momentum_buffer",)
         state: Dict[str, dict] = {fqn: {} for fqn, _ in self.layout.all_fqns()}
         for key in keys:
             values = {}
             for i, e in enumerate(self.layout.entries):
                 values[i] = self._stored_state(e.main, key)
-            for fqn, t in self.layout.export(values, dtype=self._export_dtype(key)).items():
+            for fqn, t in export(values, dtype=self._export_dtype(key)).items():
                 state[fqn][key] = t
         if self.config.bf16 or self.config.fp16:
             mains = {i: self._main_fp32(e) for i, e in enumerate(self.layout.entries)}
-            for fqn, t in self.layout.export(mains, dtype=torch.float32).items():
+            for fqn, t in export(mains, dtype=torch.float32).items():
                 state[fqn]["fp32_param"] = t
         groups = []
         for g in self.inner.param_groups:
@@ -214,6 +228,19 @@ class MixedPrecisionOptimizer:
             # DTensor values (an FSDP2 checkpoint loaded in memory): gather to full tensors in
             # one rank-independent order BEFORE slicing, because this rank's pieces differ.
             saved = {fqn: {k: full_plain(v) for k, v in saved[fqn].items()} for fqn in sorted(saved)}
+        self._restore(state_dict, saved, self.layout.local_piece)
+
+    def load_sharded_state_dict(self, state_dict: dict) -> None:
+        """Load the nesting of :meth:`sharded_state_dict` with every leaf filled by the caller
+        (the same ranges as this optimizer's own ``sharded_state_dict()``, any floating dtype):
+        restores exactly what :meth:`load_state_dict` restores from the full tensors, with no
+        collective but the parameter gather of ``copy_main_to_model``. Load the MODEL state
+        first (as for :meth:`load_state_dict`)."""
+        self._restore(state_dict, state_dict["state"], self.layout.piece_of)
+
+    def _restore(self, state_dict: dict, saved: dict, piece_of) -> None:
+        """Load ``saved`` ({fqn: {key: value}}) and ``state_dict``'s scalars; ``piece_of(i, value)``
+        is entry ``i``'s part of a saved value (a slice of a full tensor, or a local piece)."""
         missing = [fqn for fqn, _ in self.layout.all_fqns() if fqn not in saved]
         if missing:
             raise RuntimeError(
@@ -227,18 +254,17 @@ class MixedPrecisionOptimizer:
                 # main_params_dtype fp16: e.main is the model param, already loaded (a straight run
                 # wrote it from the fp32 step result, not from the rounded master): keep it.
                 if "fp32_param" in entry_state and not self._master_in_state:
-                    piece = self.layout.local_piece(i, entry_state["fp32_param"])
-                    _copy_into(e.main, piece)
+                    _copy_into(e.main, piece_of(i, entry_state["fp32_param"]))
                 else:
                     self.layout.reload_main_from_model(i)
             if isinstance(self.inner, PrecisionAwareAdamW):
-                self._load_precision_aware(i, e, entry_state)
+                self._load_precision_aware(i, e, entry_state, piece_of)
                 continue
             st = {}
-            for key, full in entry_state.items():
+            for key, value in entry_state.items():
                 if key == "fp32_param":
                     continue
-                st[key] = self.layout.local_piece(i, full).to(torch.float32).clone()
+                st[key] = piece_of(i, value).to(torch.float32).clone()
             if self.config.optimizer == "adam":
                 # torch's AdamW keeps a per-param step tensor for bias correction: rebuild it from the
                 # saved global count (fp32 on the param's device for the fused kernel, as torch's own
@@ -289,15 +315,15 @@ class MixedPrecisionOptimizer:
             return self._precision_aware().get_fp32(e.main, "master_param").detach()
         return e.main.detach()
 
-    def _load_precision_aware(self, i: int, e: Entry, entry_state: dict) -> None:
+    def _load_precision_aware(self, i: int, e: Entry, entry_state: dict, piece_of) -> None:
         """Entry ``i``'s saved moments (any stored dtype) rounded into this optimizer's dtypes."""
         opt = self._precision_aware()
         for key in ("exp_avg", "exp_avg_sq"):
-            opt.load_value(e.main, key, self.layout.local_piece(i, entry_state[key]))
+            opt.load_value(e.main, key, piece_of(i, entry_state[key]))
         if self._master_in_state:
             # e.main is the model param here: the saved fp32 main param (or the weights) seeds it.
             src = entry_state.get("fp32_param")
-            piece = self.layout.local_piece(i, src) if src is not None else e.main.detach()
+            piece = piece_of(i, src) if src is not None else e.main.detach()
             opt.load_value(e.main, "master_param", piece)
         opt.state[e.main]["step"] = torch.tensor(float(self.step_count))
 
