@@ -11,12 +11,14 @@ import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import StorageMeta
 
+from .views import ShardView
+
 
 # ---------------------------------------------------------------------------- nesting
-def split_state(obj: Any, prefix: str, tensors: Dict[str, torch.Tensor]) -> Any:
-    """Move tensor leaves of a nested dict/list into ``tensors``; return a JSON skeleton
-    with ``{"__tensor__": key}`` where they were."""
-    if isinstance(obj, torch.Tensor):
+def split_state(obj: Any, prefix: str, tensors: Dict[str, Any]) -> Any:
+    """Move tensor leaves (and format 4's ShardViews) of a nested dict/list into ``tensors``;
+    return a JSON skeleton with ``{"__tensor__": key}`` where they were."""
+    if isinstance(obj, (torch.Tensor, ShardView)):
         tensors[prefix] = obj
         return {"__tensor__": prefix}
     if isinstance(obj, dict):

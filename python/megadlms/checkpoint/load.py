@@ -11,11 +11,13 @@ from typing import Dict
 import torch
 
 from megadlms.common.dtensor import is_dtensor
+from megadlms.common.enums import CkptFormat
 from megadlms.distributed.wrappers import unwrap_model
 
 from .format import join_state, tensor_paths
 from .integrity import verify_checkpoint
 from .layout import SINGLE, ParallelLayout
+from .optim_state import has_sharded_state, load_sharded, sharded_reads
 from .paths import read_common
 from .pipeline import own_skeleton, shared_copies
 from .read import load_model_state, read_tensors, tensor_shapes
@@ -81,8 +83,15 @@ def load_optimizer_state(ckpt: str, optimizer, model, *, layout: ParallelLayout 
     params = named_params(unwrap_model(model))
     # Only this rank's parameters: another pipeline stage's state is not read at all.
     skel = own_skeleton(skel, set(params), shared_copies(params))
-    reads = _optimizer_reads(ckpt, skel, shapes, params, layout)
+    sharded = None
+    if common["ckpt_format"] == CkptFormat.TORCH_DIST and has_sharded_state(optimizer):
+        # Only this rank's pieces are read (the distributed optimizer's flat ranges included).
+        sharded = sharded_reads(skel, shapes, optimizer, params, layout.tp_group, layout.ep_group)
+    reads = sharded if sharded is not None else _optimizer_reads(ckpt, skel, shapes, params, layout)
     read_tensors(ckpt, common, {k: view for k, (_, view) in reads.items()})
+    if sharded is not None:
+        load_sharded(optimizer, skel, reads)
+        return
     optimizer.load_state_dict(join_state(skel, {k: dst for k, (dst, _) in reads.items()}))
 
 

@@ -47,6 +47,7 @@ from .commit import finalize_checkpoint, save_error
 from .faults import agree
 from .format import split_state
 from .layout import SINGLE, ParallelLayout
+from .optim_state import has_sharded_state, views_of_pieces
 from .paths import TORCH_FILE, checkpoint_dir
 from .pipeline import (
     drop_elsewhere,
@@ -109,7 +110,12 @@ def _collect(
     # No parameters, no cuts: at tp = ep = 1 every tensor is already full.
     params = all_params if layout.tp > 1 or layout.ep > 1 else {}
     if optimizer is not None:
-        state = drop_shared_optimizer_state(optimizer.state_dict(), copies)
+        # torch_dist: each rank's own state, no gather (optim_state.py); torch: full tensors.
+        sharded = ckpt_format == CkptFormat.TORCH_DIST and has_sharded_state(optimizer)
+        state = optimizer.sharded_state_dict() if sharded else optimizer.state_dict()
+        if sharded:
+            state = views_of_pieces(state, all_params, layout.tp_group, layout.ep_group)
+        state = drop_shared_optimizer_state(state, copies)
         if params:
             check_optimizer_keys(state.get("state", {}), params)
         opt_skel = split_state(merged_optimizer_state(state, layout.pp_group), "optimizer", tensors)
@@ -120,7 +126,10 @@ def _collect(
         gather_for_save(tensors, params, layout.tp_group, layout.rank == 0, ep_group=layout.ep_group)
         return dict(tensors), opt_skel
     views = {
-        k: entry_view(k, v, param_of(k, params), layout.tp_group, layout.ep_group) for k, v in tensors.items()
+        k: v
+        if isinstance(v, ShardView)
+        else entry_view(k, v, param_of(k, params), layout.tp_group, layout.ep_group)
+        for k, v in tensors.items()
     }
     return views, opt_skel
 
