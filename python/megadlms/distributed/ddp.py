@@ -55,7 +55,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import weakref
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 import torch
@@ -70,6 +69,7 @@ from megadlms.parallel.sharding import is_expert_param, sharding_of
 from .comm import build_communicator, resolve_group, sum_in_place
 from .config import DistributedDataParallelConfig
 from .ddp_groups import data_parallel_group, instance_communicators, reduce_groups
+from .grad_fold import check_placeholder, fold_bucket, foreign_grad, weak_hook
 from .nan_check import agree_on_nan
 from .param_and_grad_buffer import Bucket, ParamAndGradBuffer
 from .param_gather import ParamGather
@@ -176,7 +176,7 @@ class DistributedDataParallel(torch.nn.Module):
         # The hook reaches the wrapper through a weak reference: a parameter that held the
         # wrapper would close a cycle through a tensor, which Python's gc cannot see into, so
         # the model, its buffers and its process groups would outlive every run in a process.
-        hook = _weak_hook(self._on_grad_ready)
+        hook = weak_hook(self._on_grad_ready)
         self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in names]
         overlap_gather = cfg.use_distributed_optimizer and cfg.overlap_param_gather
         self._gather = ParamGather(module, self.buckets, names, overlap_gather)
@@ -257,7 +257,7 @@ class DistributedDataParallel(torch.nn.Module):
             # (tied weights): fold that as usual.
             param.grad_added_to_main_grad = False  # type: ignore[attr-defined]
             if not getattr(param, "zero_out_wgrad", False):
-                self._check_placeholder(param)
+                check_placeholder(param, self.param_names[param])
                 param.grad = param.main_grad if bucket.grad_view else None  # type: ignore[attr-defined]
         bucket.ready.add(param)
         # Folding is per bucket, launching is not: the launch goes through the ordered queue so
@@ -266,53 +266,9 @@ class DistributedDataParallel(torch.nn.Module):
             # Every gradient of the bucket arrived and none was fused: later steps may defer
             # its zeroing (param_and_grad_buffer.Bucket.zero_or_defer).
             bucket.defer_ok = not bucket.fused_seen
-            self._fold(bucket)
+            fold_bucket(bucket, self._sync_enabled)
             if self._sync_enabled and self.ddp_config.overlap_grad_reduce:
                 self._launch_ready_in_order()
-
-    def _check_placeholder(self, p) -> None:
-        """A fused weight's param.grad is its own alias or the main_grad view; anything else is
-        the placeholder summed with an ordinary gradient, which dropping would lose."""
-        g = p.grad
-        # The fused layer hands autograd a placeholder aliasing existing storage (no allocation);
-        # new storage means autograd summed a real gradient into it.
-        if g is not None and g.data_ptr() not in (p.data_ptr(), p.main_grad.data_ptr()):
-            name = self.param_names[p]
-            raise RuntimeError(
-                f"parameter {name} got an ordinary gradient besides its fused one (gradient-"
-                f"accumulation fusion; a weight tied to another use?): set {name}.zero_out_wgrad "
-                "= True on it, or pass --no-gradient-accumulation-fusion"
-            )
-
-    @staticmethod
-    def _foreign_grad(p):
-        """param.grad when it is a separate tensor (not the main_grad view), else None."""
-        g = p.grad
-        return None if g is None or g.data_ptr() == p.main_grad.data_ptr() else g
-
-    def _fold(self, bucket: Bucket) -> None:
-        """One fused call: bucket.grad_data[offset_i:] += scale * param_i.grad for every grad
-        that is not already the buffer view; then free them (or re-point them at the view)."""
-        bucket.settle()  # a deferred zeroing: params without a gradient read as zeros
-        grads, offsets = [], []
-        for p, off in zip(bucket.params, bucket.offsets):
-            g = self._foreign_grad(p)
-            if g is not None:
-                # accumulate_into reads each grad as one flat run of numel elements.
-                grads.append(g if g.is_contiguous() else g.contiguous())
-                offsets.append(off)
-        if grads:
-            # View buckets are scaled as a whole at launch, so fold those grads unscaled.
-            scale = 1.0 if bucket.grad_view and not bucket.prescaled else bucket.reduce_group.fold_scale
-            ext.accumulate_into(bucket.grad_data, grads, offsets=offsets, scale=scale)
-        for p in bucket.params:
-            # Dropping the separate grads now is the memory saving of folding; a view bucket
-            # re-points .grad at the buffer so the next micro-batch accumulates in place again.
-            p.grad = p.main_grad if bucket.grad_view else None  # type: ignore[attr-defined]
-        bucket.ready.clear()
-        # Only a fold of the synced backward makes the bucket launchable; a no_sync fold
-        # must not, or the next backward would launch it before its new grads arrive.
-        bucket.folded = self._sync_enabled
 
     def _launch_ready_in_order(self) -> None:
         for kind, order in self._order.items():
@@ -397,8 +353,9 @@ class DistributedDataParallel(torch.nn.Module):
         for bucket in pending:
             # Also re-fold a folded bucket whose param.grad was replaced since (not the view):
             # that tensor holds gradient the buffer does not have yet.
-            if not bucket.folded or any(self._foreign_grad(p) is not None for p in bucket.params):
-                self._fold(bucket)  # incomplete bucket: missing gradients contribute zeros
+            if not bucket.folded or any(foreign_grad(p) is not None for p in bucket.params):
+                # an incomplete bucket: missing gradients contribute zeros
+                fold_bucket(bucket, self._sync_enabled)
             self._launch(bucket)
 
     def finish_grad_sync(self) -> None:
@@ -505,15 +462,3 @@ class DistributedDataParallel(torch.nn.Module):
         """Load into the wrapped module (copies in place, so buffer views stay valid)."""
         self.finish_param_sync()
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
-
-
-def _weak_hook(method):
-    """``method`` as a parameter hook that does not keep its object alive."""
-    ref = weakref.WeakMethod(method)
-
-    def hook(param):
-        bound = ref()
-        if bound is not None:
-            bound(param)
-
-    return hook
