@@ -163,7 +163,8 @@ def _dist_case(case, rank, ws) -> dict:
     ref_model, ref_opt = _build(case, weights=weights)
     ref_opt.load_state_dict(copy.deepcopy(full))
     model_b, opt_b = _build(case, weights=weights)
-    opt_b.load_sharded_state_dict(_cut(opt_b.sharded_state_dict(), full))
+    # take=True, as a checkpoint load does: the pieces become the state without a copy.
+    opt_b.load_sharded_state_dict(copy.deepcopy(_cut(opt_b.sharded_state_dict(), full)), take=True)
     out["load"] = _same_state(ref_opt, opt_b, ref_model, model_b)
     if case == "bf16_moments":  # pieces of another floating dtype: rounded to bf16 on the way in
         model_c, opt_c = _build(case, weights=weights)

@@ -90,4 +90,6 @@ def sharded_reads(skel, shapes, optimizer, params, tp_group, ep_group) -> Option
 
 def load_sharded(optimizer, skel, reads: Dict[str, tuple]) -> None:
     """Hand the filled leaves back to the optimizer in its own nesting."""
-    optimizer.load_sharded_state_dict(join_state(skel, {k: leaf for k, (leaf, _) in reads.items()}))
+    # take: the leaves were allocated for this load only (sharded_reads), so they become the state.
+    leaves = join_state(skel, {k: leaf for k, (leaf, _) in reads.items()})
+    optimizer.load_sharded_state_dict(leaves, take=True)

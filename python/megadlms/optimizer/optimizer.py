@@ -230,15 +230,17 @@ class MixedPrecisionOptimizer:
             saved = {fqn: {k: full_plain(v) for k, v in saved[fqn].items()} for fqn in sorted(saved)}
         self._restore(state_dict, saved, self.layout.local_piece)
 
-    def load_sharded_state_dict(self, state_dict: dict) -> None:
+    def load_sharded_state_dict(self, state_dict: dict, *, take: bool = False) -> None:
         """Load the nesting of :meth:`sharded_state_dict` with every leaf filled by the caller
         (the same ranges as this optimizer's own ``sharded_state_dict()``, any floating dtype):
         restores exactly what :meth:`load_state_dict` restores from the full tensors, with no
         collective but the parameter gather of ``copy_main_to_model``. Load the MODEL state
-        first (as for :meth:`load_state_dict`)."""
-        self._restore(state_dict, state_dict["state"], self.layout.piece_of)
+        first (as for :meth:`load_state_dict`). ``take``: the leaves were filled for this call only
+        (a checkpoint load), so fp32 moments become the optimizer's state as they are, without a
+        copy; the caller must not use them afterwards."""
+        self._restore(state_dict, state_dict["state"], self.layout.piece_of, take=take)
 
-    def _restore(self, state_dict: dict, saved: dict, piece_of) -> None:
+    def _restore(self, state_dict: dict, saved: dict, piece_of, take: bool = False) -> None:
         """Load ``saved`` ({fqn: {key: value}}) and ``state_dict``'s scalars; ``piece_of(i, value)``
         is entry ``i``'s part of a saved value (a slice of a full tensor, or a local piece)."""
         missing = [fqn for fqn, _ in self.layout.all_fqns() if fqn not in saved]
@@ -264,7 +266,10 @@ class MixedPrecisionOptimizer:
             for key, value in entry_state.items():
                 if key == "fp32_param":
                     continue
-                st[key] = piece_of(i, value).to(torch.float32).clone()
+                piece = piece_of(i, value).to(torch.float32)
+                # A taken leaf is a tensor of its own (or .to made one): a second copy would double
+                # the load's peak memory (the loaded optimizer's whole state, briefly twice).
+                st[key] = piece if take else piece.clone()
             if self.config.optimizer == "adam":
                 # torch's AdamW keeps a per-param step tensor for bias correction: rebuild it from the
                 # saved global count (fp32 on the param's device for the fused kernel, as torch's own
