@@ -12,12 +12,10 @@ large as one process's checkpoint of the same state), and common.json records ep
 
 from __future__ import annotations
 
-import glob
-import os
-
 import torch
 
 from megadlms.parallel.sharding import sharding_of
+from tests.checkpoint.payload import distcp_bytes, same_payload
 from tests.dist_utils import run_distributed
 from tests.distributed.expert_toy import E, ExpertToy, H, T, batch, token_losses
 
@@ -160,30 +158,6 @@ def _load_at_4(rank, world, root, saved, after):
     return out
 
 
-def _distcp_bytes(ckpt: str) -> int:
-    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(ckpt, "*.distcp")))
-
-
-FRAME_BYTES = (1400, 1664)
-"""torch.save's framing of one stored chunk (1.5-1.6 KB, with alignment): format 4 stores a
-sharded tensor as several chunks (one per saving rank's piece), each framed: only that may grow."""
-
-
-def _chunks(ckpt: str) -> int:
-    from megadlms.checkpoint.format import SafeFileSystemReader
-
-    md = SafeFileSystemReader(ckpt).read_metadata()
-    return sum(len(v.chunks) for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
-
-
-def _same_payload(multi_ckpt: str, one_ckpt: str, tol: float) -> bool:
-    """The multi-rank checkpoint holds the single-process one's bytes once (no replica twice):
-    equal sizes up to ``tol`` and the framing of its extra chunks."""
-    multi, one = _distcp_bytes(multi_ckpt), _distcp_bytes(one_ckpt)
-    extra = _chunks(multi_ckpt) - _chunks(one_ckpt)
-    return one + FRAME_BYTES[0] * extra - tol * one <= multi <= one + FRAME_BYTES[1] * extra + tol * one
-
-
 def test_ep_checkpoint_reshards_everywhere(tmp_path):
     from megadlms import checkpoint as ck
     from megadlms.checkpoint.format import SafeFileSystemReader
@@ -222,6 +196,6 @@ def test_ep_checkpoint_reshards_everywhere(tmp_path):
     module, wrapper, opt = _build(None, "ddp")
     _load(ckpt, None, wrapper, opt)
     single = _save(f"{root}/single", None, wrapper, opt, 2, "torch_dist")
-    multi, one = _distcp_bytes(ckpt), _distcp_bytes(single)
+    multi, one = distcp_bytes(ckpt), distcp_bytes(single)
     full_bytes = sum(t.numel() * t.element_size() for t in saved["distopt", "torch_dist"].values())
-    assert full_bytes <= one and _same_payload(ckpt, single, 0.1), (multi, one, full_bytes)
+    assert full_bytes <= one and same_payload(ckpt, single, 0.1), (multi, one, full_bytes)

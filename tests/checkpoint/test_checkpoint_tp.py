@@ -15,12 +15,10 @@ DCP metadata, the layout record, and total bytes independent of (tp, dp).
 
 from __future__ import annotations
 
-import glob
-import os
-
 import torch
 import torch.nn.functional as F
 
+from tests.checkpoint.payload import distcp_bytes, same_payload
 from tests.dist_utils import run_distributed
 
 V, H, FFN, B, S = 16, 8, 16, 8, 4
@@ -203,30 +201,6 @@ def _worker(rank, world, root):
     return out
 
 
-def _distcp_bytes(ckpt: str) -> int:
-    return sum(os.path.getsize(f) for f in glob.glob(os.path.join(ckpt, "*.distcp")))
-
-
-FRAME_BYTES = (1400, 1664)
-"""torch.save's framing of one stored chunk (1.5-1.6 KB, with alignment): format 4 stores a
-sharded tensor as several chunks (one per saving rank's piece), each framed: only that may grow."""
-
-
-def _chunks(ckpt: str) -> int:
-    from megadlms.checkpoint.format import SafeFileSystemReader
-
-    md = SafeFileSystemReader(ckpt).read_metadata()
-    return sum(len(v.chunks) for v in md.state_dict_metadata.values() if hasattr(v, "chunks"))
-
-
-def _same_payload(multi_ckpt: str, one_ckpt: str, tol: float) -> bool:
-    """The multi-rank checkpoint holds the single-process one's bytes once (no replica twice):
-    equal sizes up to ``tol`` and the framing of its extra chunks."""
-    multi, one = _distcp_bytes(multi_ckpt), _distcp_bytes(one_ckpt)
-    extra = _chunks(multi_ckpt) - _chunks(one_ckpt)
-    return one + FRAME_BYTES[0] * extra - tol * one <= multi <= one + FRAME_BYTES[1] * extra + tol * one
-
-
 def test_tp_checkpoint_reshards_everywhere(tmp_path):
     from megadlms import checkpoint as ck
     from megadlms.checkpoint.format import SafeFileSystemReader
@@ -285,8 +259,8 @@ def test_tp_checkpoint_reshards_everywhere(tmp_path):
     ck.load_checkpoint(f"{root}/ddp_torch_dist/iter_0000002", model=module, optimizer=opt)
     single = ck.save_checkpoint(f"{root}/single", 2, model=module, optimizer=opt)
     full_bytes = sum(t.numel() * t.element_size() for t in out["saved"]["ddp"].values())
-    multi, one = _distcp_bytes(f"{root}/ddp_torch_dist/iter_0000002"), _distcp_bytes(single)
-    assert full_bytes <= one and _same_payload(f"{root}/ddp_torch_dist/iter_0000002", single, 0.02), (
+    multi, one = distcp_bytes(f"{root}/ddp_torch_dist/iter_0000002"), distcp_bytes(single)
+    assert full_bytes <= one and same_payload(f"{root}/ddp_torch_dist/iter_0000002", single, 0.02), (
         multi,
         one,
         full_bytes,
@@ -294,4 +268,4 @@ def test_tp_checkpoint_reshards_everywhere(tmp_path):
     for key, item in md.state_dict_metadata.items():  # no chunk stored twice
         if hasattr(item, "chunks"):
             assert sum(torch.Size(c.sizes).numel() for c in item.chunks) == torch.Size(item.size).numel(), key
-    assert _same_payload(f"{root}/ddp_torch_dist/iter_0000002", single, 0.05), (multi, one)
+    assert same_payload(f"{root}/ddp_torch_dist/iter_0000002", single, 0.05), (multi, one)
