@@ -112,6 +112,23 @@ def _same_state(opt_a, opt_b, model_a, model_b) -> bool:
     return same and all(_same_tensor(wa[k], wb[k]) for k in wa)
 
 
+def _same_layout(a: dict, b: dict) -> bool:
+    """Two sharded state dicts' leaves: the same types, local shapes, dtypes and ranges."""
+
+    def layout(v):
+        t = _leaf(v)
+        return type(v), tuple(t.shape), t.dtype, getattr(v, "start", None), getattr(v, "stop", None)
+
+    return (
+        all(
+            st.keys() == b["state"][fqn].keys()
+            and all(layout(v) == layout(b["state"][fqn][k]) for k, v in st.items())
+            for fqn, st in a["state"].items()
+        )
+        and a["state"].keys() == b["state"].keys()
+    )
+
+
 def _reassembled(sharded: dict, full: dict) -> dict:
     """Every rank's FlatPieces put together (collective): checks against ``full``."""
     everyone = [None] * dist.get_world_size()
@@ -163,8 +180,11 @@ def _dist_case(case, rank, ws) -> dict:
     ref_model, ref_opt = _build(case, weights=weights)
     ref_opt.load_state_dict(copy.deepcopy(full))
     model_b, opt_b = _build(case, weights=weights)
+    # A fresh optimizer's layout without zero-filling (values=False, as a checkpoint load asks).
+    own = opt_b.sharded_state_dict(values=False)
+    out["layout_only"] = _same_layout(own, opt_b.sharded_state_dict())
     # take=True, as a checkpoint load does: the pieces become the state without a copy.
-    opt_b.load_sharded_state_dict(copy.deepcopy(_cut(opt_b.sharded_state_dict(), full)), take=True)
+    opt_b.load_sharded_state_dict(copy.deepcopy(_cut(own, full)), take=True)
     out["load"] = _same_state(ref_opt, opt_b, ref_model, model_b)
     if case == "bf16_moments":  # pieces of another floating dtype: rounded to bf16 on the way in
         model_c, opt_c = _build(case, weights=weights)
@@ -198,6 +218,7 @@ def _local_case(kind, rank, ws) -> dict:
     ref_model, ref_opt = _build(case, kind, weights=weights)
     ref_opt.load_state_dict(copy.deepcopy(full))
     model_b, opt_b = _build(case, kind, weights=weights)
+    same &= _same_layout(opt_b.sharded_state_dict(values=False), sd)
     opt_b.load_sharded_state_dict(copy.deepcopy(sd))
     return {"local": same, "load": _same_state(ref_opt, opt_b, ref_model, model_b)}
 
@@ -245,7 +266,7 @@ def test_sharded_state_dict_pieces_and_load(ws):
             assert res["bitwise"] and res["once"], (rank, case, res)
             # the buckets put some parameter on one rank only, and split another across ranks
             assert res["empty"] > 0 and res["split"] > 0, (rank, case, res)
-            assert res["load"] and res["after_step"], (rank, case, res)
+            assert res["load"] and res["after_step"] and res["layout_only"], (rank, case, res)
         assert out["bf16_moments"]["load_fp32_pieces"], rank
         for kind in ("replica", "fsdp2") if ws == 2 else ():
             assert out[kind]["local"] and out[kind]["load"], (rank, kind, out[kind])

@@ -68,7 +68,7 @@ def sharded_reads(skel, shapes, optimizer, params, tp_group, ep_group) -> Option
     ``skel`` (this rank's part of the stored skeleton), laid out like the optimizer's own
     ``sharded_state_dict()``; None when the stored entries are not the optimizer's own (e.g. a
     bf16 checkpoint's ``fp32_param`` into an fp32 run): the caller then reads full tensors."""
-    own = optimizer.sharded_state_dict()["state"]
+    own = optimizer.sharded_state_dict(values=False)["state"]  # the layout only: nothing zero-filled
     paths = {key: path for path, key in tensor_paths(skel)}
     state_paths = {key: p for key, p in paths.items() if len(p) == 3 and p[0] == "state"}
     mine = {(fqn, k) for fqn, entry in own.items() for k in entry if torch.is_tensor(entry[k]) or

@@ -97,12 +97,14 @@ class PrecisionAwareAdamW(torch.optim.Optimizer):
             self._init_state(p)
         self.codecs[key].encode_(st[key], self.scales.get(p, {}).get(key), values)
 
-    def stored(self, p: torch.Tensor, key: str) -> torch.Tensor:
+    def stored(self, p: torch.Tensor, key: str, fill: bool = True) -> torch.Tensor:
         """What a checkpoint keeps of state ``key``: the tensor in its dtype when it needs no
-        scale (fp32, bf16), else its fp32 values (fp16 / fp8, as Megatron saves them)."""
+        scale (fp32, bf16), else its fp32 values (fp16 / fp8, as Megatron saves them). State not
+        created yet: zeros, or uninitialised with ``fill=False`` (only its layout is wanted)."""
         codec = self.codecs[key]
         if p not in self.state or key not in self.state[p]:
-            return torch.zeros_like(p, dtype=self.export_dtype(key))
+            make = torch.zeros_like if fill else torch.empty_like
+            return make(p, dtype=self.export_dtype(key))
         if codec.scaled:
             return self.get_fp32(p, key)
         return self.state[p][key]
