@@ -1,7 +1,7 @@
 """Checkpoint save and resharding load, measured through the public API (4 gloo ranks, CPU).
 
     python benchmarks/checkpoint_reshard.py [--layouts tp2dp2,pp2dp2,ep2dp4,fsdp2dp4[,tp2dp2do]]
-        [--model small|large] [--repeats 3] [--json OUT.json] [--dir /tmp/bench_reshard]
+        [--model small|large] [--repeats 3] [--loads L1,L2] [--json OUT.json] [--dir /tmp/bench_reshard]
     python benchmarks/checkpoint_reshard.py --compare BEFORE.json AFTER.json
 
 Only the public API is timed: ``megadlms.checkpoint.save_checkpoint`` / ``load_checkpoint``
@@ -228,7 +228,8 @@ def _bench_layout(a, save_at: str, res: dict, groups: dict) -> None:
         res.setdefault(f"{save_at} save", []).append(_measure(functools.partial(_save, trained, root)))
     res[f"{save_at} bytes"] = _dir_bytes(path)
     del trained
-    for target in (save_at,) + LOADS[save_at]:
+    targets = LOADS[save_at] if a.loads is None else tuple(x for x in a.loads.split(",") if x)
+    for target in (save_at,) + targets:
         for _ in range(a.repeats):
             run = Run(a.model, target, seed=3, groups=groups)  # other weights until loaded
             res.setdefault(f"{save_at} load {target}", []).append(
@@ -327,6 +328,9 @@ def main() -> None:
     p.add_argument(
         "--compare", nargs=2, metavar=("BEFORE", "AFTER"), help="print the ratios of two --json files"
     )
+    p.add_argument(
+        "--loads", help="load at these layouts (comma-separated) besides the save layout, instead of LOADS"
+    )
     p.add_argument("--port", type=int, default=29850)
     p.add_argument("--dir", default="/tmp/bench_reshard")
     a = p.parse_args()
@@ -336,6 +340,9 @@ def main() -> None:
     unknown = [x for x in a.layouts.split(",") if x not in LOADS]
     if unknown:
         p.error(f"--layouts {','.join(unknown)}: choose among {', '.join(LOADS)}")
+    unknown = [x for x in (a.loads or "").split(",") if x and x not in LAYOUTS]
+    if unknown:
+        p.error(f"--loads {','.join(unknown)}: choose among {', '.join(LAYOUTS)}")
     shutil.rmtree(a.dir, ignore_errors=True)
     # read by glibc when each spawned rank starts: large tensors are mmapped, freed at once
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
