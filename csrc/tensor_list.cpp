@@ -85,7 +85,13 @@ c10::Device parse_list(const char* name, PyObject* obj, std::vector<Item>& items
     if (!THPVariable_Check(o))
       value_error(idx(name, size_t(i)) + " is a " + Py_TYPE(o)->tp_name + ", not a tensor");
     const at::Tensor& t = THPVariable_Unpack(o);
-    const int32_t code = dtype_code(t.scalar_type(), idx(name, size_t(i)));
+    // The supported dtypes are checked without the error's text, built only to throw: making
+    // "tensors[i]" for every tensor took 0.5 of the 2.4 ms of parsing 20k tensors (issue 44).
+    const at::ScalarType st = t.scalar_type();
+    const int32_t code = st == at::kFloat      ? kF32
+                         : st == at::kBFloat16 ? kBF16
+                         : st == at::kHalf     ? kF16
+                                               : dtype_code(st, idx(name, size_t(i)));
     if (!t.is_contiguous())
       value_error(idx(name, size_t(i)) + " is not contiguous (strides " + strides_of(t) +
                   "); pass t.contiguous() (in-place ops need the original contiguous storage)");
