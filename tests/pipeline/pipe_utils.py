@@ -138,9 +138,9 @@ def _count_p2p_batches():
     with a counting wrapper; returns (count, the method), the caller puts the method back."""
     count, batch = [0], PipelineP2P._batch
 
-    def counted(self, ops):
+    def counted(self, ops, *ahead):
         count[0] += bool(ops)
-        return batch(self, ops)
+        return batch(self, ops, *ahead)
 
     PipelineP2P._batch = counted  # type: ignore[method-assign]
     return count, batch

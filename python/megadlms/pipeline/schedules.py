@@ -3,7 +3,7 @@
 
 The order of forwards, backwards and the paired p2p calls is Megatron-core's
 (``pipeline_parallel/schedules.py``: ``forward_backward_pipelining_without_interleaving`` and
-``..._with_interleaving``), rewritten around one small state object. A micro-batch's
+``..._with_interleaving``), rewritten around one small state object (``state.py``). A micro-batch's
 activations travel either with their shape (``p2p.py``'s headers: each step may crop its
 sequence differently, nothing needs to be known in advance) or, when the caller gives
 ``tensor_shape(micro_index)`` (Megatron's fixed ``tensor_shape``, ``--variable-seq-lengths``
@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Protocol, Sequence, Tuple
+from typing import Any, Callable, Iterator, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 
 from megadlms.common.ranges import BACKWARD, FORWARD, traced
 
 from .p2p import PipelineP2P
+from .state import NoSync, ReceiveOrder, ScheduleState, TensorShape, record
 
 ForwardStep = Callable[[int, int, Optional[torch.Tensor]], object]
 
@@ -48,10 +49,6 @@ class ModelChunk(Protocol):
     """What a schedule asks of a model chunk (a plain module or a data-parallel wrapper)."""
 
     def parameters(self) -> Iterator[torch.nn.Parameter]: ...
-
-
-NoSync = Callable[[int], ContextManager]  # chunk index -> context without gradient sync
-TensorShape = Callable[[int], Sequence[int]]  # micro-batch index -> shape of the activations it sends
 
 
 def micro_batch_problems(
@@ -105,159 +102,7 @@ def check_micro_batches(num_micro_batches: int, pp: int, vp: int = 1, forward_on
         raise ValueError(problems[0])
 
 
-class _Pipeline:
-    """One step's state on this rank: the activations and grads waiting for their backward,
-    keyed by (chunk, micro-batch); received tensors are queued per chunk in micro-batch order."""
-
-    def __init__(
-        self,
-        chunks,
-        num_micro,
-        forward_step,
-        p2p,
-        backward_loss,
-        forward_only,
-        timeline,
-        no_sync,
-        tensor_shape,
-    ) -> None:
-        self.chunks, self.m, self.forward_step, self.p2p = chunks, num_micro, forward_step, p2p
-        self.tensor_shape: Optional[TensorShape] = tensor_shape
-        self.no_sync: Optional[NoSync] = no_sync
-        self.backward_loss, self.forward_only, self.timeline = backward_loss, forward_only, timeline
-        self.pp, self.rank, self.vp = p2p.size, p2p.rank, len(chunks)
-        self.inputs: List[Dict[int, Optional[torch.Tensor]]] = [{} for _ in chunks]
-        self.outputs: List[Dict[int, object]] = [{} for _ in chunks]
-        self.grads: List[Dict[int, Optional[torch.Tensor]]] = [{} for _ in chunks]
-        self.received = [0] * self.vp  # inputs received per chunk (micro-batch order)
-        self.grads_received = [0] * self.vp
-        self.backwards_done = [0] * self.vp
-        self.losses: Dict[int, torch.Tensor] = {}
-
-    # -- indices (Megatron's get_model_chunk_id / micro-batch id in the interleaved order)
-    def chunk_id(self, k: int, forward: bool) -> int:
-        # Virtual step k runs a group of pp micro-batches through chunk 0, the same group through chunk 1,
-        # ...; backward walks the chunks in reverse, starting from the last (the one holding the loss).
-        c = (k % (self.pp * self.vp)) // self.pp
-        return c if forward else self.vp - 1 - c
-
-    def micro_id(self, k: int) -> int:
-        # Group index (one group per pp*vp steps) times pp, plus the position inside the group.
-        return (k // (self.pp * self.vp)) * self.pp + k % self.pp
-
-    def first_stage(self, c: int) -> bool:
-        return c == 0 and self.rank == 0
-
-    def last_stage(self, c: int) -> bool:
-        return c == self.vp - 1 and self.rank == self.pp - 1
-
-    # -- the p2p calls: every receive is queued for its chunk, sized from tensor_shape when given
-    def exchange(
-        self,
-        send_next: Optional[torch.Tensor] = None,
-        send_prev: Optional[torch.Tensor] = None,
-        input_for: Optional[int] = None,
-        grad_for: Optional[int] = None,
-    ) -> None:
-        """One paired p2p call: sends, and receives chunk ``input_for``'s next input (from the
-        previous stage) / chunk ``grad_for``'s next output grad (from the next) when not None."""
-        x, g = self.p2p.communicate(
-            send_next=send_next,
-            send_prev=send_prev,
-            recv_prev=input_for is not None,
-            recv_next=grad_for is not None,
-            prev_shape=None if input_for is None else self._shape(self.received[input_for]),
-            # a gradient has its activation's shape
-            next_shape=None if grad_for is None else self._shape(self.grads_received[grad_for]),
-        )
-        if input_for is not None:
-            self.add_input(input_for, x)
-        if grad_for is not None:
-            self.add_grad(grad_for, g)
-
-    def _shape(self, i: int) -> Optional[Tuple[int, ...]]:
-        if self.tensor_shape is None or i >= self.m:
-            return None
-        return tuple(self.tensor_shape(i))
-
-    def _check_sent(self, c: int, i: int, out: torch.Tensor) -> None:
-        # The receiver allocates from tensor_shape / dtype: a mismatch would be read as garbage or hang it.
-        want = self._shape(i)
-        if want is not None and (tuple(out.shape) != want or out.dtype != self.p2p.dtype):
-            raise ValueError(
-                f"pipeline chunk {c}, micro-batch {i}: sends {out.dtype} {tuple(out.shape)} but "
-                f"tensor_shape / pipeline_dtype declare {self.p2p.dtype} {want}; "
-                "fix them or pass tensor_shape=None"
-            )
-
-    def add_input(self, c: int, x: Optional[torch.Tensor]) -> None:
-        if x is not None and not self.forward_only:
-            # The received activation is a leaf of this stage's graph: requires_grad is what makes backward
-            # leave x.grad, the gradient to send upstream.
-            x.requires_grad_()
-        self.inputs[c][self.received[c]] = x
-        self.received[c] += 1
-
-    def add_grad(self, c: int, g: Optional[torch.Tensor]) -> None:
-        self.grads[c][self.grads_received[c]] = g
-        self.grads_received[c] += 1
-
-    def _record(self, kind: str, c: int, i: int, start: float) -> None:
-        _record(self.timeline, kind, c, i, start)
-
-    def forward(self, k: int) -> Optional[torch.Tensor]:
-        """Forward of virtual micro-batch k; returns what to send to the next stage (None on the last)."""
-        c, i = self.chunk_id(k, True), self.micro_id(k)
-        x = None if self.first_stage(c) else self.inputs[c][i]
-        start = time.perf_counter()
-        with torch.no_grad() if self.forward_only else contextlib.nullcontext(), traced(FORWARD):
-            out = self.forward_step(c, i, x)
-        self._record("F", c, i, start)
-        if self.forward_only:
-            # Nothing is kept for a backward, so validation holds one micro-batch's activations at a time.
-            self.inputs[c].pop(i, None)
-        else:
-            self.inputs[c][i] = x  # the first stage's None too: backward pops one per micro-batch
-        if self.last_stage(c):
-            if not (isinstance(out, (tuple, list)) and len(out) == 2):
-                raise TypeError(
-                    "forward_step of the last pipeline stage must return (loss_to_backprop, loss_for_logging)"
-                )
-            # Detached: logging must not keep every micro-batch's graph alive until the step ends.
-            self.losses[i] = out[1].detach() if isinstance(out[1], torch.Tensor) else out[1]
-            if not self.forward_only:
-                self.outputs[c][i] = out[0]
-            return None
-        if not isinstance(out, torch.Tensor):
-            raise TypeError(
-                f"forward_step of chunk {c} (not the last stage) must return the hidden-states tensor"
-            )
-        if not self.forward_only:
-            self.outputs[c][i] = out
-        self._check_sent(c, i, out)
-        return out
-
-    def backward(self, k: int) -> Optional[torch.Tensor]:
-        """Backward of virtual micro-batch k; returns the input grad for the previous stage."""
-        c, i = self.chunk_id(k, False), self.micro_id(k)
-        # Pop, so a micro-batch's activations are freed right after its backward (1F1B's memory bound).
-        x, out = self.inputs[c].pop(i), self.outputs[c].pop(i)
-        if self.last_stage(c):
-            # The last stage starts from the loss (scaled); others start from the grad the next stage sent.
-            tensors, grad = self.backward_loss(out), None
-        else:
-            tensors, grad = out, self.grads[c].pop(i)
-        self.backwards_done[c] += 1
-        last = self.backwards_done[c] == self.m  # this chunk's last backward: its buckets launch
-        sync = contextlib.nullcontext() if last or self.no_sync is None else self.no_sync(c)
-        start = time.perf_counter()
-        with sync, traced(BACKWARD):
-            torch.autograd.backward(tensors, grad_tensors=grad)
-        self._record("B", c, i, start)
-        return None if x is None else x.grad
-
-
-def _one_f_one_b(s: _Pipeline) -> None:
+def _one_f_one_b(s: ScheduleState) -> None:
     """Warm-up forwards, steady 1F1B, cool-down backwards (Megatron's non-interleaved order)."""
     r, pp, m = s.rank, s.pp, s.m
     first, last = r == 0, r == pp - 1
@@ -296,7 +141,7 @@ def _one_f_one_b(s: _Pipeline) -> None:
         s.exchange(send_prev=s.backward(rest + i))
 
 
-def _interleaved(s: _Pipeline) -> None:
+def _interleaved(s: ScheduleState) -> None:
     """Megatron's interleaved order: per rank, micro-batches in groups of pp go through chunk 0,
     then chunk 1, ...; each step's sends and receives are one paired p2p call."""
     r, pp, vp, m = s.rank, s.pp, s.vp, s.m
@@ -399,7 +244,7 @@ def forward_backward_pipelining(
     dtype = None if tensor_shape is None else (pipeline_dtype or first_param.dtype)
     p2p = PipelineP2P(pp_group, device, dtype)
     check_micro_batches(len(micro_batches), p2p.size, len(chunks), forward_only)
-    state = _Pipeline(
+    state = ScheduleState(
         list(chunks),
         len(micro_batches),
         forward_step,
@@ -410,8 +255,14 @@ def forward_backward_pipelining(
         no_sync,
         tensor_shape,
     )
-    (_interleaved if len(chunks) > 1 else _one_f_one_b)(state)
-    p2p.flush()
+    schedule = _interleaved if len(chunks) > 1 else _one_f_one_b
+    if p2p.receives_ahead:
+        # p2p posts each receive a call early: it needs the next one's shape, from a dry run of the walk
+        dry = ReceiveOrder(state)
+        schedule(dry)
+        state.order = dry.order
+    schedule(state)
+    p2p.finish()
     if not state.last_stage(len(chunks) - 1):
         return []
     return [state.losses[i] for i in range(len(micro_batches))]
@@ -453,19 +304,14 @@ def forward_backward_no_pipelining(
                 raise TypeError(
                     "forward_step of the one-stage schedule must return (loss_to_backprop, loss_for_logging)"
                 )
-            _record(timeline, "F", 0, i, start)
+            record(timeline, "F", 0, i, start)
             losses.append(out[1].detach() if isinstance(out[1], torch.Tensor) else out[1])
             if not forward_only:
                 start = time.perf_counter()
                 with traced(BACKWARD):
                     torch.autograd.backward(backward_loss(out[0]))
-                _record(timeline, "B", 0, i, start)
+                record(timeline, "B", 0, i, start)
     return losses
-
-
-def _record(timeline: Optional[list], kind: str, c: int, i: int, start: float) -> None:
-    if timeline is not None:
-        timeline.append({"kind": kind, "chunk": c, "micro": i, "start": start, "end": time.perf_counter()})
 
 
 def get_forward_backward_func(pp_size: int) -> Callable[..., List[Any]]:
