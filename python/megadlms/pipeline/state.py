@@ -45,9 +45,8 @@ class ScheduleState:
         self.backwards_done = [0] * self.vp
         self.losses: Dict[int, torch.Tensor] = {}
         # The micro-batch index of every receive, per direction, in schedule order (ReceiveOrder), when
-        # p2p posts receives ahead; receives made so far per direction.
+        # p2p posts receives ahead.
         self.order: Optional[Dict[str, List[int]]] = None
-        self.receives = {"input": 0, "grad": 0}
 
     # -- indices (Megatron's get_model_chunk_id / micro-batch id in the interleaved order)
     def chunk_id(self, k: int, forward: bool) -> int:
@@ -84,25 +83,25 @@ class ScheduleState:
             prev_shape=None if input_for is None else self._shape(self.received[input_for]),
             # a gradient has its activation's shape
             next_shape=None if grad_for is None else self._shape(self.grads_received[grad_for]),
-            prev_ahead=None if input_for is None else self._ahead("input", self.received[input_for]),
-            next_ahead=None if grad_for is None else self._ahead("grad", self.grads_received[grad_for]),
+            prev_ahead=None if input_for is None else self._ahead("input", self.received, input_for),
+            next_ahead=None if grad_for is None else self._ahead("grad", self.grads_received, grad_for),
         )
         if input_for is not None:
             self.add_input(input_for, x)
         if grad_for is not None:
             self.add_grad(grad_for, g)
 
-    def _ahead(self, direction: str, i: int) -> Optional[Tuple[int, ...]]:
-        # The shape of the receive that follows micro-batch i's from the same neighbour (p2p.py posts it
-        # at once), from the schedule's dry run; None without one or after the last receive.
+    def _ahead(self, direction: str, received: List[int], c: int) -> Optional[Tuple[int, ...]]:
+        # The shape of the receive that follows chunk c's next one from the same neighbour (p2p.py posts
+        # it at once), from the schedule's dry run; None without one or after the last receive.
+        # ``received``: this direction's receives so far per chunk, so their sum is this receive's index.
         if self.order is None:
             return None
-        order, j = self.order[direction], self.receives[direction]
+        order, j, i = self.order[direction], sum(received), received[c]
         if order[j] != i:  # the dry run walks the same schedule code: a difference is a bug here
             raise RuntimeError(
                 f"pipeline schedule: receive {j} ({direction}) is micro-batch {i}, planned {order[j]}"
             )
-        self.receives[direction] += 1
         return self._shape(order[j + 1]) if j + 1 < len(order) else None
 
     def _shape(self, i: int) -> Optional[Tuple[int, ...]]:
