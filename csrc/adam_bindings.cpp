@@ -4,7 +4,7 @@
 // words every check the same way), fills the AdamTensor table in a thread-local arena,
 // releases the GIL and runs the CPU kernel or, for CUDA tensors in CUDA builds, the CUDA
 // glue on torch's current stream.
-#include <torch/extension.h>
+#include "torch_headers.h"
 
 #include <algorithm>
 #include <array>

@@ -5,7 +5,7 @@
 // TensorTable instead of a list, an op hands over to tensor_table.cpp (no parsing).
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
+#include "torch_headers.h"
 
 #include <algorithm>
 #include <cmath>

@@ -4,7 +4,7 @@
 // megadlm/fused.h, release the GIL and run the CPU kernels or, for CUDA tensors in CUDA
 // builds, the CUDA glue on torch's current stream.
 #include <torch/csrc/autograd/python_variable.h>
-#include <torch/extension.h>
+#include "torch_headers.h"
 
 #include <cmath>
 #include <string>

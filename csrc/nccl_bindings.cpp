@@ -2,7 +2,7 @@
 // no NCCL at build time) and, in CUDA builds, of the torch-facing communicator
 // (csrc/glue/nccl_glue.cpp).
 #include <dlfcn.h>
-#include <torch/extension.h>
+#include "torch_headers.h"
 
 #include "nccl/nccl_py.h"
 #ifdef MEGADLM_WITH_CUDA

@@ -5,7 +5,7 @@
 // (tensor_table.cpp), so both refuse the same inputs with the same messages.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_headers.h"
 
 #include <string>
 #include <vector>

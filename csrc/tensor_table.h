@@ -13,7 +13,7 @@
 // and names the first tensor that moved.
 #pragma once
 
-#include <torch/extension.h>
+#include "torch_headers.h"
 
 #include <memory>
 #include <mutex>

@@ -1,7 +1,7 @@
 // Torch-facing CUDA glue of the fused AdamW step (CUDA builds only, adam_glue.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include "../torch_headers.h"
 
 #include <vector>
 

@@ -5,7 +5,7 @@
 #pragma once
 
 #include <c10/cuda/CUDAStream.h>
-#include <torch/extension.h>
+#include "../torch_headers.h"
 
 #include <memory>
 #include <vector>

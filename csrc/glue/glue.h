@@ -4,7 +4,7 @@
 // stream; hosts the NCCL communicator class.
 #pragma once
 
-#include <torch/extension.h>
+#include "../torch_headers.h"
 
 #include <memory>
 #include <mutex>

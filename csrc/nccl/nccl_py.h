@@ -4,7 +4,7 @@
 // GIL. Torch/pybind11 headers only, no CUDA.
 #pragma once
 
-#include <torch/extension.h>
+#include "../torch_headers.h"
 
 #include <functional>
 #include <memory>
