@@ -88,9 +88,9 @@ def _ddp_worker(rank, ws, args):
             dist.barrier()  # the other pair waits, blocked, while this one runs
             if turn == mine:
                 steps = _time_steps(model, sync, x, 2 if r < 0 else args.ddp_steps)
-                per = (statistics.median(w for w, _ in steps), statistics.median(c for _, c in steps))
                 if r >= 0:
-                    rounds.append(per)
+                    wall, cpu = zip(*steps)
+                    rounds.append((statistics.median(wall), statistics.median(cpu)))
     dist.barrier()
     return rounds
 
